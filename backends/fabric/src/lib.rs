@@ -1,0 +1,1 @@
+//! kvxfer libfabric backend (under construction)

@@ -1,0 +1,1 @@
+//! raw bindings to the system libfabric (under construction)

@@ -1,0 +1,1 @@
+//! kvxfer TCP backend (under construction)

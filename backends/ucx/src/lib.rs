@@ -1,0 +1,1 @@
+//! kvxfer UCX backend (under construction)

@@ -1,0 +1,1 @@
+//! raw bindings to the system UCX (under construction)

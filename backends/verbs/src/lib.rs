@@ -1,0 +1,1 @@
+//! kvxfer ibverbs backend (under construction)

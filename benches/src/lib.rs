@@ -1,0 +1,1 @@
+//! kvxfer benches (under construction)

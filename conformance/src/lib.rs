@@ -1,0 +1,1 @@
+//! kvxfer conformance suite (under construction)

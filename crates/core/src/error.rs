@@ -1,0 +1,191 @@
+//! Typed errors of the core: configuration, planning, codec and backend errors.
+
+use crate::model::{RankId, Side};
+use crate::notify::RequestId;
+
+/// A configuration that kvxfer refuses, with the numbers that make it invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A size that must be at least 1 is 0.
+    #[error("{side} {what} is 0; it must be at least 1")]
+    Zero {
+        /// Which side.
+        side: Side,
+        /// Which field.
+        what: &'static str,
+    },
+    /// KV heads H and a TP size T do not divide (SEMANTICS §2).
+    #[error(
+        "{side} TP size {tp} does not fit {kv_heads} KV heads: need H % T == 0 (T <= H) or T % H == 0 (T > H); \
+         choose a TP size that divides {kv_heads} or is a multiple of it"
+    )]
+    HeadsNotDivisible {
+        /// Which side.
+        side: Side,
+        /// Total KV heads.
+        kv_heads: u32,
+        /// The TP size.
+        tp: u32,
+    },
+    /// max(P, D) is not a multiple of min(P, D).
+    #[error(
+        "prefill TP {prefill_tp} and decode TP {decode_tp}: the larger must be a multiple of the smaller"
+    )]
+    TpRatio {
+        /// Prefill TP size.
+        prefill_tp: u32,
+        /// Decode TP size.
+        decode_tp: u32,
+    },
+    /// Decode PP must be 1 or equal to prefill PP.
+    #[error("decode PP {decode_pp} must be 1 or equal to prefill PP {prefill_pp}")]
+    PpMismatch {
+        /// Prefill PP size.
+        prefill_pp: u32,
+        /// Decode PP size.
+        decode_pp: u32,
+    },
+    /// The layer count is not divisible by a side's PP size.
+    #[error("{side}: {layers} layers cannot be split evenly over PP {pp}")]
+    LayersNotDivisible {
+        /// Which side.
+        side: Side,
+        /// Layers of the model.
+        layers: u32,
+        /// PP size.
+        pp: u32,
+    },
+    /// The two sides disagree on fields that must match.
+    #[error("prefill and decode are incompatible: {}", .0.iter().map(|m| m.to_string()).collect::<Vec<_>>().join("; "))]
+    Mismatch(Vec<Mismatch>),
+    /// A rank outside the side's parallel config.
+    #[error("{side} rank {rank} is outside TP {tp} x PP {pp}")]
+    RankOutOfRange {
+        /// Which side.
+        side: Side,
+        /// The rank asked for.
+        rank: RankId,
+        /// TP size.
+        tp: u32,
+        /// PP size.
+        pp: u32,
+    },
+    /// A value that does not fit the wire encoding (sender keys use 16 bits per dimension).
+    #[error("{what} = {value} exceeds the supported maximum {max}")]
+    TooLarge {
+        /// What.
+        what: &'static str,
+        /// The value.
+        value: u64,
+        /// The maximum.
+        max: u64,
+    },
+}
+
+/// One field on which prefill and decode disagree.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} differs (prefill {prefill}, decode {decode})")]
+pub struct Mismatch {
+    /// The field name (page_size, dtype_bytes, head_dim_k, head_dim_v, kv_heads, layers, attention, layout).
+    pub field: &'static str,
+    /// The prefill value, rendered.
+    pub prefill: String,
+    /// The decode value, rendered.
+    pub decode: String,
+}
+
+/// A request chunk that cannot be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// Source and destination page lists differ in length.
+    #[error("source has {src} pages but destination has {dst}; every source page needs one destination page")]
+    PageCountMismatch {
+        /// Source pages.
+        src: usize,
+        /// Destination pages.
+        dst: usize,
+    },
+    /// A destination page appears twice in one chunk.
+    #[error("destination page {page} appears twice in the chunk; two source pages cannot land on one page")]
+    DuplicateDestinationPage {
+        /// The page.
+        page: u32,
+    },
+    /// A page index is beyond a pool's capacity.
+    #[error("{side} page {page} is outside the pool of {capacity} pages (rank {rank})")]
+    PageOutOfRange {
+        /// Which side.
+        side: Side,
+        /// The rank whose pool.
+        rank: RankId,
+        /// The page.
+        page: u32,
+        /// Pages the pool holds.
+        capacity: u32,
+    },
+    /// The rank is not part of the topology.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// A notification that failed to decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// Fewer bytes than the header or a field needs.
+    #[error("notification truncated: needed {needed} bytes at offset {offset}, have {len}")]
+    Truncated {
+        /// Bytes needed.
+        needed: usize,
+        /// Offset at which they were needed.
+        offset: usize,
+        /// Total length.
+        len: usize,
+    },
+    /// Unknown magic or version.
+    #[error("notification has version {found}, this build speaks version {expected}")]
+    Version {
+        /// Version found.
+        found: u8,
+        /// Version expected.
+        expected: u8,
+    },
+    /// Bad magic byte.
+    #[error("not a kvxfer notification (magic 0x{found:02x}, expected 0x{expected:02x})")]
+    Magic {
+        /// Found.
+        found: u8,
+        /// Expected.
+        expected: u8,
+    },
+    /// Unknown body tag.
+    #[error("unknown notification kind tag {0}")]
+    Tag(u8),
+    /// A flag byte that is neither 0 nor 1.
+    #[error("invalid flag byte {0}")]
+    Flag(u8),
+    /// Failure reason is not UTF-8.
+    #[error("failure reason is not valid UTF-8")]
+    Utf8,
+    /// Bytes after the end of the message.
+    #[error("{0} trailing bytes after the notification")]
+    Trailing(usize),
+    /// A payload over the size limit.
+    #[error("payload of {len} bytes exceeds the limit of {max}")]
+    TooLong {
+        /// Length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+}
+
+/// The tracker refused a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TrackerError {
+    /// `expect` for a request that is already tracked.
+    #[error("request {0} is already being tracked; release it before expecting it again")]
+    AlreadyTracked(RequestId),
+    /// `expect` with an empty sender set.
+    #[error("request {0}: the expected sender set is empty")]
+    NoSenders(RequestId),
+}

@@ -1,0 +1,474 @@
+//! Model, layout and parallel-configuration types, and the topology that validates them.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ConfigError, Mismatch};
+use crate::heads;
+
+/// Which side of the disaggregated pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    /// The prefill workers (senders).
+    Prefill,
+    /// The decode workers (receivers).
+    Decode,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        })
+    }
+}
+
+/// How attention stores its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "type")]
+pub enum Attention {
+    /// Multi-head / grouped-query attention: `kv_heads` K and V heads, sharded over TP.
+    Gqa {
+        /// Total KV heads H of the group (`num_key_value_heads`).
+        kv_heads: u32,
+        /// Elements per K head.
+        head_dim_k: u32,
+        /// Elements per V head (may differ from K).
+        head_dim_v: u32,
+    },
+    /// Multi-head latent attention: one latent per token per layer, identical on every TP rank.
+    Mla {
+        /// Elements of the latent (kv_lora_rank + qk_rope_head_dim).
+        latent_dim: u32,
+    },
+}
+
+/// Page layout of the KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// Token-major `[pages * page_size, local heads, head_dim]` per layer and K/V (SGLang's pool).
+    #[default]
+    Nhd,
+    /// Head-major `[pages, local heads, page_size, head_dim]` per layer and K/V (vLLM's layout).
+    Hnd,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Layout::Nhd => "nhd",
+            Layout::Hnd => "hnd",
+        })
+    }
+}
+
+/// Which buffer of a layer: K, V, or the MLA latent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvKind {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+    /// MLA latent.
+    Latent,
+}
+
+impl KvKind {
+    /// Small stable index (K 0, V 1, latent 2).
+    pub fn index(self) -> u32 {
+        match self {
+            KvKind::K => 0,
+            KvKind::V => 1,
+            KvKind::Latent => 2,
+        }
+    }
+}
+
+impl fmt::Display for KvKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvKind::K => "k",
+            KvKind::V => "v",
+            KvKind::Latent => "latent",
+        })
+    }
+}
+
+/// Everything about the KV cache that both sides must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvSpec {
+    /// Attention kind and head geometry.
+    pub attention: Attention,
+    /// Layers of the model that carry KV.
+    pub layers: u32,
+    /// Bytes per element (2 for bf16).
+    pub dtype_bytes: u32,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Page layout.
+    pub layout: Layout,
+}
+
+impl KvSpec {
+    /// The kinds of buffer each layer holds: K and V, or the latent.
+    pub fn kinds(&self) -> &'static [KvKind] {
+        match self.attention {
+            Attention::Gqa { .. } => &[KvKind::K, KvKind::V],
+            Attention::Mla { .. } => &[KvKind::Latent],
+        }
+    }
+
+    /// Bytes of one head of one token for `kind` (the latent counts as one head).
+    pub fn head_bytes(&self, kind: KvKind) -> u64 {
+        let elems = match (self.attention, kind) {
+            (Attention::Gqa { head_dim_k, .. }, KvKind::K) => head_dim_k,
+            (Attention::Gqa { head_dim_v, .. }, KvKind::V) => head_dim_v,
+            (Attention::Mla { latent_dim }, KvKind::Latent) => latent_dim,
+            _ => 0,
+        };
+        u64::from(elems) * u64::from(self.dtype_bytes)
+    }
+
+    /// Whether this is MLA.
+    pub fn is_mla(&self) -> bool {
+        matches!(self.attention, Attention::Mla { .. })
+    }
+
+    /// KV heads H (1 for MLA).
+    pub fn kv_heads(&self) -> u32 {
+        match self.attention {
+            Attention::Gqa { kv_heads, .. } => kv_heads,
+            Attention::Mla { .. } => 1,
+        }
+    }
+
+    /// KV bytes of one token over all layers and all heads (the model's KV footprint per token).
+    pub fn bytes_per_token(&self) -> u64 {
+        let heads = u64::from(self.kv_heads());
+        self.kinds().iter().map(|k| self.head_bytes(*k) * heads).sum::<u64>() * u64::from(self.layers)
+    }
+}
+
+/// One side's parallel configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Parallel {
+    /// Attention tensor-parallel size.
+    pub tp: u32,
+    /// Pipeline-parallel size.
+    pub pp: u32,
+}
+
+/// A rank of one side: its TP rank and PP stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RankId {
+    /// TP rank.
+    pub tp: u32,
+    /// PP stage.
+    pub pp: u32,
+}
+
+impl RankId {
+    /// A rank.
+    pub fn new(tp: u32, pp: u32) -> Self {
+        Self { tp, pp }
+    }
+}
+
+impl fmt::Display for RankId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.tp, self.pp)
+    }
+}
+
+/// The identity a prefill rank puts on its notifications: unique over TP, PP, CP and DP (instance)
+/// of one prefill deployment. Packs into 64 bits (16 per dimension) on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SenderKey {
+    /// Data-parallel group / prefill instance.
+    pub dp: u16,
+    /// Context-parallel rank.
+    pub cp: u16,
+    /// PP stage.
+    pub pp: u16,
+    /// TP rank.
+    pub tp: u16,
+}
+
+impl SenderKey {
+    /// The key of prefill rank `rank` in instance 0, CP rank 0.
+    pub fn of(rank: RankId) -> Self {
+        Self { dp: 0, cp: 0, pp: rank.pp as u16, tp: rank.tp as u16 }
+    }
+
+    /// The 64-bit wire form.
+    pub fn to_u64(self) -> u64 {
+        (u64::from(self.dp) << 48) | (u64::from(self.cp) << 32) | (u64::from(self.pp) << 16) | u64::from(self.tp)
+    }
+
+    /// From the 64-bit wire form.
+    pub fn from_u64(v: u64) -> Self {
+        Self { dp: (v >> 48) as u16, cp: (v >> 32) as u16, pp: (v >> 16) as u16, tp: v as u16 }
+    }
+}
+
+impl fmt::Display for SenderKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tp{}.pp{}", self.tp, self.pp)?;
+        if self.cp != 0 {
+            write!(f, ".cp{}", self.cp)?;
+        }
+        if self.dp != 0 {
+            write!(f, ".dp{}", self.dp)?;
+        }
+        Ok(())
+    }
+}
+
+/// One side: KV spec plus parallel config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SideSpec {
+    /// The KV cache description.
+    pub kv: KvSpec,
+    /// Parallel sizes.
+    pub parallel: Parallel,
+}
+
+/// A validated pair of prefill and decode configurations. All planning starts here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Topology {
+    kv: KvSpec,
+    prefill: Parallel,
+    decode: Parallel,
+}
+
+fn check_side(side: Side, s: &SideSpec) -> Result<(), ConfigError> {
+    let zero = |what| Err(ConfigError::Zero { side, what });
+    let kv = &s.kv;
+    if s.parallel.tp == 0 {
+        return zero("TP size");
+    }
+    if s.parallel.pp == 0 {
+        return zero("PP size");
+    }
+    if kv.layers == 0 {
+        return zero("layer count");
+    }
+    if kv.page_size == 0 {
+        return zero("page size");
+    }
+    if kv.dtype_bytes == 0 {
+        return zero("dtype bytes");
+    }
+    match kv.attention {
+        Attention::Gqa { kv_heads, head_dim_k, head_dim_v } => {
+            if kv_heads == 0 {
+                return zero("KV heads");
+            }
+            if head_dim_k == 0 {
+                return zero("K head dim");
+            }
+            if head_dim_v == 0 {
+                return zero("V head dim");
+            }
+            if !heads::divides(kv_heads, s.parallel.tp) {
+                return Err(ConfigError::HeadsNotDivisible { side, kv_heads, tp: s.parallel.tp });
+            }
+        }
+        Attention::Mla { latent_dim } => {
+            if latent_dim == 0 {
+                return zero("latent dim");
+            }
+        }
+    }
+    for (what, v) in [("TP size", s.parallel.tp), ("PP size", s.parallel.pp)] {
+        if v > u32::from(u16::MAX) {
+            return Err(ConfigError::TooLarge { what, value: v.into(), max: u16::MAX.into() });
+        }
+    }
+    if kv.layers % s.parallel.pp != 0 {
+        return Err(ConfigError::LayersNotDivisible { side, layers: kv.layers, pp: s.parallel.pp });
+    }
+    Ok(())
+}
+
+/// Every field on which two KV specs disagree (empty when compatible).
+pub fn kv_mismatches(p: &KvSpec, d: &KvSpec) -> Vec<Mismatch> {
+    let mut out = Vec::new();
+    let mut cmp = |field: &'static str, a: String, b: String| {
+        if a != b {
+            out.push(Mismatch { field, prefill: a, decode: b });
+        }
+    };
+    cmp("page_size", p.page_size.to_string(), d.page_size.to_string());
+    cmp("dtype_bytes", p.dtype_bytes.to_string(), d.dtype_bytes.to_string());
+    cmp("layers", p.layers.to_string(), d.layers.to_string());
+    cmp("layout", p.layout.to_string(), d.layout.to_string());
+    match (p.attention, d.attention) {
+        (
+            Attention::Gqa { kv_heads: h1, head_dim_k: k1, head_dim_v: v1 },
+            Attention::Gqa { kv_heads: h2, head_dim_k: k2, head_dim_v: v2 },
+        ) => {
+            cmp("kv_heads", h1.to_string(), h2.to_string());
+            cmp("head_dim_k", k1.to_string(), k2.to_string());
+            cmp("head_dim_v", v1.to_string(), v2.to_string());
+        }
+        (Attention::Mla { latent_dim: a }, Attention::Mla { latent_dim: b }) => {
+            cmp("latent_dim", a.to_string(), b.to_string());
+        }
+        (a, b) => cmp("attention", attention_name(&a), attention_name(&b)),
+    }
+    out
+}
+
+fn attention_name(a: &Attention) -> String {
+    match a {
+        Attention::Gqa { .. } => "gqa".into(),
+        Attention::Mla { .. } => "mla".into(),
+    }
+}
+
+impl Topology {
+    /// Validates both sides and their compatibility (SEMANTICS §2, §6). Every error names the values.
+    pub fn new(prefill: &SideSpec, decode: &SideSpec) -> Result<Self, ConfigError> {
+        let mism = kv_mismatches(&prefill.kv, &decode.kv);
+        if !mism.is_empty() {
+            return Err(ConfigError::Mismatch(mism));
+        }
+        check_side(Side::Prefill, prefill)?;
+        check_side(Side::Decode, decode)?;
+        let (p, d) = (prefill.parallel.tp, decode.parallel.tp);
+        if p.max(d) % p.min(d) != 0 {
+            return Err(ConfigError::TpRatio { prefill_tp: p, decode_tp: d });
+        }
+        let (pp, dp) = (prefill.parallel.pp, decode.parallel.pp);
+        if dp != 1 && dp != pp {
+            return Err(ConfigError::PpMismatch { prefill_pp: pp, decode_pp: dp });
+        }
+        Ok(Self { kv: prefill.kv, prefill: prefill.parallel, decode: decode.parallel })
+    }
+
+    /// The shared KV spec.
+    pub fn kv(&self) -> &KvSpec {
+        &self.kv
+    }
+
+    /// Parallel config of a side.
+    pub fn parallel(&self, side: Side) -> Parallel {
+        match side {
+            Side::Prefill => self.prefill,
+            Side::Decode => self.decode,
+        }
+    }
+
+    /// The side spec (KV + parallel) of a side.
+    pub fn side(&self, side: Side) -> SideSpec {
+        SideSpec { kv: self.kv, parallel: self.parallel(side) }
+    }
+
+    /// All ranks of a side, TP-major within each stage.
+    pub fn ranks(&self, side: Side) -> Vec<RankId> {
+        let par = self.parallel(side);
+        (0..par.pp).flat_map(|pp| (0..par.tp).map(move |tp| RankId { tp, pp })).collect()
+    }
+
+    /// Errors unless `rank` is a rank of `side`.
+    pub fn check_rank(&self, side: Side, rank: RankId) -> Result<(), ConfigError> {
+        let par = self.parallel(side);
+        if rank.tp >= par.tp || rank.pp >= par.pp {
+            return Err(ConfigError::RankOutOfRange { side, rank, tp: par.tp, pp: par.pp });
+        }
+        Ok(())
+    }
+
+    /// Layers held by each stage of a side.
+    pub fn stage_layers(&self, side: Side) -> u32 {
+        self.kv.layers / self.parallel(side).pp
+    }
+
+    /// Heads held by one rank of a side (1 for MLA).
+    pub fn local_heads(&self, side: Side) -> u32 {
+        if self.kv.is_mla() {
+            1
+        } else {
+            heads::local(self.kv.kv_heads(), self.parallel(side).tp)
+        }
+    }
+
+    /// Bytes of one rank's buffer for one layer and kind, holding `pages` pages.
+    pub fn buffer_bytes(&self, side: Side, kind: KvKind, pages: u32) -> u64 {
+        u64::from(pages)
+            * u64::from(self.kv.page_size)
+            * u64::from(self.local_heads(side))
+            * self.kv.head_bytes(kind)
+    }
+
+    /// Prefill TP ranks that feed decode TP rank `d` (SEMANTICS §3), within one stage.
+    pub fn sender_tps(&self, d: u32) -> std::ops::Range<u32> {
+        let (p, dd) = (self.prefill.tp, self.decode.tp);
+        if self.kv.is_mla() {
+            let s = if p <= dd { d / (dd / p) } else { d * (p / dd) };
+            return s..s + 1;
+        }
+        if p == dd {
+            d..d + 1
+        } else if p < dd {
+            let s = d / (dd / p);
+            s..s + 1
+        } else {
+            let r = p / dd;
+            d * r..(d + 1) * r
+        }
+    }
+
+    /// The decode rank that receives prefill rank `src`'s layers for decode TP rank `d`.
+    fn dst_stage(&self, src_pp: u32) -> u32 {
+        if self.decode.pp == 1 {
+            0
+        } else {
+            src_pp
+        }
+    }
+
+    /// The decode ranks prefill rank `src` sends to.
+    pub fn receivers(&self, src: RankId) -> Vec<RankId> {
+        let pp = self.dst_stage(src.pp);
+        (0..self.decode.tp)
+            .filter(|d| self.sender_tps(*d).contains(&src.tp))
+            .map(|tp| RankId { tp, pp })
+            .collect()
+    }
+
+    /// The prefill ranks that send to decode rank `dst`, every stage included.
+    pub fn senders(&self, dst: RankId) -> Vec<RankId> {
+        let stages: Vec<u32> = if self.decode.pp == 1 { (0..self.prefill.pp).collect() } else { vec![dst.pp] };
+        stages
+            .into_iter()
+            .flat_map(|pp| self.sender_tps(dst.tp).map(move |tp| RankId { tp, pp }))
+            .collect()
+    }
+
+    /// The sender keys decode rank `dst` must hear from (SEMANTICS §5):
+    /// `N = (P > D and not MLA ? P/D : 1) * (PPd == 1 ? PPp : 1)`.
+    pub fn expected_senders(&self, dst: RankId) -> Vec<SenderKey> {
+        self.senders(dst).into_iter().map(SenderKey::of).collect()
+    }
+
+    /// The first global layer of a stage on a side.
+    pub fn first_layer(&self, side: Side, stage: u32) -> u32 {
+        stage * self.stage_layers(side)
+    }
+
+    /// Destination layer (decode rank-local) of prefill stage `src_pp`'s local layer 0.
+    pub fn dst_layer_offset(&self, src_pp: u32) -> u32 {
+        if self.decode.pp == 1 {
+            self.first_layer(Side::Prefill, src_pp)
+        } else {
+            0
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Typed notifications and their compact, versioned binary encoding.
+//!
+//! Wire format (little endian), version 1:
+//! ```text
+//! 0      u8   magic 0xKV (0x4b)
+//! 1      u8   version (1)
+//! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure
+//! 3..11  u64  request id
+//! 11..19 u64  sender key (16 bits each: dp, cp, pp, tp)
+//! kv-chunk: u32 chunk index, u8 last (0 or 1)
+//! aux, state: u32 length, payload bytes (at most MAX_PAYLOAD)
+//! failure: u16 length, UTF-8 reason (at most MAX_REASON bytes)
+//! ```
+//! The decoder rejects truncation, unknown magic, version or kind, flag bytes other than 0 and 1,
+//! over-long payloads, invalid UTF-8 and trailing bytes.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CodecError;
+use crate::model::SenderKey;
+
+/// A request (SGLang's room): one sequence's KV transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// What a notification says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NotificationBody {
+    /// Chunk `chunk` of the request has landed; `last` marks the final chunk (the sender's count is `chunk + 1`).
+    KvChunk {
+        /// Chunk index.
+        chunk: u32,
+        /// Whether this is the last chunk.
+        last: bool,
+    },
+    /// Auxiliary data (e.g. the first output token); required when the receiver asked for it.
+    Aux(Vec<u8>),
+    /// Per-request state (e.g. linear-attention state) from one sender.
+    State(Vec<u8>),
+    /// The sender failed this request.
+    Failure(String),
+}
+
+/// One notification from a sender about a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Notification {
+    /// The request.
+    pub request: RequestId,
+    /// The sender's key.
+    pub sender: SenderKey,
+    /// The content.
+    pub body: NotificationBody,
+}
+
+const MAGIC: u8 = 0x4b;
+/// Wire version this build encodes and decodes.
+pub const VERSION: u8 = 1;
+/// Largest aux or state payload.
+pub const MAX_PAYLOAD: usize = 1 << 20;
+/// Largest failure reason in bytes (longer reasons are truncated at a char boundary when encoding).
+pub const MAX_REASON: usize = 4096;
+const HEADER: usize = 19;
+
+impl Notification {
+    /// A kv-chunk notification.
+    pub fn chunk(request: RequestId, sender: SenderKey, chunk: u32, last: bool) -> Self {
+        Self { request, sender, body: NotificationBody::KvChunk { chunk, last } }
+    }
+
+    /// A failure notification.
+    pub fn failure(request: RequestId, sender: SenderKey, reason: impl Into<String>) -> Self {
+        Self { request, sender, body: NotificationBody::Failure(reason.into()) }
+    }
+
+    /// Encodes into bytes. Aux/state payloads over [`MAX_PAYLOAD`] are an error; failure reasons are
+    /// truncated to [`MAX_REASON`] bytes.
+    pub fn encode(&self) -> Result<Vec<u8>, CodecError> {
+        let mut out = Vec::with_capacity(HEADER + 8);
+        self.encode_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Encodes, appending to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), CodecError> {
+        let tag = match &self.body {
+            NotificationBody::KvChunk { .. } => 1,
+            NotificationBody::Aux(_) => 2,
+            NotificationBody::State(_) => 3,
+            NotificationBody::Failure(_) => 4,
+        };
+        out.extend_from_slice(&[MAGIC, VERSION, tag]);
+        out.extend_from_slice(&self.request.0.to_le_bytes());
+        out.extend_from_slice(&self.sender.to_u64().to_le_bytes());
+        match &self.body {
+            NotificationBody::KvChunk { chunk, last } => {
+                out.extend_from_slice(&chunk.to_le_bytes());
+                out.push(u8::from(*last));
+            }
+            NotificationBody::Aux(p) | NotificationBody::State(p) => {
+                if p.len() > MAX_PAYLOAD {
+                    return Err(CodecError::TooLong { len: p.len(), max: MAX_PAYLOAD });
+                }
+                out.extend_from_slice(&(p.len() as u32).to_le_bytes());
+                out.extend_from_slice(p);
+            }
+            NotificationBody::Failure(r) => {
+                let mut end = r.len().min(MAX_REASON);
+                while !r.is_char_boundary(end) {
+                    end -= 1;
+                }
+                out.extend_from_slice(&(end as u16).to_le_bytes());
+                out.extend_from_slice(&r.as_bytes()[..end]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes exactly one notification from `buf`.
+    pub fn decode(buf: &[u8]) -> Result<Self, CodecError> {
+        let mut r = Reader { buf, pos: 0 };
+        let magic = r.u8()?;
+        if magic != MAGIC {
+            return Err(CodecError::Magic { found: magic, expected: MAGIC });
+        }
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(CodecError::Version { found: version, expected: VERSION });
+        }
+        let tag = r.u8()?;
+        let request = RequestId(r.u64()?);
+        let sender = SenderKey::from_u64(r.u64()?);
+        let body = match tag {
+            1 => {
+                let chunk = r.u32()?;
+                let last = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    f => return Err(CodecError::Flag(f)),
+                };
+                NotificationBody::KvChunk { chunk, last }
+            }
+            2 | 3 => {
+                let len = r.u32()? as usize;
+                if len > MAX_PAYLOAD {
+                    return Err(CodecError::TooLong { len, max: MAX_PAYLOAD });
+                }
+                let p = r.bytes(len)?.to_vec();
+                if tag == 2 {
+                    NotificationBody::Aux(p)
+                } else {
+                    NotificationBody::State(p)
+                }
+            }
+            4 => {
+                let len = usize::from(r.u16()?);
+                if len > MAX_REASON {
+                    return Err(CodecError::TooLong { len, max: MAX_REASON });
+                }
+                let s = std::str::from_utf8(r.bytes(len)?).map_err(|_| CodecError::Utf8)?;
+                NotificationBody::Failure(s.to_owned())
+            }
+            t => return Err(CodecError::Tag(t)),
+        };
+        if r.pos != buf.len() {
+            return Err(CodecError::Trailing(buf.len() - r.pos));
+        }
+        Ok(Self { request, sender, body })
+    }
+}
+
+impl fmt::Display for Notification {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.body {
+            NotificationBody::KvChunk { chunk, last } => {
+                write!(f, "{} from {}: chunk {chunk}{}", self.request, self.sender, if *last { " (last)" } else { "" })
+            }
+            NotificationBody::Aux(p) => write!(f, "{} from {}: aux ({} bytes)", self.request, self.sender, p.len()),
+            NotificationBody::State(p) => write!(f, "{} from {}: state ({} bytes)", self.request, self.sender, p.len()),
+            NotificationBody::Failure(r) => write!(f, "{} from {}: failure: {r}", self.request, self.sender),
+        }
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
+        let end = self.pos.checked_add(n).filter(|e| *e <= self.buf.len()).ok_or(CodecError::Truncated {
+            needed: n,
+            offset: self.pos,
+            len: self.buf.len(),
+        })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, CodecError> {
+        Ok(self.bytes(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, CodecError> {
+        Ok(u16::from_le_bytes(self.bytes(2)?.try_into().expect("2 bytes")))
+    }
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64, CodecError> {
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8 bytes")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn body() -> impl Strategy<Value = NotificationBody> {
+        prop_oneof![
+            (any::<u32>(), any::<bool>()).prop_map(|(chunk, last)| NotificationBody::KvChunk { chunk, last }),
+            proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::Aux),
+            proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::State),
+            ".{0,40}".prop_map(NotificationBody::Failure),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip(req in any::<u64>(), key in any::<u64>(), body in body()) {
+            let n = Notification { request: RequestId(req), sender: SenderKey::from_u64(key), body };
+            let bytes = n.encode().unwrap();
+            prop_assert_eq!(Notification::decode(&bytes).unwrap(), n);
+        }
+
+        #[test]
+        fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = Notification::decode(&bytes);
+        }
+
+        #[test]
+        fn every_truncation_is_an_error(req in any::<u64>(), body in body()) {
+            let n = Notification { request: RequestId(req), sender: SenderKey::from_u64(7), body };
+            let bytes = n.encode().unwrap();
+            for cut in 0..bytes.len() {
+                prop_assert!(Notification::decode(&bytes[..cut]).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_inputs_name_the_problem() {
+        let good = Notification::chunk(RequestId(1), SenderKey::from_u64(2), 3, true).encode().unwrap();
+        let mut b = good.clone();
+        b[0] = 0;
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Magic { .. })));
+        let mut b = good.clone();
+        b[1] = 9;
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Version { found: 9, .. })));
+        let mut b = good.clone();
+        b[2] = 77;
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Tag(77))));
+        let mut b = good.clone();
+        *b.last_mut().unwrap() = 2;
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Flag(2))));
+        let mut b = good.clone();
+        b.push(0);
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Trailing(1))));
+        let mut f = Notification::failure(RequestId(1), SenderKey::from_u64(2), "ab").encode().unwrap();
+        let n = f.len();
+        f[n - 1] = 0xff;
+        assert!(matches!(Notification::decode(&f), Err(CodecError::Utf8)));
+        assert_eq!(good.len(), HEADER + 5);
+    }
+
+    #[test]
+    fn long_reasons_truncate_on_char_boundary() {
+        let reason = "é".repeat(MAX_REASON);
+        let n = Notification::failure(RequestId(1), SenderKey::from_u64(0), reason);
+        let d = Notification::decode(&n.encode().unwrap()).unwrap();
+        match d.body {
+            NotificationBody::Failure(r) => assert!(r.len() <= MAX_REASON && r.chars().all(|c| c == 'é')),
+            _ => panic!("wrong body"),
+        }
+    }
+}
