@@ -1,0 +1,1 @@
+//! Bootstrap: peer discovery (being written).

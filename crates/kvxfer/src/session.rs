@@ -1,0 +1,1 @@
+//! Sessions (being written).
