@@ -1,0 +1,399 @@
+//! `kvxfer plan`: prints what every prefill rank writes into every decode rank for one request chunk.
+//!
+//! The table (default) is for people; `--format json` is a public interface documented in the README:
+//!
+//! ```text
+//! {"transfers":[{"src":{"tp":0,"pp":0},"dst":{"tp":0,"pp":0},"ops":[{"src_region":{"layer":0,"kind":"k"},
+//!   "dst_region":{"layer":0,"kind":"k"},"src_offset":0,"dst_offset":0,"len":256,"count":16,
+//!   "src_stride":512,"dst_stride":256}]}],"expected_senders":{"0/0":["tp0.pp0"]}}
+//! ```
+//!
+//! One entry per communicating (prefill rank, decode rank) pair, in prefill rank order (stage-major,
+//! then TP rank), including pairs that move no bytes (deduplicated replicas: they only notify).
+//! Ops are expanded from the planner's lazy product and streamed, never collected in memory.
+
+use std::fmt::Write as _;
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use kvxfer_core::plan::{plan_chunk, ChunkPlan, PairPlan};
+use kvxfer_core::{Attention, KvSpec, Layout, Parallel, Side, SideSpec, Topology};
+use serde::ser::{SerializeMap, SerializeStruct};
+use serde::{Serialize, Serializer};
+
+/// Page layout as a command-line value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LayoutArg {
+    /// Token-major `[pages * page_size, local heads, head_dim]` (SGLang's pool).
+    Nhd,
+    /// Head-major `[pages, local heads, page_size, head_dim]` (vLLM's layout).
+    Hnd,
+}
+
+impl From<LayoutArg> for Layout {
+    fn from(l: LayoutArg) -> Self {
+        match l {
+            LayoutArg::Nhd => Layout::Nhd,
+            LayoutArg::Hnd => Layout::Hnd,
+        }
+    }
+}
+
+/// Output format of `kvxfer plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// A readable table per (prefill rank, decode rank) pair, with totals.
+    Table,
+    /// The documented JSON object (every op expanded).
+    Json,
+}
+
+/// A comma-separated page list; `a-b` stands for the pages `a..=b`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PageList(pub Vec<u32>);
+
+/// Most pages one list may expand to (a range typo like `0-4000000000` should not eat the memory).
+const MAX_PAGES: u64 = 1 << 26;
+
+fn parse_page_list(s: &str) -> Result<PageList, String> {
+    let mut out = Vec::new();
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(PageList(out));
+    }
+    for item in s.split(',') {
+        let item = item.trim();
+        let num = |t: &str| {
+            t.trim().parse::<u32>().map_err(|e| format!("page `{t}` in `{item}` is not a page index (0..2^32): {e}"))
+        };
+        match item.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(format!("page range `{item}` is empty: write the lower page first"));
+                }
+                if out.len() as u64 + u64::from(b - a) + 1 > MAX_PAGES {
+                    return Err(format!("page list expands to more than {MAX_PAGES} pages"));
+                }
+                out.extend(a..=b);
+            }
+            None => {
+                if out.len() as u64 >= MAX_PAGES {
+                    return Err(format!("page list expands to more than {MAX_PAGES} pages"));
+                }
+                out.push(num(item)?)
+            }
+        }
+    }
+    Ok(PageList(out))
+}
+
+/// Arguments of `kvxfer plan`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlanArgs {
+    /// Prefill attention TP size P.
+    #[arg(long)]
+    pub prefill_tp: u32,
+    /// Decode attention TP size D.
+    #[arg(long)]
+    pub decode_tp: u32,
+    /// Total KV heads H of the model (num_key_value_heads). Not with --mla.
+    #[arg(long, required_unless_present = "mla", conflicts_with = "mla")]
+    pub kv_heads: Option<u32>,
+    /// Elements per K head. Not with --mla.
+    #[arg(long, required_unless_present = "mla", conflicts_with = "mla")]
+    pub head_dim: Option<u32>,
+    /// Elements per V head [default: --head-dim].
+    #[arg(long, conflicts_with = "mla")]
+    pub v_head_dim: Option<u32>,
+    /// Layers of the model that carry KV (all stages together).
+    #[arg(long)]
+    pub layers: u32,
+    /// Tokens per page.
+    #[arg(long)]
+    pub page_size: u32,
+    /// Bytes per element (2 for bf16/fp16, 1 for fp8).
+    #[arg(long)]
+    pub dtype_bytes: u32,
+    /// Source (prefill) pages of the chunk, comma-separated; `a-b` means a..=b.
+    #[arg(long, value_parser = parse_page_list, allow_hyphen_values = true)]
+    pub src_pages: PageList,
+    /// Destination (decode) pages, one per source page, same syntax.
+    #[arg(long, value_parser = parse_page_list, allow_hyphen_values = true)]
+    pub dst_pages: PageList,
+    /// Prefill pipeline-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_pp: u32,
+    /// Decode pipeline-parallel size (1 or the prefill PP size).
+    #[arg(long, default_value_t = 1)]
+    pub decode_pp: u32,
+    /// Page layout of both KV pools.
+    #[arg(long, value_enum, default_value_t = LayoutArg::Nhd)]
+    pub layout: LayoutArg,
+    /// Multi-head latent attention: one latent per token per layer, identical on every TP rank.
+    #[arg(long, requires = "latent_dim")]
+    pub mla: bool,
+    /// Elements of the MLA latent (kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3).
+    #[arg(long, requires = "mla")]
+    pub latent_dim: Option<u32>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Table only: most ops printed per pair (0 prints all); totals always count every op.
+    #[arg(long, default_value_t = 32)]
+    pub max_rows: u64,
+}
+
+impl PlanArgs {
+    /// The KV spec both sides share.
+    pub fn kv_spec(&self) -> KvSpec {
+        let attention = match (self.mla, self.latent_dim) {
+            (true, Some(latent_dim)) => Attention::Mla { latent_dim },
+            // clap enforces kv_heads/head_dim without --mla and latent_dim with it; 0 is rejected by the
+            // topology with a message naming the field, should this be built some other way.
+            (true, None) => Attention::Mla { latent_dim: 0 },
+            (false, _) => {
+                let head_dim_k = self.head_dim.unwrap_or(0);
+                Attention::Gqa {
+                    kv_heads: self.kv_heads.unwrap_or(0),
+                    head_dim_k,
+                    head_dim_v: self.v_head_dim.unwrap_or(head_dim_k),
+                }
+            }
+        };
+        KvSpec {
+            attention,
+            layers: self.layers,
+            dtype_bytes: self.dtype_bytes,
+            page_size: self.page_size,
+            layout: self.layout.into(),
+        }
+    }
+
+    /// The validated topology (the core's errors on an invalid configuration).
+    pub fn topology(&self) -> Result<Topology, kvxfer_core::ConfigError> {
+        let kv = self.kv_spec();
+        let prefill = SideSpec { kv, parallel: Parallel { tp: self.prefill_tp, pp: self.prefill_pp } };
+        let decode = SideSpec { kv, parallel: Parallel { tp: self.decode_tp, pp: self.decode_pp } };
+        Topology::new(&prefill, &decode)
+    }
+}
+
+/// Runs `kvxfer plan`: prints the plan on stdout, or the configuration error on stderr with exit code 1.
+pub fn run(args: &PlanArgs) -> ExitCode {
+    let topo = match args.topology() {
+        Ok(t) => t,
+        Err(e) => return fail(&e),
+    };
+    let plan = match plan_chunk(&topo, &args.src_pages.0, &args.dst_pages.0) {
+        Ok(p) => p,
+        Err(e) => return fail(&e),
+    };
+    let stdout = io::stdout();
+    let mut out = io::BufWriter::with_capacity(1 << 16, stdout.lock());
+    let res = match args.format {
+        Format::Json => write_json(&mut out, &topo, &plan),
+        Format::Table => write_table(&mut out, &topo, &plan, args),
+    }
+    .and_then(|()| out.flush());
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        // `kvxfer plan ... | head`: the reader has what it wanted.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write the plan to stdout: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn fail(e: &dyn std::error::Error) -> ExitCode {
+    eprintln!("error: {e}");
+    ExitCode::FAILURE
+}
+
+/// Writes the plan as the documented JSON object, streaming every op.
+pub fn write_json(out: &mut impl Write, topo: &Topology, plan: &ChunkPlan) -> io::Result<()> {
+    let doc = JsonPlan { topo, plan };
+    serde_json::to_writer(&mut *out, &doc).map_err(io::Error::from)?;
+    out.write_all(b"\n")
+}
+
+struct JsonPlan<'a> {
+    topo: &'a Topology,
+    plan: &'a ChunkPlan,
+}
+
+impl Serialize for JsonPlan<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("Plan", 2)?;
+        st.serialize_field("transfers", &Transfers(&self.plan.pairs))?;
+        st.serialize_field("expected_senders", &ExpectedSenders(self.topo))?;
+        st.end()
+    }
+}
+
+struct Transfers<'a>(&'a [PairPlan]);
+
+impl Serialize for Transfers<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(Transfer))
+    }
+}
+
+struct Transfer<'a>(&'a PairPlan);
+
+impl Serialize for Transfer<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("Transfer", 3)?;
+        st.serialize_field("src", &self.0.src)?;
+        st.serialize_field("dst", &self.0.dst)?;
+        st.serialize_field("ops", &Ops(self.0))?;
+        st.end()
+    }
+}
+
+struct Ops<'a>(&'a PairPlan);
+
+impl Serialize for Ops<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.ops())
+    }
+}
+
+/// `"<decode tp>/<decode pp>"` to sender keys, decode ranks in topology order (stage-major, then TP).
+struct ExpectedSenders<'a>(&'a Topology);
+
+impl Serialize for ExpectedSenders<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let ranks = self.0.ranks(Side::Decode);
+        let mut m = s.serialize_map(Some(ranks.len()))?;
+        for d in ranks {
+            let keys: Vec<String> = self.0.expected_senders(d).iter().map(ToString::to_string).collect();
+            m.serialize_entry(&d.to_string(), &keys)?;
+        }
+        m.end()
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+fn describe(topo: &Topology) -> String {
+    let kv = topo.kv();
+    let p = topo.parallel(Side::Prefill);
+    let d = topo.parallel(Side::Decode);
+    let attn = match kv.attention {
+        Attention::Gqa { kv_heads, head_dim_k, head_dim_v } if head_dim_k == head_dim_v => {
+            format!("H={kv_heads} head_dim={head_dim_k}")
+        }
+        Attention::Gqa { kv_heads, head_dim_k, head_dim_v } => {
+            format!("H={kv_heads} head_dim k={head_dim_k} v={head_dim_v}")
+        }
+        Attention::Mla { latent_dim } => format!("MLA latent_dim={latent_dim}"),
+    };
+    format!(
+        "prefill TP {} x PP {} -> decode TP {} x PP {}; {attn}; {} layers; dtype {} B; page size {}; layout {}",
+        p.tp, p.pp, d.tp, d.pp, kv.layers, kv.dtype_bytes, kv.page_size, kv.layout
+    )
+}
+
+/// Writes the readable table: a header, each pair with its head slice and ops, totals, expected senders.
+pub fn write_table(out: &mut impl Write, topo: &Topology, plan: &ChunkPlan, args: &PlanArgs) -> io::Result<()> {
+    let kv = topo.kv();
+    let pages: u64 = plan.runs.iter().map(|r| u64::from(r.len)).sum();
+    writeln!(out, "{}", describe(topo))?;
+    writeln!(
+        out,
+        "chunk: {pages} pages ({} tokens) in {} run(s) of consecutive pages; {} layer(s) per prefill stage",
+        pages * u64::from(kv.page_size),
+        plan.runs.len(),
+        topo.stage_layers(Side::Prefill)
+    )?;
+    writeln!(
+        out,
+        "local heads: prefill {}, decode {}; offsets are bytes within one rank's buffer for (layer, kind)",
+        topo.local_heads(Side::Prefill),
+        topo.local_heads(Side::Decode)
+    )?;
+    let header = format!(
+        "    {:<10} {:<10} {:>14} {:>14} {:>10} {:>8} {:>11} {:>11}",
+        "src", "dst", "src_offset", "dst_offset", "len", "count", "src_stride", "dst_stride"
+    );
+    for pair in &plan.pairs {
+        writeln!(out)?;
+        let mut line = format!("prefill {} (key {}) -> decode {}: ", pair.src, pair.key, pair.dst);
+        match pair.slices.first() {
+            None => line.push_str("no bytes (its heads are written by a lower-ranked replica); notifies only"),
+            Some(s) => {
+                let _ = write!(
+                    line,
+                    "{} head(s), source slot {}, destination slot {}; {} op(s), {}",
+                    s.n,
+                    s.src_slot,
+                    s.dst_slot,
+                    pair.op_count(),
+                    human_bytes(pair.bytes())
+                );
+            }
+        }
+        writeln!(out, "{line}")?;
+        if !pair.writes() {
+            continue;
+        }
+        writeln!(out, "{header}")?;
+        let limit = if args.max_rows == 0 { u64::MAX } else { args.max_rows };
+        for op in pair.ops().take(limit.min(pair.op_count()) as usize) {
+            writeln!(
+                out,
+                "    {:<10} {:<10} {:>14} {:>14} {:>10} {:>8} {:>11} {:>11}",
+                format!("L{} {}", op.src_region.layer, op.src_region.kind),
+                format!("L{} {}", op.dst_region.layer, op.dst_region.kind),
+                op.src_offset,
+                op.dst_offset,
+                op.len,
+                op.count,
+                op.src_stride,
+                op.dst_stride
+            )?;
+        }
+        if pair.op_count() > limit {
+            writeln!(out, "    ... {} more op(s) (--max-rows 0 prints all)", pair.op_count() - limit)?;
+        }
+    }
+    writeln!(out)?;
+    let total_bytes: u64 = plan.pairs.iter().map(PairPlan::bytes).sum();
+    let writing = plan.pairs.iter().filter(|p| p.writes()).count();
+    // SGLang posts one op per token per layer per K/V for every pair (it also has replicas re-send).
+    let per_token: u64 = plan.pairs.len() as u64
+        * pages
+        * u64::from(kv.page_size)
+        * u64::from(topo.stage_layers(Side::Prefill))
+        * kv.kinds().len() as u64;
+    writeln!(
+        out,
+        "totals: {} pair(s) ({writing} moving bytes), {} op(s), {}; one op per token per layer per kind would be {per_token}",
+        plan.pairs.len(),
+        plan.op_count(),
+        human_bytes(total_bytes),
+    )?;
+    writeln!(out, "per decode rank (bytes received; expected senders, each must notify):")?;
+    for d in topo.ranks(Side::Decode) {
+        let recv: u64 = plan.pairs.iter().filter(|p| p.dst == d).map(PairPlan::bytes).sum();
+        let keys: Vec<String> = topo.expected_senders(d).iter().map(ToString::to_string).collect();
+        writeln!(out, "  decode {d}: {} from {} sender(s): {}", human_bytes(recv), keys.len(), keys.join(", "))?;
+    }
+    Ok(())
+}
