@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::mem::{MemError, MemRegion};
 use crate::error::CodecError;
+use crate::mem::{MemError, MemRegion};
 use crate::notify::Notification;
 
 /// A caller-chosen id of a registered memory region, unique per endpoint.
@@ -70,7 +70,8 @@ impl WriteOp {
 
     /// The ranges `(src_offset, dst_offset, len)` this op covers.
     pub fn ranges(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        (0..self.count).map(move |i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride, self.len))
+        (0..self.count)
+            .map(move |i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride, self.len))
     }
 
     /// Checks every range against a region length (source or destination side), with overflow
@@ -185,13 +186,17 @@ impl BackendConfig {
 
     /// An option parsed as `T`, or `default` when absent. A value that does not parse is an error
     /// naming the option.
-    pub fn parse_or<T: std::str::FromStr>(&self, backend: &'static str, key: &str, default: T) -> Result<T, BackendError> {
+    pub fn parse_or<T: std::str::FromStr>(
+        &self,
+        backend: &'static str,
+        key: &str,
+        default: T,
+    ) -> Result<T, BackendError> {
         match self.options.get(key) {
             None => Ok(default),
-            Some(v) => v.parse().map_err(|_| BackendError::Config {
-                backend,
-                detail: format!("option {key}={v} does not parse"),
-            }),
+            Some(v) => v
+                .parse()
+                .map_err(|_| BackendError::Config { backend, detail: format!("option {key}={v} does not parse") }),
         }
     }
 }
@@ -403,6 +408,7 @@ pub trait KvTransferBackend: Send + Sync + 'static {
 pub type Constructor = fn(&BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError>;
 
 /// A backend's registry entry, submitted with `inventory::submit!`.
+#[derive(Debug)]
 pub struct BackendDescriptor {
     /// Registry name.
     pub name: &'static str,
@@ -436,10 +442,10 @@ pub struct UnknownBackend {
 /// Looks a backend up by name.
 pub fn lookup(name: &str) -> Result<&'static BackendDescriptor, UnknownBackend> {
     let all = registered();
-    all.iter().find(|d| d.name == name).copied().ok_or_else(|| UnknownBackend {
-        name: name.to_owned(),
-        available: all.iter().map(|d| d.name).collect(),
-    })
+    all.iter()
+        .find(|d| d.name == name)
+        .copied()
+        .ok_or_else(|| UnknownBackend { name: name.to_owned(), available: all.iter().map(|d| d.name).collect() })
 }
 
 #[cfg(test)]

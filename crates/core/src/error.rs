@@ -28,9 +28,7 @@ pub enum ConfigError {
         tp: u32,
     },
     /// max(P, D) is not a multiple of min(P, D).
-    #[error(
-        "prefill TP {prefill_tp} and decode TP {decode_tp}: the larger must be a multiple of the smaller"
-    )]
+    #[error("prefill TP {prefill_tp} and decode TP {decode_tp}: the larger must be a multiple of the smaller")]
     TpRatio {
         /// Prefill TP size.
         prefill_tp: u32,

@@ -16,6 +16,7 @@ pub mod heads;
 pub mod mem;
 pub mod model;
 pub mod notify;
+pub mod oracle;
 pub mod plan;
 pub mod tracker;
 

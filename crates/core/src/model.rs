@@ -401,10 +401,7 @@ impl Topology {
 
     /// Bytes of one rank's buffer for one layer and kind, holding `pages` pages.
     pub fn buffer_bytes(&self, side: Side, kind: KvKind, pages: u32) -> u64 {
-        u64::from(pages)
-            * u64::from(self.kv.page_size)
-            * u64::from(self.local_heads(side))
-            * self.kv.head_bytes(kind)
+        u64::from(pages) * u64::from(self.kv.page_size) * u64::from(self.local_heads(side)) * self.kv.head_bytes(kind)
     }
 
     /// Prefill TP ranks that feed decode TP rank `d` (SEMANTICS §3), within one stage.
@@ -437,19 +434,13 @@ impl Topology {
     /// The decode ranks prefill rank `src` sends to.
     pub fn receivers(&self, src: RankId) -> Vec<RankId> {
         let pp = self.dst_stage(src.pp);
-        (0..self.decode.tp)
-            .filter(|d| self.sender_tps(*d).contains(&src.tp))
-            .map(|tp| RankId { tp, pp })
-            .collect()
+        (0..self.decode.tp).filter(|d| self.sender_tps(*d).contains(&src.tp)).map(|tp| RankId { tp, pp }).collect()
     }
 
     /// The prefill ranks that send to decode rank `dst`, every stage included.
     pub fn senders(&self, dst: RankId) -> Vec<RankId> {
         let stages: Vec<u32> = if self.decode.pp == 1 { (0..self.prefill.pp).collect() } else { vec![dst.pp] };
-        stages
-            .into_iter()
-            .flat_map(|pp| self.sender_tps(dst.tp).map(move |tp| RankId { tp, pp }))
-            .collect()
+        stages.into_iter().flat_map(|pp| self.sender_tps(dst.tp).map(move |tp| RankId { tp, pp })).collect()
     }
 
     /// The sender keys decode rank `dst` must hear from (SEMANTICS §5):

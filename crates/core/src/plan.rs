@@ -186,16 +186,14 @@ impl PairPlan {
     /// Bytes moved.
     pub fn bytes(&self) -> u64 {
         let pages: u64 = self.runs.iter().map(|r| u64::from(r.len)).sum();
-        let per_page: u64 =
-            self.slices.iter().map(|s| u64::from(s.n) * s.head_bytes * u64::from(self.page_size)).sum();
+        let per_page: u64 = self.slices.iter().map(|s| u64::from(s.n) * s.head_bytes * u64::from(self.page_size)).sum();
         u64::from(self.layers) * pages * per_page
     }
 
     /// Ops, layer-major, then kind, then page run. Lazily computed; nothing is materialised.
     pub fn ops(&self) -> impl Iterator<Item = PlannedOp> + '_ {
-        (0..self.layers).flat_map(move |l| {
-            self.slices.iter().flat_map(move |s| self.runs.iter().map(move |r| self.op(l, s, r)))
-        })
+        (0..self.layers)
+            .flat_map(move |l| self.slices.iter().flat_map(move |s| self.runs.iter().map(move |r| self.op(l, s, r))))
     }
 
     /// The op for source layer `l`, slice `s`, run `r`.
@@ -296,7 +294,12 @@ fn pair(topo: &Topology, src: RankId, dst: RankId, runs: &Arc<[PageRun]>) -> Pai
 }
 
 /// The pairs of one prefill rank (one per decode rank it feeds) for a chunk.
-pub fn plan_sender(topo: &Topology, src: RankId, src_pages: &[u32], dst_pages: &[u32]) -> Result<Vec<PairPlan>, PlanError> {
+pub fn plan_sender(
+    topo: &Topology,
+    src: RankId,
+    src_pages: &[u32],
+    dst_pages: &[u32],
+) -> Result<Vec<PairPlan>, PlanError> {
     topo.check_rank(Side::Prefill, src)?;
     let runs: Arc<[PageRun]> = page_runs(src_pages, dst_pages)?.into();
     Ok(topo.receivers(src).into_iter().map(|dst| pair(topo, src, dst, &runs)).collect())
