@@ -1,0 +1,2 @@
+/* The one header kvxfer-ucx-sys binds. */
+#include <ucp/api/ucp.h>
