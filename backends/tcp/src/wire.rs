@@ -1,0 +1,569 @@
+//! The TCP backend's wire protocol: handshake, frame headers, op descriptors, and their validation.
+//!
+//! Pure code, no IO: encoders and decoders over byte slices, so the protocol can be tested (and a
+//! hostile peer simulated) without sockets. The crate README describes the same format in prose.
+//!
+//! All integers are little endian.
+//!
+//! ```text
+//! HELLO (client -> server, first bytes of every stream), 48 bytes:
+//!   0  [4]  magic "KVXT"
+//!   4  u16  protocol version (1)
+//!   6  u8   stream kind: 0 data, 1 control
+//!   7  u8   stream index within the link
+//!   8  [16] access token (from the server's endpoint metadata)
+//!   24 u64  link id (random, groups the streams of one connect call)
+//!   32 u64  client identity
+//!   40 u32  data streams in the link
+//!   44 u32  reserved, 0
+//! HELLO reply (server -> client), 20 bytes + reason:
+//!   0  [4]  magic "KVXT"
+//!   4  u16  protocol version
+//!   6  u8   status: 0 accepted, 1 rejected
+//!   7  u8   reserved, 0
+//!   8  u64  server identity
+//!   16 u32  reason length (0 when accepted, at most MAX_MESSAGE), then the UTF-8 reason
+//! FRAME header, 32 bytes:
+//!   0  u8   type: 1 WRITE, 2 NOTE, 3 BYE (client -> server); 0x81 ACK, 0x82 ERROR (server -> client)
+//!   1  u8   flags (WRITE only): bit 0 LAST (last frame of the batch on this stream),
+//!           bit 1 NOTE_FOLLOWS (an attached NOTE for this batch follows on stream 0)
+//!   2  u16  frame magic 0x584b ("KX")
+//!   4  u32  n: WRITE op descriptors (1..=MAX_OPS); NOTE / ERROR body length
+//!   8  u64  batch id
+//!   16 u64  payload bytes (WRITE: the sum of len * count over its ops; otherwise 0)
+//!   24 u32  parts (NOTE: data stream parts of the batch to wait for before delivery; otherwise 0)
+//!   28 u32  reserved, 0
+//! WRITE body: n op descriptors of 40 bytes, then the payload (the ops' ranges in order):
+//!   0  u32 destination region, 4 u32 reserved 0, 8 u64 offset, 16 u64 len, 24 u64 count, 32 u64 stride
+//! NOTE body: a kvxfer-core encoded Notification. ERROR body: a UTF-8 message.
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+
+use kvxfer_core::{MemRegion, RegionId, WriteOp};
+
+/// Handshake magic.
+pub const HELLO_MAGIC: [u8; 4] = *b"KVXT";
+/// Protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes of a HELLO.
+pub const HELLO_LEN: usize = 48;
+/// Bytes of a HELLO reply before its reason.
+pub const HELLO_REPLY_LEN: usize = 20;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 32;
+/// Bytes of one WRITE op descriptor.
+pub const OP_LEN: usize = 40;
+/// Frame magic.
+pub const FRAME_MAGIC: u16 = 0x584b;
+/// Most op descriptors in one WRITE frame.
+pub const MAX_OPS: u32 = 1024;
+/// Longest ERROR message or handshake reason.
+pub const MAX_MESSAGE: u32 = 4096;
+/// Longest NOTE body (an encoded notification with the largest aux/state payload).
+pub const MAX_NOTE: u32 = (kvxfer_core::notify::MAX_PAYLOAD + 64) as u32;
+/// Access token length.
+pub const TOKEN_LEN: usize = 16;
+
+/// WRITE flag: last frame of its batch on this stream; the receiver acks after placing it.
+pub const FLAG_LAST: u8 = 1;
+/// WRITE flag: an attached NOTE for this batch follows on stream 0.
+pub const FLAG_NOTE_FOLLOWS: u8 = 2;
+
+/// Frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameType {
+    /// Data: op descriptors and payload.
+    Write = 1,
+    /// A notification.
+    Note = 2,
+    /// Graceful end of the stream.
+    Bye = 3,
+    /// The receiver placed a batch's part on this stream.
+    Ack = 0x81,
+    /// The receiver rejected a frame; it closes the stream after this.
+    Error = 0x82,
+}
+
+impl FrameType {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Write,
+            2 => Self::Note,
+            3 => Self::Bye,
+            0x81 => Self::Ack,
+            0x82 => Self::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// A protocol violation, described for the error message (and the ERROR frame sent back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireError(pub String);
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+macro_rules! bail {
+    ($($t:tt)*) => { return Err(WireError(format!($($t)*))) };
+}
+
+fn u16_at(b: &[u8], o: usize) -> u16 {
+    u16::from_le_bytes([b[o], b[o + 1]])
+}
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+/// Stream kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    /// Data stream (WRITE frames and attached NOTEs).
+    Data,
+    /// Control stream (out-of-band NOTEs).
+    Control,
+}
+
+/// The first message of every stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// Data or control.
+    pub kind: StreamKind,
+    /// Index of the stream in its link.
+    pub index: u8,
+    /// Access token.
+    pub token: [u8; TOKEN_LEN],
+    /// Link id.
+    pub link: u64,
+    /// Client identity.
+    pub identity: u64,
+    /// Data streams in the link.
+    pub streams: u32,
+}
+
+impl Hello {
+    /// Encodes.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(&HELLO_MAGIC);
+        b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        b[6] = match self.kind {
+            StreamKind::Data => 0,
+            StreamKind::Control => 1,
+        };
+        b[7] = self.index;
+        b[8..24].copy_from_slice(&self.token);
+        b[24..32].copy_from_slice(&self.link.to_le_bytes());
+        b[32..40].copy_from_slice(&self.identity.to_le_bytes());
+        b[40..44].copy_from_slice(&self.streams.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks magic, version, kind and reserved bytes (not the token).
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, WireError> {
+        if b[0..4] != HELLO_MAGIC {
+            bail!("not a kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
+        }
+        let v = u16_at(b, 4);
+        if v != PROTOCOL_VERSION {
+            bail!("protocol version {v}, this endpoint speaks {PROTOCOL_VERSION}");
+        }
+        let kind = match b[6] {
+            0 => StreamKind::Data,
+            1 => StreamKind::Control,
+            k => bail!("unknown stream kind {k}"),
+        };
+        if u32_at(b, 44) != 0 {
+            bail!("reserved handshake bytes are not zero");
+        }
+        let streams = u32_at(b, 40);
+        if streams == 0 || streams > 64 {
+            bail!("link announces {streams} data streams (1..=64 allowed)");
+        }
+        let mut token = [0u8; TOKEN_LEN];
+        token.copy_from_slice(&b[8..24]);
+        Ok(Self { kind, index: b[7], token, link: u64_at(b, 24), identity: u64_at(b, 32), streams })
+    }
+}
+
+/// Encodes a HELLO reply.
+pub fn encode_hello_reply(identity: u64, rejection: Option<&str>) -> Vec<u8> {
+    let reason = rejection.map(|r| truncate(r, MAX_MESSAGE as usize)).unwrap_or("");
+    let mut b = Vec::with_capacity(HELLO_REPLY_LEN + reason.len());
+    b.extend_from_slice(&HELLO_MAGIC);
+    b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    b.push(u8::from(rejection.is_some()));
+    b.push(0);
+    b.extend_from_slice(&identity.to_le_bytes());
+    b.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+    b.extend_from_slice(reason.as_bytes());
+    b
+}
+
+/// A decoded HELLO reply header: `(server identity, rejected, reason length)`.
+pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32), WireError> {
+    if b[0..4] != HELLO_MAGIC {
+        bail!("peer did not answer the kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
+    }
+    let v = u16_at(b, 4);
+    if v != PROTOCOL_VERSION {
+        bail!("peer speaks protocol version {v}, this endpoint speaks {PROTOCOL_VERSION}");
+    }
+    let rejected = match b[6] {
+        0 => false,
+        1 => true,
+        s => bail!("unknown handshake status {s}"),
+    };
+    let len = u32_at(b, 16);
+    if len > MAX_MESSAGE {
+        bail!("handshake reason of {len} bytes exceeds {MAX_MESSAGE}");
+    }
+    Ok((u64_at(b, 8), rejected, len))
+}
+
+/// Truncates at a char boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// A frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Type.
+    pub ty: FrameType,
+    /// Flags.
+    pub flags: u8,
+    /// Descriptor count or body length.
+    pub n: u32,
+    /// Batch id.
+    pub batch: u64,
+    /// Payload bytes.
+    pub payload: u64,
+    /// Parts (NOTE).
+    pub parts: u32,
+}
+
+impl Header {
+    /// A header with no flags, body, payload or parts.
+    pub fn new(ty: FrameType, batch: u64) -> Self {
+        Self { ty, flags: 0, n: 0, batch, payload: 0, parts: 0 }
+    }
+
+    /// Encodes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.ty as u8;
+        b[1] = self.flags;
+        b[2..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.n.to_le_bytes());
+        b[8..16].copy_from_slice(&self.batch.to_le_bytes());
+        b[16..24].copy_from_slice(&self.payload.to_le_bytes());
+        b[24..28].copy_from_slice(&self.parts.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks the magic, type, reserved bytes and per-type limits.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, WireError> {
+        let magic = u16_at(b, 2);
+        if magic != FRAME_MAGIC {
+            bail!("bad frame magic 0x{magic:04x} (expected 0x{FRAME_MAGIC:04x}); stream out of sync");
+        }
+        let Some(ty) = FrameType::from_u8(b[0]) else { bail!("unknown frame type 0x{:02x}", b[0]) };
+        if u32_at(b, 28) != 0 {
+            bail!("reserved frame header bytes are not zero");
+        }
+        let h = Self {
+            ty,
+            flags: b[1],
+            n: u32_at(b, 4),
+            batch: u64_at(b, 8),
+            payload: u64_at(b, 16),
+            parts: u32_at(b, 24),
+        };
+        match ty {
+            FrameType::Write => {
+                if h.flags & !(FLAG_LAST | FLAG_NOTE_FOLLOWS) != 0 {
+                    bail!("unknown WRITE flags 0x{:02x}", h.flags);
+                }
+                if h.n == 0 || h.n > MAX_OPS {
+                    bail!("WRITE with {} op descriptors (1..={MAX_OPS} allowed)", h.n);
+                }
+                if h.parts != 0 {
+                    bail!("WRITE with non-zero parts field");
+                }
+            }
+            FrameType::Note => {
+                if h.n == 0 || h.n > MAX_NOTE {
+                    bail!("NOTE body of {} bytes (1..={MAX_NOTE} allowed)", h.n);
+                }
+                if h.flags != 0 || h.payload != 0 {
+                    bail!("NOTE with flags or payload");
+                }
+                if h.parts > 64 {
+                    bail!("NOTE waits for {} parts (at most 64 streams)", h.parts);
+                }
+            }
+            FrameType::Error => {
+                if h.n > MAX_MESSAGE || h.flags != 0 || h.payload != 0 || h.parts != 0 {
+                    bail!("malformed ERROR frame");
+                }
+            }
+            FrameType::Bye | FrameType::Ack => {
+                if h.n != 0 || h.flags != 0 || h.payload != 0 || h.parts != 0 {
+                    bail!("{ty:?} frame with a body, flags or payload");
+                }
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// One op descriptor of a WRITE frame: where `count` ranges of `len` bytes land.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpDesc {
+    /// Destination region.
+    pub region: RegionId,
+    /// Offset of the first range.
+    pub offset: u64,
+    /// Bytes per range.
+    pub len: u64,
+    /// Ranges.
+    pub count: u64,
+    /// Destination stride.
+    pub stride: u64,
+}
+
+impl OpDesc {
+    /// The destination side of a write op.
+    pub fn of(op: &WriteOp) -> Self {
+        Self { region: op.dst, offset: op.dst_offset, len: op.len, count: op.count, stride: op.dst_stride }
+    }
+
+    /// Appends the encoding.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.region.0.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.count.to_le_bytes());
+        out.extend_from_slice(&self.stride.to_le_bytes());
+    }
+
+    /// Decodes one descriptor (`b` is exactly [`OP_LEN`] bytes).
+    pub fn decode(b: &[u8]) -> Result<Self, WireError> {
+        if b.len() != OP_LEN {
+            bail!("op descriptor of {} bytes", b.len());
+        }
+        if u32_at(b, 4) != 0 {
+            bail!("reserved op descriptor bytes are not zero");
+        }
+        Ok(Self {
+            region: RegionId(u32_at(b, 0)),
+            offset: u64_at(b, 8),
+            len: u64_at(b, 16),
+            count: u64_at(b, 24),
+            stride: u64_at(b, 32),
+        })
+    }
+
+    /// Bytes carried, or `None` on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.len.checked_mul(self.count)
+    }
+
+    /// First and one-past-last byte touched (valid after bounds were checked).
+    fn span(&self) -> (u64, u64) {
+        (self.offset, self.offset + (self.count - 1) * self.stride + self.len)
+    }
+
+    /// The ranges `(offset, len)`.
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.count).map(move |i| (self.offset + i * self.stride, self.len))
+    }
+}
+
+/// Checks a frame's ops against the registered regions before any byte is placed: every region is
+/// registered, every range of every op lies inside it, strides do not make an op overlap itself,
+/// no two ops overlap, and the payload length equals the ops' bytes. Returns the regions to write.
+pub fn validate_write(
+    ops: &[OpDesc],
+    payload: u64,
+    regions: &HashMap<RegionId, MemRegion>,
+) -> Result<Vec<MemRegion>, WireError> {
+    let mut total: u64 = 0;
+    let mut out = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        let Some(mem) = regions.get(&op.region) else { bail!("op {i} names {}, which is not registered", op.region) };
+        if op.len == 0 || op.count == 0 {
+            bail!("op {i} is empty (len {}, count {})", op.len, op.count);
+        }
+        if op.count > 1 && op.stride < op.len {
+            bail!("op {i}: stride {} is smaller than the range length {} (ranges overlap)", op.stride, op.len);
+        }
+        if let Err(e) = WriteOp::check_bounds(op.offset, op.stride, op.len, op.count, mem.len() as u64) {
+            bail!("op {i} into {} is out of bounds: {e}", op.region);
+        }
+        let Some(b) = op.bytes() else { bail!("op {i}: length overflows") };
+        let Some(t) = total.checked_add(b) else { bail!("frame length overflows") };
+        total = t;
+        out.push(mem.clone());
+    }
+    if total != payload {
+        bail!("frame announces {payload} payload bytes but its ops cover {total}");
+    }
+    check_disjoint(ops)?;
+    Ok(out)
+}
+
+/// Most ranges [`check_disjoint`] expands when op spans interleave.
+pub const MAX_EXPANDED_RANGES: u64 = 1 << 20;
+
+/// Errors if two ops (after bounds checks) write the same byte. Ops whose spans do not overlap are
+/// checked in O(n log n); interleaved strided ops are expanded to their ranges (bounded).
+pub fn check_disjoint(ops: &[OpDesc]) -> Result<(), WireError> {
+    let mut spans: Vec<(u32, u64, u64, usize)> =
+        ops.iter().enumerate().map(|(i, o)| (o.region.0, o.span().0, o.span().1, i)).collect();
+    let sorted = spans.windows(2).all(|w| (w[0].0, w[0].2) <= (w[1].0, w[1].1));
+    if sorted {
+        return Ok(());
+    }
+    spans.sort_unstable();
+    let mut interleaved: Vec<usize> = Vec::new();
+    for w in spans.windows(2) {
+        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+            interleaved.push(w[0].3);
+            interleaved.push(w[1].3);
+        }
+    }
+    if interleaved.is_empty() {
+        return Ok(());
+    }
+    interleaved.sort_unstable();
+    interleaved.dedup();
+    let n: u64 = interleaved.iter().map(|i| ops[*i].count).sum();
+    if n > MAX_EXPANDED_RANGES {
+        bail!("{n} interleaved destination ranges in one frame (limit {MAX_EXPANDED_RANGES})");
+    }
+    let mut ranges: Vec<(u32, u64, u64)> = Vec::with_capacity(n as usize);
+    for i in interleaved {
+        let o = &ops[i];
+        ranges.extend(o.ranges().map(|(off, len)| (o.region.0, off, off + len)));
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+            bail!(
+                "two ops write bytes {}..{} of region {} (destination ranges overlap)",
+                w[1].1,
+                w[0].2.min(w[1].2),
+                w[0].0
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvxfer_core::HostBuffer;
+
+    fn regions() -> (HashMap<RegionId, MemRegion>, HostBuffer) {
+        let b = HostBuffer::zeroed(1024);
+        let mut m = HashMap::new();
+        m.insert(RegionId(1), b.region());
+        (m, b)
+    }
+
+    fn op(offset: u64, len: u64, count: u64, stride: u64) -> OpDesc {
+        OpDesc { region: RegionId(1), offset, len, count, stride }
+    }
+
+    #[test]
+    fn header_roundtrip_and_rejections() {
+        let h = Header { ty: FrameType::Write, flags: FLAG_LAST, n: 3, batch: 9, payload: 77, parts: 0 };
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        let mut b = h.encode();
+        b[2] = 0;
+        assert!(Header::decode(&b).unwrap_err().0.contains("magic"));
+        let mut b = h.encode();
+        b[0] = 9;
+        assert!(Header::decode(&b).unwrap_err().0.contains("type"));
+        let mut b = h.encode();
+        b[1] = 0x80;
+        assert!(Header::decode(&b).is_err());
+        let bad = Header { n: MAX_OPS + 1, ..h };
+        assert!(Header::decode(&bad.encode()).is_err());
+        let bad = Header { n: 0, ..h };
+        assert!(Header::decode(&bad.encode()).is_err());
+        let note = Header { ty: FrameType::Note, flags: 0, n: MAX_NOTE + 1, batch: 0, payload: 0, parts: 0 };
+        assert!(Header::decode(&note.encode()).is_err());
+        let mut b = Header::new(FrameType::Ack, 1).encode();
+        b[30] = 1;
+        assert!(Header::decode(&b).is_err());
+    }
+
+    #[test]
+    fn hello_roundtrip_and_rejections() {
+        let h = Hello { kind: StreamKind::Control, index: 2, token: [7; 16], link: 5, identity: 6, streams: 2 };
+        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        let mut b = h.encode();
+        b[0] = b'X';
+        assert!(Hello::decode(&b).is_err());
+        let mut b = h.encode();
+        b[4] = 9;
+        assert!(Hello::decode(&b).unwrap_err().0.contains("version"));
+        let r = encode_hello_reply(3, Some("bad token"));
+        let (id, rej, len) = decode_hello_reply(r[..HELLO_REPLY_LEN].try_into().unwrap()).unwrap();
+        assert_eq!((id, rej, len as usize), (3, true, "bad token".len()));
+    }
+
+    #[test]
+    fn validation_catches_every_violation() {
+        let (m, _b) = regions();
+        assert!(validate_write(&[op(0, 8, 4, 16)], 32, &m).is_ok());
+        // payload mismatch
+        assert!(validate_write(&[op(0, 8, 4, 16)], 33, &m).unwrap_err().0.contains("payload"));
+        // out of bounds on the last stride step only
+        assert!(validate_write(&[op(0, 8, 65, 16)], 520, &m).unwrap_err().0.contains("out of bounds"));
+        assert!(validate_write(&[op(1020, 8, 1, 8)], 8, &m).is_err());
+        assert!(validate_write(&[op(u64::MAX - 2, 8, 1, 8)], 8, &m).is_err());
+        // unknown region
+        let o = OpDesc { region: RegionId(2), ..op(0, 8, 1, 8) };
+        assert!(validate_write(&[o], 8, &m).unwrap_err().0.contains("not registered"));
+        // self-overlapping stride, empty op
+        assert!(validate_write(&[op(0, 8, 2, 4)], 16, &m).is_err());
+        assert!(validate_write(&[op(0, 0, 1, 0)], 0, &m).is_err());
+        // overlapping ops, plain and interleaved
+        assert!(validate_write(&[op(0, 16, 1, 16), op(8, 16, 1, 16)], 32, &m).unwrap_err().0.contains("overlap"));
+        assert!(validate_write(&[op(0, 8, 4, 16), op(8, 8, 4, 16)], 64, &m).is_ok());
+        assert!(validate_write(&[op(0, 8, 4, 16), op(4, 8, 4, 16)], 64, &m).is_err());
+        assert!(validate_write(&[op(64, 8, 1, 8), op(0, 8, 1, 8)], 16, &m).is_ok());
+        // overflowing length
+        assert!(validate_write(&[op(0, u64::MAX, 2, u64::MAX)], 0, &m).is_err());
+    }
+
+    #[test]
+    fn descriptors_roundtrip() {
+        let o = op(3, 4, 5, 6);
+        let mut v = Vec::new();
+        o.encode_into(&mut v);
+        assert_eq!(v.len(), OP_LEN);
+        assert_eq!(OpDesc::decode(&v).unwrap(), o);
+        v[5] = 1;
+        assert!(OpDesc::decode(&v).is_err());
+    }
+}
