@@ -10,3 +10,41 @@ pub mod session;
 
 pub use kvxfer_core as core;
 pub use kvxfer_core::*;
+
+pub mod backends {
+    //! The backends compiled into this build, selected by cargo features.
+    //!
+    //! `inventory` registration happens at link time, and a linker may drop a crate nothing
+    //! references; [`linked`] references every enabled backend's constructor so that cannot happen.
+
+    use std::sync::Arc;
+
+    use kvxfer_core::backend::{lookup, Constructor, UnknownBackend};
+    use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend};
+
+    /// The names of the backends enabled by cargo features (each also referenced, so it is linked).
+    #[allow(unused_mut, clippy::vec_init_then_push)] // one cfg-gated push per enabled feature
+    pub fn linked() -> Vec<(&'static str, Constructor)> {
+        let mut v: Vec<(&'static str, Constructor)> = Vec::new();
+        #[cfg(feature = "local")]
+        v.push((kvxfer_local::NAME, kvxfer_local::create));
+        v
+    }
+
+    /// A failure to build a backend by name.
+    #[derive(Debug, thiserror::Error)]
+    pub enum CreateError {
+        /// Not compiled in.
+        #[error(transparent)]
+        Unknown(#[from] UnknownBackend),
+        /// The constructor failed.
+        #[error(transparent)]
+        Backend(#[from] BackendError),
+    }
+
+    /// Builds an endpoint of the backend called `name`.
+    pub fn create(name: &str, config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, CreateError> {
+        let _ = linked();
+        Ok((lookup(name)?.create)(config)?)
+    }
+}

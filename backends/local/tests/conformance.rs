@@ -1,0 +1,21 @@
+//! The conformance suite on the in-process backend (both notification styles are cases of the suite).
+
+use std::sync::Arc;
+
+use kvxfer_conformance::BackendFactory;
+use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend};
+
+struct Local;
+
+impl BackendFactory for Local {
+    fn name(&self) -> String {
+        "local".into()
+    }
+    fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+        kvxfer_local::create(&BackendConfig::new(identity))
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    kvxfer_conformance::run_main(Arc::new(Local))
+}
