@@ -28,6 +28,14 @@ pub mod backends {
         let mut v: Vec<(&'static str, Constructor)> = Vec::new();
         #[cfg(feature = "local")]
         v.push((kvxfer_local::NAME, kvxfer_local::create));
+        #[cfg(feature = "tcp")]
+        v.push((kvxfer_tcp::NAME, kvxfer_tcp::create));
+        #[cfg(feature = "ucx")]
+        v.push((kvxfer_ucx::NAME, kvxfer_ucx::create));
+        #[cfg(feature = "fabric")]
+        v.push((kvxfer_fabric::NAME, kvxfer_fabric::create));
+        #[cfg(feature = "verbs")]
+        v.push((kvxfer_verbs::NAME, kvxfer_verbs::create));
         v
     }
 
