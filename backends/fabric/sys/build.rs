@@ -30,7 +30,7 @@ fn main() {
 
     let mut bindings = bindgen::Builder::default()
         .header("shim/shim.h")
-        .allowlist_function("kvx_fi_.*")
+        .allowlist_function("kvx_.*")
         .allowlist_function("fi_getinfo|fi_freeinfo|fi_dupinfo|fi_fabric|fi_strerror|fi_version")
         .allowlist_type("fi_.*|fid_.*|fid")
         .allowlist_var("FI_.*")

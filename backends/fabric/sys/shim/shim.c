@@ -1,6 +1,10 @@
 /* See shim.h: one-line forwards to libfabric's static inline functions. */
 #include "shim.h"
 
+#include <string.h>
+
+char *kvx_strdup(const char *s) { return strdup(s); }
+
 struct fi_info *kvx_fi_allocinfo(void) { return fi_allocinfo(); }
 int kvx_fi_close(struct fid *fid) { return fi_close(fid); }
 int kvx_fi_domain(struct fid_fabric *fabric, struct fi_info *info, struct fid_domain **domain, void *context) {

@@ -13,6 +13,8 @@
 #include <rdma/fi_rma.h>
 
 struct fi_info *kvx_fi_allocinfo(void);
+/* strdup with the C allocator, for fi_info string fields that fi_freeinfo frees. */
+char *kvx_strdup(const char *s);
 int kvx_fi_close(struct fid *fid);
 int kvx_fi_domain(struct fid_fabric *fabric, struct fi_info *info, struct fid_domain **domain, void *context);
 int kvx_fi_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep, void *context);

@@ -1,0 +1,832 @@
+//! The [`KvTransferBackend`] over one libfabric RDM endpoint.
+//!
+//! - Writes: `fi_writemsg` per group of at most `iov_limit` ranges (a strided op becomes iovs; a
+//!   contiguous one a single range), with `FI_DELIVERY_COMPLETE` when the provider offers it.
+//!   `write` returns after every write's completion.
+//! - Attached notifications: the notification travels as a "staged" message, and the batch's last write
+//!   carries remote CQ data (a token) with `fi_writemsg(FI_REMOTE_CQ_DATA)` (i.e. `fi_writedata`), posted
+//!   after every other write of the batch completed; the receiver delivers the notification when both
+//!   the message and the token's completion have arrived, so never before the data. Where the provider
+//!   has no CQ data (or `attached=message`), the notification is a message sent after the writes completed.
+//! - Out-of-band notifications: `fi_send` messages into receive buffers the endpoint keeps posted,
+//!   fragmented to the receiver's buffer size.
+//! - Progress: a dedicated thread polls the completion queue (hot while operations are in flight,
+//!   backing off to `idle_poll_us` when idle); every call on the endpoint holds one mutex, which is
+//!   what `FI_THREAD_DOMAIN` asks of the application.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvxfer_core::backend::METADATA_VERSION;
+use kvxfer_core::{
+    BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend, MemRegion,
+    Notification, PeerId, RegionId, WriteOp,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::ffi::{
+    Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov,
+};
+use crate::wire::{self, Kind, Payload, Reassembly, RegionMeta, WIRE_VERSION};
+use crate::NAME;
+
+/// How attached notifications travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachedMode {
+    /// Remote CQ data where the provider has it (cq_data_size >= 8), else a message.
+    Auto,
+    /// Always remote CQ data (an error at construction if the provider has none).
+    CqData,
+    /// Always a message sent after the writes completed.
+    Message,
+}
+
+/// Parsed construction options (see the crate docs for the list).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// libfabric provider name (`tcp` is expanded to `tcp;ofi_rxm`).
+    pub provider: String,
+    /// Local address to bind (`addr`), e.g. `127.0.0.1`.
+    pub addr: Option<String>,
+    /// Deadline of each `write` and `notify`.
+    pub timeout: Duration,
+    /// Receive buffers kept posted.
+    pub recv_buffers: usize,
+    /// Size of each receive buffer (the largest message a peer sends in one piece).
+    pub recv_buf_size: usize,
+    /// How attached notifications travel.
+    pub attached: AttachedMode,
+    /// Longest sleep of the idle progress thread.
+    pub idle_poll: Duration,
+}
+
+fn config_err(detail: String) -> BackendError {
+    BackendError::Config { backend: NAME, detail }
+}
+
+impl Options {
+    /// Reads options (with their env fallbacks) from a config.
+    pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
+        let provider = config
+            .options
+            .get("provider")
+            .cloned()
+            .or_else(|| std::env::var("FI_PROVIDER").ok().filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| "tcp".to_owned());
+        let provider = match provider.as_str() {
+            "tcp" => "tcp;ofi_rxm".to_owned(),
+            "verbs" => "verbs;ofi_rxm".to_owned(),
+            _ => provider,
+        };
+        let addr = config
+            .options
+            .get("addr")
+            .cloned()
+            .or_else(|| std::env::var("KVXFER_FABRIC_ADDR").ok().filter(|s| !s.is_empty()));
+        let timeout = Duration::from_millis(config.parse_or(NAME, "timeout_ms", 30_000u64)?);
+        let recv_buffers: usize = config.parse_or(NAME, "recv_buffers", 64)?;
+        let recv_buf_size: usize = config.parse_or(NAME, "recv_buf_size", 64 * 1024)?;
+        if recv_buffers == 0 || recv_buf_size < 4 * wire::HEADER {
+            return Err(config_err(format!(
+                "recv_buffers={recv_buffers} recv_buf_size={recv_buf_size}: need at least 1 buffer of at least {} bytes",
+                4 * wire::HEADER
+            )));
+        }
+        let attached = match config.options.get("attached").map(String::as_str) {
+            None | Some("auto") => AttachedMode::Auto,
+            Some("cq-data") => AttachedMode::CqData,
+            Some("message") => AttachedMode::Message,
+            Some(v) => return Err(config_err(format!("attached={v}: use auto, cq-data or message"))),
+        };
+        let idle_poll = Duration::from_micros(config.parse_or(NAME, "idle_poll_us", 200u64)?.max(1));
+        Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll })
+    }
+}
+
+struct Region {
+    mem: MemRegion,
+    mr: MrHandle,
+    info: MrInfo,
+}
+
+struct Peer {
+    identity: u64,
+    fi_addr: u64,
+    addr: Vec<u8>,
+    provider: String,
+    recv_buf: usize,
+    cq_data: bool,
+    regions: HashMap<u32, RegionMeta>,
+    lost: bool,
+}
+
+impl Peer {
+    fn describe(&self, id: PeerId) -> String {
+        format!("{id} (identity {:#x}, {})", self.identity, self.provider)
+    }
+}
+
+struct Batch {
+    peer: PeerId,
+    identity: u64,
+    posted: usize,
+    completed: usize,
+    sealed: bool,
+    error: Option<BackendError>,
+    done: Option<oneshot::Sender<Result<(), BackendError>>>,
+}
+
+impl Batch {
+    fn maybe_finish(&mut self) -> bool {
+        if self.sealed && self.completed >= self.posted {
+            if let Some(tx) = self.done.take() {
+                let _ = tx.send(self.error.take().map_or(Ok(()), Err));
+            }
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Everything behind the endpoint mutex. `ep` is declared first so it is closed before the rest drops.
+struct State {
+    ep: RdmEndpoint,
+    regions: HashMap<RegionId, Region>,
+    peers: HashMap<PeerId, Peer>,
+    addrs: HashMap<Vec<u8>, u64>,
+    next_peer: u64,
+    batches: HashMap<u64, Batch>,
+    next_batch: u64,
+    next_seq: u64,
+    reasm: Reassembly,
+    scratch: Vec<Event>,
+    dropped_messages: u64,
+}
+
+const USER_SEND: u64 = 1;
+
+impl State {
+    /// Polls the completion queue until it is empty (bounded) and dispatches what it reports.
+    fn pump(&mut self, events: &mpsc::UnboundedSender<BackendEvent>) -> usize {
+        let mut total = 0;
+        for _ in 0..16 {
+            let mut out = std::mem::take(&mut self.scratch);
+            let n = match self.ep.poll(&mut out, 64) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(target: "kvxfer_fabric", "{e}");
+                    0
+                }
+            };
+            for ev in out.drain(..) {
+                self.dispatch(ev, events);
+            }
+            self.scratch = out;
+            total += n;
+            if n == 0 {
+                break;
+            }
+        }
+        total
+    }
+
+    fn deliver(&mut self, bytes: Vec<u8>, events: &mpsc::UnboundedSender<BackendEvent>) {
+        match Notification::decode(&bytes) {
+            Ok(n) => {
+                let _ = events.send(BackendEvent::Notification(n));
+            }
+            Err(e) => {
+                self.dropped_messages += 1;
+                tracing::warn!(target: "kvxfer_fabric", "dropping an undecodable notification: {e}");
+            }
+        }
+    }
+
+    fn dispatch(&mut self, ev: Event, events: &mpsc::UnboundedSender<BackendEvent>) {
+        match ev {
+            Event::Message(bytes) => match self.reasm.frame(&bytes) {
+                Ok(Some(n)) => self.deliver(n, events),
+                Ok(None) => {}
+                Err(e) => {
+                    self.dropped_messages += 1;
+                    tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
+                }
+            },
+            Event::RemoteData(token) => {
+                if let Some(n) = self.reasm.token(token) {
+                    self.deliver(n, events);
+                }
+            }
+            Event::RecvError(e) => {
+                self.dropped_messages += 1;
+                tracing::warn!(target: "kvxfer_fabric", "a receive failed: {}", e.detail);
+            }
+            Event::Done { user, error } => {
+                let id = user >> 1;
+                let call = if user & USER_SEND != 0 { "fi_send (completion)" } else { "fi_writemsg (completion)" };
+                let Some(b) = self.batches.get_mut(&id) else { return };
+                b.completed += 1;
+                if let Some(e) = error {
+                    let (peer, identity) = (b.peer, b.identity);
+                    if b.error.is_none() {
+                        b.error = Some(ffi_completion_error(call, &e, peer, identity));
+                    }
+                    if e.is_connection_loss() {
+                        if let Some(p) = self.peers.get_mut(&peer) {
+                            if !p.lost {
+                                p.lost = true;
+                                let _ = events.send(BackendEvent::PeerLost {
+                                    identity,
+                                    reason: format!("{call} to {peer} failed: {}", e.detail),
+                                });
+                            }
+                        }
+                    }
+                }
+                let b = self.batches.get_mut(&id).expect("present above");
+                if b.maybe_finish() {
+                    self.batches.remove(&id);
+                }
+            }
+        }
+    }
+}
+
+fn ffi_completion_error(call: &'static str, e: &FiError, peer: PeerId, identity: u64) -> BackendError {
+    BackendError::Ffi {
+        backend: NAME,
+        call,
+        code: -i64::from(e.code),
+        detail: format!("{}; to {peer} (identity {identity:#x})", e.detail),
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    events: mpsc::UnboundedSender<BackendEvent>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain bookkeeping behind; keep serving.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn progress_loop(shared: Arc<Shared>, idle_max: Duration) {
+    const HOT: Duration = Duration::from_millis(2);
+    let min_sleep = Duration::from_micros(10);
+    let mut sleep = min_sleep;
+    let mut last_active = Instant::now();
+    while !shared.stop.load(Ordering::Acquire) {
+        let (n, busy) = {
+            let mut st = shared.lock();
+            let n = st.pump(&shared.events);
+            (n, st.ep.tx_in_flight() > 0)
+        };
+        if n > 0 || busy {
+            last_active = Instant::now();
+            sleep = min_sleep;
+            std::thread::yield_now();
+        } else if last_active.elapsed() < HOT {
+            std::thread::yield_now();
+        } else {
+            std::thread::park_timeout(sleep);
+            sleep = (sleep * 2).min(idle_max);
+        }
+    }
+}
+
+/// Addresses of endpoints of this process that were closed, per provider.
+///
+/// libfabric's shm provider (1.17) crashes (SIGSEGV in `fi_writemsg`) when an endpoint writes to a peer
+/// endpoint of the same process that was closed, so posts to such a peer fail with `PeerLost` instead.
+/// Peers in other processes are unaffected: their writes fail or run into the deadline.
+static CLOSED_IN_PROCESS: Mutex<Option<HashSet<(String, Vec<u8>)>>> = Mutex::new(None);
+
+fn closed_set() -> MutexGuard<'static, Option<HashSet<(String, Vec<u8>)>>> {
+    CLOSED_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One item of a batch.
+enum Item {
+    Write { local: Vec<LocalRange>, remote: Vec<RemoteIov>, data: Option<u64> },
+    Send(Vec<u8>),
+}
+
+/// The libfabric backend endpoint.
+pub struct FabricBackend {
+    shared: Arc<Shared>,
+    events: tokio::sync::Mutex<mpsc::UnboundedReceiver<BackendEvent>>,
+    thread: Option<JoinHandle<()>>,
+    waker: std::thread::Thread,
+    identity: u64,
+    nonce: u32,
+    opts: Options,
+    info: ProviderInfo,
+    cq_data_local: bool,
+}
+
+impl Drop for FabricBackend {
+    fn drop(&mut self) {
+        let name = self.shared.lock().ep.name().to_vec();
+        closed_set().get_or_insert_with(HashSet::new).insert((self.info.provider.clone(), name));
+        self.shared.stop.store(true, Ordering::Release);
+        self.waker.unpark();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn nonce() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.write_u32(std::process::id());
+    h.finish() as u32
+}
+
+impl FabricBackend {
+    /// Opens an endpoint with the given options.
+    pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
+        let opts = Options::from_config(config)?;
+        let hints = Hints { provider: Some(opts.provider.clone()), node: opts.addr.clone() };
+        let mut ep = RdmEndpoint::open(&hints)?;
+        let info = ep.info().clone();
+        let cq_data_local = match opts.attached {
+            AttachedMode::Message => false,
+            AttachedMode::Auto => info.cq_data_size >= 8,
+            AttachedMode::CqData if info.cq_data_size >= 8 => true,
+            AttachedMode::CqData => {
+                return Err(config_err(format!(
+                    "attached=cq-data, but provider {} carries {} bytes of remote CQ data (need 8)",
+                    info.provider, info.cq_data_size
+                )))
+            }
+        };
+        ep.post_receives(opts.recv_buffers, opts.recv_buf_size)?;
+        if let Some(set) = closed_set().as_mut() {
+            set.remove(&(info.provider.clone(), ep.name().to_vec()));
+        }
+        tracing::debug!(
+            target: "kvxfer_fabric",
+            "opened {} ({} / {}): mr_mode {}, delivery_complete {}, order_saw {}, cq_data {} bytes, rma_event {}, rx_cq_data {}, iov_limit {}",
+            info.provider, info.fabric, info.domain, info.mr_mode, info.delivery_complete, info.order_saw,
+            info.cq_data_size, info.rma_event, info.rx_cq_data, info.iov_limit
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                ep,
+                regions: HashMap::new(),
+                peers: HashMap::new(),
+                addrs: HashMap::new(),
+                next_peer: 1,
+                batches: HashMap::new(),
+                next_batch: 1,
+                next_seq: 1,
+                reasm: Reassembly::default(),
+                scratch: Vec::new(),
+                dropped_messages: 0,
+            }),
+            events: tx,
+            stop: AtomicBool::new(false),
+        });
+        let s2 = shared.clone();
+        let idle = opts.idle_poll;
+        let thread = std::thread::Builder::new()
+            .name("kvxfer-fabric-progress".into())
+            .spawn(move || progress_loop(s2, idle))
+            .map_err(|e| BackendError::Io {
+                backend: NAME,
+                context: "spawning the progress thread".into(),
+                detail: e.to_string(),
+            })?;
+        let waker = thread.thread().clone();
+        Ok(Self {
+            shared,
+            events: tokio::sync::Mutex::new(rx),
+            thread: Some(thread),
+            waker,
+            identity: config.identity,
+            nonce: nonce(),
+            opts,
+            info,
+            cq_data_local,
+        })
+    }
+
+    /// What the provider offers (name, mr_mode, completion semantics, limits).
+    pub fn provider_info(&self) -> &ProviderInfo {
+        &self.info
+    }
+
+    /// Whether attached notifications use remote CQ data on this endpoint (towards peers that accept it).
+    pub fn attached_uses_cq_data(&self) -> bool {
+        self.cq_data_local
+    }
+
+    /// Messages dropped because they were malformed, undecodable, or their receive failed.
+    pub fn dropped_messages(&self) -> u64 {
+        self.shared.lock().dropped_messages
+    }
+
+    /// Validates `ops` against local and peer regions and turns them into posts of at most `iov_limit`
+    /// ranges and `max_msg_size` bytes each. Nothing is posted if any op is out of bounds.
+    fn plan(&self, st: &State, peer_id: PeerId, ops: &[WriteOp]) -> Result<Vec<Item>, BackendError> {
+        let peer = st.peers.get(&peer_id).ok_or(BackendError::UnknownPeer { backend: NAME, peer: peer_id })?;
+        let iov_limit = self.info.iov_limit;
+        let max_piece = self.info.max_msg_size.clamp(1, 1 << 30);
+        let mut checked = Vec::with_capacity(ops.len());
+        for op in ops {
+            let src = st.regions.get(&op.src).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: op.src,
+                peer: None,
+            })?;
+            let dst = peer.regions.get(&op.dst.0).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: op.dst,
+                peer: Some(peer_id),
+            })?;
+            WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src.mem.len() as u64).map_err(
+                |source| BackendError::OutOfBounds {
+                    backend: NAME,
+                    side: "source",
+                    region: op.src,
+                    peer: None,
+                    source,
+                },
+            )?;
+            WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, dst.len).map_err(|source| {
+                BackendError::OutOfBounds {
+                    backend: NAME,
+                    side: "destination",
+                    region: op.dst,
+                    peer: Some(peer_id),
+                    source,
+                }
+            })?;
+            checked.push((op, src, dst));
+        }
+        let mut items = Vec::new();
+        let mut local = Vec::new();
+        let mut remote = Vec::new();
+        let mut bytes = 0u64;
+        let mut flush = |local: &mut Vec<LocalRange>, remote: &mut Vec<RemoteIov>, bytes: &mut u64| {
+            if !local.is_empty() {
+                items.push(Item::Write { local: std::mem::take(local), remote: std::mem::take(remote), data: None });
+            }
+            *bytes = 0;
+        };
+        for (op, src, dst) in checked {
+            let contiguous = op.count == 1 || (op.src_stride == op.len && op.dst_stride == op.len);
+            let ranges: Box<dyn Iterator<Item = (u64, u64, u64)>> = if contiguous {
+                Box::new(std::iter::once((op.src_offset, op.dst_offset, op.bytes())))
+            } else {
+                Box::new(op.ranges())
+            };
+            for (s, d, len) in ranges {
+                let mut done = 0;
+                while done < len {
+                    let piece = (len - done).min(max_piece);
+                    if local.len() == iov_limit || bytes + piece > self.info.max_msg_size {
+                        flush(&mut local, &mut remote, &mut bytes);
+                    }
+                    local.push(LocalRange { mr: src.mr, offset: s + done, len: piece });
+                    remote.push(RemoteIov { addr: dst.base + d + done, len: piece, key: dst.key });
+                    bytes += piece;
+                    done += piece;
+                }
+            }
+        }
+        flush(&mut local, &mut remote, &mut bytes);
+        Ok(items)
+    }
+
+    /// Posts `items` to a peer as one batch and waits (until `deadline`) for all their completions.
+    async fn run_batch(&self, peer: PeerId, items: Vec<Item>, deadline: Instant) -> Result<(), BackendError> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let count = items.len();
+        let (tx, rx) = oneshot::channel();
+        let (id, fi_addr, identity) = {
+            let mut st = self.shared.lock();
+            let p = st.peers.get_mut(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
+            let (fi_addr, identity) = (p.fi_addr, p.identity);
+            if closed_set().as_ref().is_some_and(|s| s.contains(&(p.provider.clone(), p.addr.clone()))) {
+                let detail = "its endpoint (in this process) was closed".to_owned();
+                if !p.lost {
+                    p.lost = true;
+                    let _ = self.shared.events.send(BackendEvent::PeerLost { identity, reason: detail.clone() });
+                }
+                return Err(BackendError::PeerLost { backend: NAME, peer: p.describe(peer), detail });
+            }
+            let id = st.next_batch;
+            st.next_batch += 1;
+            st.batches.insert(
+                id,
+                Batch { peer, identity, posted: 0, completed: 0, sealed: false, error: None, done: Some(tx) },
+            );
+            (id, fi_addr, identity)
+        };
+        let mut failure = None;
+        'items: for item in items {
+            let mut item = Some(item);
+            loop {
+                let r = {
+                    let mut st = self.shared.lock();
+                    let r = match item.as_ref().expect("item present until posted") {
+                        Item::Write { local, remote, data } => st.ep.write(fi_addr, local, remote, *data, id << 1),
+                        Item::Send(_) => match item.take() {
+                            Some(Item::Send(msg)) => {
+                                let keep = msg.clone();
+                                let r = st.ep.send(fi_addr, msg, (id << 1) | USER_SEND);
+                                if matches!(r, Err(PostError::Again)) {
+                                    item = Some(Item::Send(keep));
+                                }
+                                r
+                            }
+                            _ => unreachable!("matched Send above"),
+                        },
+                    };
+                    match &r {
+                        Ok(()) => {
+                            if let Some(b) = st.batches.get_mut(&id) {
+                                b.posted += 1;
+                            }
+                        }
+                        Err(PostError::Again) => {
+                            st.pump(&self.shared.events);
+                        }
+                        Err(PostError::Failed(_)) => {}
+                    }
+                    r
+                };
+                match r {
+                    Ok(()) => {
+                        self.waker.unpark();
+                        continue 'items;
+                    }
+                    Err(PostError::Failed(e)) => {
+                        failure = Some(e);
+                        break 'items;
+                    }
+                    Err(PostError::Again) => {
+                        if Instant::now() >= deadline {
+                            failure = Some(BackendError::Timeout {
+                                backend: NAME,
+                                what: format!("posting to {peer} (identity {identity:#x}): the transmit queue stayed full (peer unreachable or gone?)"),
+                                after: self.opts.timeout,
+                            });
+                            break 'items;
+                        }
+                        self.waker.unpark();
+                        tokio::task::yield_now().await;
+                    }
+                }
+            }
+        }
+        {
+            let mut st = self.shared.lock();
+            if let Some(b) = st.batches.get_mut(&id) {
+                b.sealed = true;
+                if let Some(e) = failure.take() {
+                    // Posted operations still complete; the batch drains without a waiter.
+                    b.done = None;
+                    if b.maybe_finish() {
+                        st.batches.remove(&id);
+                    }
+                    return Err(e);
+                }
+                if b.maybe_finish() {
+                    st.batches.remove(&id);
+                }
+            }
+        }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(wait, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(BackendError::Closed { backend: NAME }),
+            Err(_) => {
+                let mut st = self.shared.lock();
+                let (posted, completed) = st
+                    .batches
+                    .get_mut(&id)
+                    .map(|b| {
+                        b.done = None;
+                        (b.posted, b.completed)
+                    })
+                    .unwrap_or((count, count));
+                Err(BackendError::Timeout {
+                    backend: NAME,
+                    what: format!(
+                        "{} of {posted} operations to {peer} (identity {identity:#x}) completing",
+                        posted.saturating_sub(completed)
+                    ),
+                    after: self.opts.timeout,
+                })
+            }
+        }
+    }
+
+    fn next_seq(&self) -> u64 {
+        let mut st = self.shared.lock();
+        let s = st.next_seq;
+        st.next_seq += 1;
+        s
+    }
+
+    fn peer_limits(&self, peer: PeerId) -> Result<(usize, bool), BackendError> {
+        let st = self.shared.lock();
+        let p = st.peers.get(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
+        Ok((p.recv_buf, p.cq_data))
+    }
+
+    fn encode(n: &Notification) -> Result<Vec<u8>, BackendError> {
+        n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })
+    }
+}
+
+/// Builds a backend endpoint (the registry's constructor).
+pub fn create_backend(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+    Ok(Arc::new(FabricBackend::new(config)?))
+}
+
+#[async_trait::async_trait]
+impl KvTransferBackend for FabricBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { attached: true, out_of_band: true, cross_process: true, cross_host: self.info.provider != "shm" }
+    }
+
+    fn register(&self, id: RegionId, mem: MemRegion) -> Result<(), BackendError> {
+        let mut st = self.shared.lock();
+        if st.regions.contains_key(&id) {
+            return Err(BackendError::RegionInUse { backend: NAME, region: id });
+        }
+        let (mr, info) = st.ep.reg(&mem)?;
+        st.regions.insert(id, Region { mem, mr, info });
+        Ok(())
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<(), BackendError> {
+        let mut st = self.shared.lock();
+        let r = st.regions.remove(&id).ok_or(BackendError::UnknownRegion { backend: NAME, region: id, peer: None })?;
+        st.ep.dereg(r.mr);
+        Ok(())
+    }
+
+    fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
+        let st = self.shared.lock();
+        let mut regions: Vec<RegionMeta> = st
+            .regions
+            .iter()
+            .map(|(id, r)| RegionMeta { id: id.0, len: r.mem.len() as u64, key: r.info.key, base: r.info.base })
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        let payload = Payload {
+            wire: WIRE_VERSION,
+            provider: self.info.provider.clone(),
+            addr: st.ep.name().to_vec(),
+            virt_addr: self.info.mr_mode.virt_addr,
+            recv_buf: self.opts.recv_buf_size as u32,
+            cq_data: self.cq_data_local,
+            regions,
+        };
+        let payload = serde_json::to_vec(&payload).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "encoding metadata".into(),
+            detail: e.to_string(),
+        })?;
+        Ok(EndpointMetadata { version: METADATA_VERSION, backend: NAME.to_owned(), identity: self.identity, payload })
+    }
+
+    async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
+        let bad = |detail: String| BackendError::BadMetadata { backend: NAME, detail };
+        if peer.backend != NAME {
+            return Err(bad(format!("metadata from backend {:?}, expected {NAME:?}", peer.backend)));
+        }
+        if peer.version != METADATA_VERSION {
+            return Err(bad(format!("metadata version {}, this build speaks {METADATA_VERSION}", peer.version)));
+        }
+        let p: Payload =
+            serde_json::from_slice(&peer.payload).map_err(|e| bad(format!("payload does not parse: {e}")))?;
+        if p.wire != WIRE_VERSION {
+            return Err(bad(format!("wire version {}, this build speaks {WIRE_VERSION}", p.wire)));
+        }
+        if p.provider != self.info.provider {
+            return Err(bad(format!(
+                "peer uses provider {:?}, this endpoint {:?}; set the same provider on both",
+                p.provider, self.info.provider
+            )));
+        }
+        if p.addr.is_empty() || (p.recv_buf as usize) < 4 * wire::HEADER {
+            return Err(bad(format!("empty address or receive buffers of {} bytes", p.recv_buf)));
+        }
+        let mut st = self.shared.lock();
+        let fi_addr = match st.addrs.get(&p.addr) {
+            Some(a) => *a,
+            None => {
+                let a = st.ep.av_insert(&p.addr).map_err(|e| BackendError::Connect {
+                    backend: NAME,
+                    peer: format!("identity {:#x}", peer.identity),
+                    detail: e.to_string(),
+                })?;
+                st.addrs.insert(p.addr.clone(), a);
+                a
+            }
+        };
+        let id = PeerId(st.next_peer);
+        st.next_peer += 1;
+        st.peers.insert(
+            id,
+            Peer {
+                identity: peer.identity,
+                fi_addr,
+                addr: p.addr,
+                provider: p.provider,
+                recv_buf: p.recv_buf as usize,
+                cq_data: p.cq_data,
+                regions: p.regions.into_iter().map(|r| (r.id, r)).collect(),
+                lost: false,
+            },
+        );
+        tracing::debug!(target: "kvxfer_fabric", "connected {}", st.peers[&id].describe(id));
+        Ok(id)
+    }
+
+    async fn write(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<(), BackendError> {
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut items = {
+            let st = self.shared.lock();
+            self.plan(&st, peer, ops)?
+        };
+        let Some(n) = notify else {
+            return self.run_batch(peer, items, deadline).await;
+        };
+        let body = Self::encode(n)?;
+        let (recv_buf, peer_cq_data) = self.peer_limits(peer)?;
+        if self.cq_data_local && peer_cq_data && !items.is_empty() {
+            let mut last = items.pop().expect("non-empty");
+            self.run_batch(peer, items, deadline).await?;
+            let token = (u64::from(self.nonce) << 32) | (self.next_seq() & 0xffff_ffff);
+            if let Item::Write { data, .. } = &mut last {
+                *data = Some(token);
+            }
+            let mut batch: Vec<Item> =
+                wire::frames(Kind::Staged, self.nonce, token, &body, recv_buf).into_iter().map(Item::Send).collect();
+            batch.push(last);
+            self.run_batch(peer, batch, deadline).await
+        } else {
+            self.run_batch(peer, items, deadline).await?;
+            let seq = self.next_seq();
+            let frames =
+                wire::frames(Kind::Notify, self.nonce, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
+            self.run_batch(peer, frames, deadline).await
+        }
+    }
+
+    async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
+        let deadline = Instant::now() + self.opts.timeout;
+        let body = Self::encode(notification)?;
+        let (recv_buf, _) = self.peer_limits(peer)?;
+        let seq = self.next_seq();
+        let frames = wire::frames(Kind::Notify, self.nonce, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
+        self.run_batch(peer, frames, deadline).await
+    }
+
+    async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
+        let mut rx = self.events.lock().await;
+        let mut out = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            out.push(e);
+        }
+        if out.is_empty() {
+            match tokio::time::timeout(max_wait, rx.recv()).await {
+                Ok(Some(e)) => out.push(e),
+                Ok(None) => return Err(BackendError::Closed { backend: NAME }),
+                Err(_) => return Ok(out),
+            }
+            while let Ok(e) = rx.try_recv() {
+                out.push(e);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+        let mut st = self.shared.lock();
+        st.peers.remove(&peer).map(|_| ()).ok_or(BackendError::UnknownPeer { backend: NAME, peer })
+    }
+}

@@ -1,0 +1,901 @@
+//! The safe wrapper over libfabric: one RDM endpoint with its fabric, domain, completion queue,
+//! address vector and memory registrations, all owned by [`RdmEndpoint`] and closed by its Drop in
+//! the order libfabric requires (registrations, endpoint, address vector, completion queue, domain,
+//! fabric, info).
+//!
+//! This is the only module of the crate with `unsafe` code (`unsafe_code` is denied elsewhere): it
+//! calls the C library through `kvxfer-fabric-sys`. Calls that hand the provider a pointer it keeps
+//! past the call (posting writes, sends and receives) are `unsafe fn` with a `# Safety` section; the
+//! rest is safe.
+//!
+//! Threading: the domain is opened with `FI_THREAD_DOMAIN` (or better), which makes the application
+//! serialise every call on the domain's objects. `RdmEndpoint` methods take `&mut self`, so Rust's
+//! borrow rules do exactly that; the backend keeps the endpoint in a mutex.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::fmt;
+use std::ptr;
+
+use kvxfer_core::{BackendError, HostBuffer, MemRegion};
+use kvxfer_fabric_sys as sys;
+
+use crate::NAME;
+
+/// `FI_ADDR_UNSPEC` (`(uint64_t)-1`, a cast bindgen does not translate).
+pub const FI_ADDR_UNSPEC: u64 = u64::MAX;
+
+/// `-FI_EAGAIN` as a return code.
+const EAGAIN: isize = -(sys::FI_EAGAIN as isize);
+/// `-FI_EAVAIL` as a return code.
+const EAVAIL: isize = -(sys::FI_EAVAIL as isize);
+
+/// libfabric's error string for a (positive) error number.
+pub fn strerror(code: i64) -> String {
+    // SAFETY: fi_strerror returns a pointer to a static, NUL-terminated string for any input.
+    unsafe {
+        let p = sys::fi_strerror(code.unsigned_abs() as i32);
+        if p.is_null() {
+            format!("error {code}")
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// Turns a libfabric return code into a typed error naming the call.
+fn check(call: &'static str, ret: isize, context: impl FnOnce() -> String) -> Result<(), BackendError> {
+    if ret >= 0 {
+        Ok(())
+    } else {
+        Err(BackendError::Ffi {
+            backend: NAME,
+            call,
+            code: ret as i64,
+            detail: format!("{}; {}", strerror(ret as i64), context()),
+        })
+    }
+}
+
+/// What the application asks of the provider.
+#[derive(Debug, Clone)]
+pub struct Hints {
+    /// Provider name as libfabric spells it (`tcp;ofi_rxm`, `shm`, `efa`, ...); `None` lets libfabric
+    /// choose (it honours `FI_PROVIDER` itself).
+    pub provider: Option<String>,
+    /// Local address (node) to bind to, e.g. `127.0.0.1`; `None` takes the provider's first.
+    pub node: Option<String>,
+}
+
+/// The memory-registration mode bits of the chosen provider (`fi_domain_attr::mr_mode`), decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrMode {
+    /// `FI_MR_LOCAL`: local buffers (write sources, send and receive buffers) must be registered and
+    /// their descriptors passed.
+    pub local: bool,
+    /// `FI_MR_VIRT_ADDR`: remote addresses are virtual addresses (else offsets into the region).
+    pub virt_addr: bool,
+    /// `FI_MR_ALLOCATED`: registered memory must be allocated and backed (ours always is).
+    pub allocated: bool,
+    /// `FI_MR_PROV_KEY`: the provider picks keys (else we request unique ones).
+    pub prov_key: bool,
+    /// `FI_MR_ENDPOINT`: registrations are bound to the endpoint and enabled before use.
+    pub endpoint: bool,
+}
+
+impl MrMode {
+    fn from_bits(bits: u64) -> Self {
+        let has = |b: u32| bits & u64::from(b) != 0;
+        Self {
+            local: has(sys::FI_MR_LOCAL),
+            virt_addr: has(sys::FI_MR_VIRT_ADDR),
+            allocated: has(sys::FI_MR_ALLOCATED),
+            prov_key: has(sys::FI_MR_PROV_KEY),
+            endpoint: has(sys::FI_MR_ENDPOINT),
+        }
+    }
+}
+
+impl fmt::Display for MrMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut v = Vec::new();
+        for (on, name) in [
+            (self.local, "FI_MR_LOCAL"),
+            (self.virt_addr, "FI_MR_VIRT_ADDR"),
+            (self.allocated, "FI_MR_ALLOCATED"),
+            (self.prov_key, "FI_MR_PROV_KEY"),
+            (self.endpoint, "FI_MR_ENDPOINT"),
+        ] {
+            if on {
+                v.push(name);
+            }
+        }
+        if v.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&v.join("|"))
+        }
+    }
+}
+
+/// What the chosen provider offers, read from its `fi_info`.
+#[derive(Debug, Clone)]
+pub struct ProviderInfo {
+    /// `fabric_attr->prov_name`, e.g. `tcp;ofi_rxm`.
+    pub provider: String,
+    /// `fabric_attr->name`.
+    pub fabric: String,
+    /// `domain_attr->name`.
+    pub domain: String,
+    /// Memory-registration mode bits.
+    pub mr_mode: MrMode,
+    /// `domain_attr->mr_key_size`.
+    pub mr_key_size: usize,
+    /// `domain_attr->cq_data_size` (bytes of remote CQ data a write can carry).
+    pub cq_data_size: usize,
+    /// Whether `FI_RMA_EVENT` is among the capabilities.
+    pub rma_event: bool,
+    /// Whether `FI_DELIVERY_COMPLETE` is the default completion semantic of transmits.
+    pub delivery_complete: bool,
+    /// Whether sends are ordered after earlier writes (`FI_ORDER_SAW` in `tx_attr->msg_order`).
+    pub order_saw: bool,
+    /// Whether the provider needs a posted receive for each write with remote CQ data (`FI_RX_CQ_DATA`).
+    pub rx_cq_data: bool,
+    /// `min(tx_attr->iov_limit, tx_attr->rma_iov_limit)`, at least 1.
+    pub iov_limit: usize,
+    /// `ep_attr->max_msg_size`.
+    pub max_msg_size: u64,
+    /// `tx_attr->size`.
+    pub tx_size: usize,
+    /// `rx_attr->size`.
+    pub rx_size: usize,
+}
+
+/// An owned `fi_info` list (only its first entry is used).
+struct Info(*mut sys::fi_info);
+
+impl Drop for Info {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: allocated by fi_getinfo/fi_allocinfo, freed once here.
+            unsafe { sys::fi_freeinfo(self.0) }
+        }
+    }
+}
+
+fn cstr_field(p: *const std::os::raw::c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: libfabric strings in fi_info are NUL-terminated and live as long as the info.
+        unsafe { CStr::from_ptr(p).to_string_lossy().into_owned() }
+    }
+}
+
+/// Queries libfabric for an RDM endpoint with messages and RMA writes.
+fn getinfo(hints: &Hints, delivery_complete: bool) -> Result<Info, BackendError> {
+    // SAFETY: fi_allocinfo returns a zeroed fi_info with allocated attribute structs, or NULL.
+    let h = Info(unsafe { sys::kvx_fi_allocinfo() });
+    if h.0.is_null() {
+        return Err(BackendError::Ffi {
+            backend: NAME,
+            call: "fi_allocinfo",
+            code: -12,
+            detail: "out of memory".into(),
+        });
+    }
+    let prov = hints
+        .provider
+        .as_deref()
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| BackendError::Config { backend: NAME, detail: "provider name contains a NUL byte".into() })?;
+    let node = hints
+        .node
+        .as_deref()
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| BackendError::Config { backend: NAME, detail: "address contains a NUL byte".into() })?;
+    // SAFETY: h.0 and its attribute pointers were allocated by fi_allocinfo and are exclusively ours;
+    // the provider name is duplicated with the C allocator because fi_freeinfo frees it.
+    unsafe {
+        let i = &mut *h.0;
+        i.caps = u64::from(sys::FI_MSG | sys::FI_RMA);
+        i.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_RX_CQ_DATA;
+        (*i.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
+        let d = &mut *i.domain_attr;
+        d.mr_mode = (sys::FI_MR_LOCAL
+            | sys::FI_MR_VIRT_ADDR
+            | sys::FI_MR_ALLOCATED
+            | sys::FI_MR_PROV_KEY
+            | sys::FI_MR_ENDPOINT) as i32;
+        d.threading = sys::fi_threading_FI_THREAD_DOMAIN;
+        if delivery_complete {
+            (*i.tx_attr).op_flags = u64::from(sys::FI_DELIVERY_COMPLETE);
+        }
+        if let Some(p) = &prov {
+            (*i.fabric_attr).prov_name = sys::kvx_strdup(p.as_ptr());
+        }
+    }
+    let mut out: *mut sys::fi_info = ptr::null_mut();
+    let (node_ptr, flags) = match &node {
+        Some(n) => (n.as_ptr(), sys::FI_SOURCE),
+        None => (ptr::null(), 0),
+    };
+    // SAFETY: all pointers are valid for the call; `out` receives a list we own (wrapped below).
+    let ret = unsafe { sys::fi_getinfo(sys::KVX_FI_API_VERSION, node_ptr, ptr::null(), flags, h.0, &mut out) };
+    let info = Info(out);
+    check("fi_getinfo", ret as isize, || {
+        format!(
+            "no RDM endpoint with FI_MSG|FI_RMA from provider {}{}{}",
+            hints.provider.as_deref().unwrap_or("(any; FI_PROVIDER unset)"),
+            hints.node.as_deref().map(|n| format!(" at {n}")).unwrap_or_default(),
+            if delivery_complete { " with FI_DELIVERY_COMPLETE" } else { "" }
+        )
+    })?;
+    if info.0.is_null() {
+        return Err(BackendError::NoDevice { backend: NAME, detail: "fi_getinfo returned no entries".into() });
+    }
+    Ok(info)
+}
+
+fn provider_info(info: &Info) -> ProviderInfo {
+    // SAFETY: info.0 is a non-null fi_info returned by fi_getinfo, with its attribute structs set.
+    unsafe {
+        let i = &*info.0;
+        let tx = &*i.tx_attr;
+        let rx = &*i.rx_attr;
+        let d = &*i.domain_attr;
+        let ep = &*i.ep_attr;
+        let fab = &*i.fabric_attr;
+        ProviderInfo {
+            provider: cstr_field(fab.prov_name),
+            fabric: cstr_field(fab.name),
+            domain: cstr_field(d.name),
+            mr_mode: MrMode::from_bits(d.mr_mode as u32 as u64),
+            mr_key_size: d.mr_key_size,
+            cq_data_size: d.cq_data_size,
+            rma_event: i.caps & sys::FI_RMA_EVENT != 0,
+            delivery_complete: tx.op_flags & u64::from(sys::FI_DELIVERY_COMPLETE) != 0,
+            order_saw: tx.msg_order & u64::from(sys::FI_ORDER_SAW) != 0,
+            rx_cq_data: i.mode & sys::FI_RX_CQ_DATA != 0,
+            iov_limit: tx.iov_limit.min(tx.rma_iov_limit).max(1),
+            max_msg_size: ep.max_msg_size as u64,
+            tx_size: tx.size,
+            rx_size: rx.size,
+        }
+    }
+}
+
+/// A handle to one memory registration of an [`RdmEndpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MrHandle(u64);
+
+/// What a peer needs to write into a registration.
+#[derive(Debug, Clone, Copy)]
+pub struct MrInfo {
+    /// The remote key.
+    pub key: u64,
+    /// The base address remote writes use: the buffer's virtual address under `FI_MR_VIRT_ADDR`, else 0.
+    pub base: u64,
+}
+
+struct Mr {
+    fid: *mut sys::fid_mr,
+    desc: *mut c_void,
+    /// The registered memory, kept alive as long as the registration.
+    mem: MemRegion,
+}
+
+/// Storage the provider may use per operation (`struct fi_context2`, for the `FI_CONTEXT2` mode). Its
+/// address is the operation's context.
+#[derive(Default)]
+struct OpContext(#[allow(dead_code)] sys::fi_context2);
+
+/// What an in-flight operation keeps alive until its completion.
+enum Keep {
+    /// A write: the source memory.
+    Regions(#[allow(dead_code)] Vec<MemRegion>),
+    /// A send: the message and its registration (under `FI_MR_LOCAL`).
+    Send(#[allow(dead_code)] Vec<u8>, Option<MrHandle>),
+    /// A posted receive: its slot in the receive slab.
+    Recv(usize),
+}
+
+struct Op {
+    /// Boxed so its address (the context) is stable while the map moves entries around.
+    #[allow(dead_code)]
+    ctx: Box<OpContext>,
+    user: u64,
+    keep: Keep,
+}
+
+/// A failed operation, as `fi_cq_readerr` described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FiError {
+    /// The (positive) libfabric error number.
+    pub code: i32,
+    /// `fi_strerror` and `fi_cq_strerror` text.
+    pub detail: String,
+}
+
+impl FiError {
+    /// Whether the error says the connection to the peer is gone.
+    pub fn is_connection_loss(&self) -> bool {
+        [
+            sys::FI_ECONNRESET,
+            sys::FI_ECONNREFUSED,
+            sys::FI_ECONNABORTED,
+            sys::FI_ENOTCONN,
+            sys::FI_ETIMEDOUT,
+            sys::FI_EHOSTUNREACH,
+            sys::FI_EIO,
+        ]
+        .iter()
+        .any(|c| *c as i32 == self.code)
+    }
+}
+
+/// What [`RdmEndpoint::poll`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A write or send posted with `user` completed (with an error, if `error` is set).
+    Done {
+        /// The value given when posting.
+        user: u64,
+        /// The failure, if any.
+        error: Option<FiError>,
+    },
+    /// A message arrived in a posted receive buffer (its bytes, copied out; the buffer is reposted).
+    Message(Vec<u8>),
+    /// A remote write carrying CQ data completed here.
+    RemoteData(u64),
+    /// A receive failed (e.g. a message longer than the posted buffers).
+    RecvError(FiError),
+}
+
+/// A local source range: a registration and a byte range inside it.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRange {
+    /// The registration.
+    pub mr: MrHandle,
+    /// Offset in the registered memory.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+}
+
+/// A remote range: address (virtual or offset, as the peer's mode says), length and key.
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteIov {
+    /// Address.
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Key.
+    pub key: u64,
+}
+
+/// Why a post did not go out.
+#[derive(Debug)]
+pub enum PostError {
+    /// The provider's queue is full (`-FI_EAGAIN`): progress the completion queue and retry.
+    Again,
+    /// Any other failure.
+    Failed(BackendError),
+}
+
+/// An RDM endpoint and everything it needs, owned together: the fabric, domain, completion queue,
+/// address vector, memory registrations, in-flight operations (and what they keep alive), and a slab
+/// of receive buffers it keeps posted.
+pub struct RdmEndpoint {
+    mrs: HashMap<u64, Mr>,
+    ep: *mut sys::fid_ep,
+    av: *mut sys::fid_av,
+    cq: *mut sys::fid_cq,
+    domain: *mut sys::fid_domain,
+    fabric: *mut sys::fid_fabric,
+    _info: Info,
+    pinfo: ProviderInfo,
+    next_mr: u64,
+    next_key: u64,
+    name: Vec<u8>,
+    /// In-flight operations by context address. Dropped after the handles are closed (Drop below).
+    ops: HashMap<usize, Op>,
+    recv_slab: Option<(HostBuffer, MrHandle, usize)>,
+    unposted: Vec<usize>,
+    tx_in_flight: usize,
+}
+
+// SAFETY: libfabric objects opened with FI_THREAD_DOMAIN may be used from any thread as long as calls
+// are serialised; every method that calls libfabric takes `&mut self`, and the backend keeps the
+// endpoint in a Mutex. The raw pointers in `ops` point into memory this struct owns or keeps alive.
+unsafe impl Send for RdmEndpoint {}
+
+fn close_fid(what: &str, fid: *mut sys::fid) {
+    if fid.is_null() {
+        return;
+    }
+    // SAFETY: fid is an open libfabric object owned by the caller, closed exactly once.
+    let ret = unsafe { sys::kvx_fi_close(fid) };
+    if ret != 0 {
+        tracing::warn!(target: "kvxfer_fabric", "fi_close({what}) failed: {} ({ret})", strerror(ret as i64));
+    }
+}
+
+macro_rules! fid_of {
+    ($p:expr) => {
+        if $p.is_null() {
+            ptr::null_mut()
+        } else {
+            // SAFETY: the handle is non-null and open; every fid_* struct starts with its `struct fid`.
+            #[allow(unused_unsafe)]
+            unsafe {
+                ptr::addr_of_mut!((*$p).fid)
+            }
+        }
+    };
+}
+
+impl Drop for RdmEndpoint {
+    fn drop(&mut self) {
+        // Close order: endpoint first (it stops using posted buffers and registrations), then the
+        // registrations, address vector, completion queue, domain and fabric. The memory that in-flight
+        // operations reference (`ops`, `recv_slab`) is freed only after this, when the fields drop.
+        close_fid("ep", fid_of!(self.ep));
+        for (_, mr) in self.mrs.drain() {
+            close_fid("mr", fid_of!(mr.fid));
+        }
+        close_fid("av", fid_of!(self.av));
+        close_fid("cq", fid_of!(self.cq));
+        close_fid("domain", fid_of!(self.domain));
+        close_fid("fabric", fid_of!(self.fabric));
+    }
+}
+
+impl RdmEndpoint {
+    /// Opens fabric, domain, completion queue, address vector and an enabled RDM endpoint. Asks for
+    /// `FI_DELIVERY_COMPLETE` first and falls back to the provider's default completion semantic.
+    pub fn open(hints: &Hints) -> Result<Self, BackendError> {
+        let info = match getinfo(hints, true) {
+            Ok(i) => i,
+            Err(first) => getinfo(hints, false).inspect_err(|_| {
+                tracing::debug!(target: "kvxfer_fabric", "with FI_DELIVERY_COMPLETE: {first}");
+            })?,
+        };
+        let pinfo = provider_info(&info);
+        if pinfo.mr_key_size > 8 {
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!("provider {} with {}-byte MR keys (FI_MR_RAW)", pinfo.provider, pinfo.mr_key_size),
+            });
+        }
+        let mut me = Self {
+            mrs: HashMap::new(),
+            ep: ptr::null_mut(),
+            av: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            fabric: ptr::null_mut(),
+            _info: info,
+            pinfo,
+            next_mr: 1,
+            next_key: 1,
+            name: Vec::new(),
+            ops: HashMap::new(),
+            recv_slab: None,
+            unposted: Vec::new(),
+            tx_in_flight: 0,
+        };
+        let prov = me.pinfo.provider.clone();
+        let ctx = || format!("provider {prov}");
+        let i = me._info.0;
+        // SAFETY: `i` is the fi_info we own; each out-pointer is a field of `me`, whose Drop closes
+        // whatever was opened if a later step fails.
+        unsafe {
+            check("fi_fabric", sys::fi_fabric((*i).fabric_attr, &mut me.fabric, ptr::null_mut()) as isize, ctx)?;
+            check("fi_domain", sys::kvx_fi_domain(me.fabric, i, &mut me.domain, ptr::null_mut()) as isize, ctx)?;
+            let mut cq_attr = sys::fi_cq_attr {
+                format: sys::fi_cq_format_FI_CQ_FORMAT_DATA,
+                wait_obj: sys::fi_wait_obj_FI_WAIT_NONE,
+                ..Default::default()
+            };
+            check(
+                "fi_cq_open",
+                sys::kvx_fi_cq_open(me.domain, &mut cq_attr, &mut me.cq, ptr::null_mut()) as isize,
+                ctx,
+            )?;
+            let mut av_attr = sys::fi_av_attr { type_: sys::fi_av_type_FI_AV_TABLE, ..Default::default() };
+            check(
+                "fi_av_open",
+                sys::kvx_fi_av_open(me.domain, &mut av_attr, &mut me.av, ptr::null_mut()) as isize,
+                ctx,
+            )?;
+            check("fi_endpoint", sys::kvx_fi_endpoint(me.domain, i, &mut me.ep, ptr::null_mut()) as isize, ctx)?;
+            let flags = u64::from(sys::FI_TRANSMIT | sys::FI_RECV);
+            check("fi_ep_bind(cq)", sys::kvx_fi_ep_bind(me.ep, fid_of!(me.cq), flags) as isize, ctx)?;
+            check("fi_ep_bind(av)", sys::kvx_fi_ep_bind(me.ep, fid_of!(me.av), 0) as isize, ctx)?;
+            check("fi_enable", sys::kvx_fi_enable(me.ep) as isize, ctx)?;
+            let mut buf = vec![0u8; 256];
+            let mut len = buf.len();
+            let ret = sys::kvx_fi_getname(fid_of!(me.ep), buf.as_mut_ptr().cast(), &mut len);
+            if ret == -(sys::FI_ETOOSMALL as i32) && len > buf.len() {
+                buf.resize(len, 0);
+                let ret = sys::kvx_fi_getname(fid_of!(me.ep), buf.as_mut_ptr().cast(), &mut len);
+                check("fi_getname", ret as isize, ctx)?;
+            } else {
+                check("fi_getname", ret as isize, ctx)?;
+            }
+            buf.truncate(len);
+            me.name = buf;
+        }
+        Ok(me)
+    }
+
+    /// What the provider offers.
+    pub fn info(&self) -> &ProviderInfo {
+        &self.pinfo
+    }
+
+    /// This endpoint's address (`fi_getname`), for peers' `fi_av_insert`.
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    /// Writes and sends posted and not yet completed.
+    pub fn tx_in_flight(&self) -> usize {
+        self.tx_in_flight
+    }
+
+    /// Inserts a peer's address into the address vector.
+    pub fn av_insert(&mut self, addr: &[u8]) -> Result<u64, BackendError> {
+        let mut fi_addr: u64 = FI_ADDR_UNSPEC;
+        // SAFETY: `addr` is a readable buffer; the provider reads one address of its own format from it
+        // (the caller checked the peer uses the same provider, whose fi_getname produced it);
+        // `fi_addr` is a valid out-pointer.
+        let n = unsafe { sys::kvx_fi_av_insert(self.av, addr.as_ptr().cast(), 1, &mut fi_addr, 0, ptr::null_mut()) };
+        if n != 1 {
+            let code = if n < 0 { n as i64 } else { -(sys::FI_EINVAL as i64) };
+            return Err(BackendError::Ffi {
+                backend: NAME,
+                call: "fi_av_insert",
+                code,
+                detail: format!("{}; inserted {n} of 1 addresses ({} bytes)", strerror(code), addr.len()),
+            });
+        }
+        Ok(fi_addr)
+    }
+
+    fn reg_access(&mut self, mem: &MemRegion, access: u64) -> Result<(MrHandle, MrInfo), BackendError> {
+        let requested_key = if self.pinfo.mr_mode.prov_key { 0 } else { self.next_key };
+        let mut mr: *mut sys::fid_mr = ptr::null_mut();
+        let (p, len) = (mem.as_ptr(), mem.len());
+        let ctx = || format!("registering {len} bytes at {p:p} (mr_mode {})", self.pinfo.mr_mode);
+        // SAFETY: MemRegion's contract keeps `p..p+len` valid while a clone lives; we keep one in the
+        // map with the registration until it is closed. `mr` is a valid out-pointer.
+        let ret = unsafe {
+            sys::kvx_fi_mr_reg(self.domain, p.cast(), len, access, 0, requested_key, 0, &mut mr, ptr::null_mut())
+        };
+        check("fi_mr_reg", ret as isize, ctx)?;
+        if self.pinfo.mr_mode.endpoint {
+            // SAFETY: mr and ep are open; FI_MR_ENDPOINT requires binding the MR to the endpoint and
+            // enabling it before use.
+            let r = unsafe { sys::kvx_fi_mr_bind(mr, fid_of!(self.ep), 0) };
+            // SAFETY: as above.
+            let r = check("fi_mr_bind", r as isize, ctx)
+                .and_then(|_| check("fi_mr_enable", unsafe { sys::kvx_fi_mr_enable(mr) } as isize, ctx));
+            if let Err(e) = r {
+                close_fid("mr", fid_of!(mr));
+                return Err(e);
+            }
+        }
+        // SAFETY: mr is open (and enabled).
+        let (key, desc) = unsafe { (sys::kvx_fi_mr_key(mr), sys::kvx_fi_mr_desc(mr)) };
+        if key == u64::MAX {
+            close_fid("mr", fid_of!(mr));
+            return Err(BackendError::Ffi {
+                backend: NAME,
+                call: "fi_mr_key",
+                code: -(sys::FI_EINVAL as i64),
+                detail: "the provider returned FI_KEY_NOTAVAIL (raw keys are not supported)".into(),
+            });
+        }
+        if !self.pinfo.mr_mode.prov_key {
+            self.next_key += 1;
+        }
+        let h = MrHandle(self.next_mr);
+        self.next_mr += 1;
+        self.mrs.insert(h.0, Mr { fid: mr, desc, mem: mem.clone() });
+        let base = if self.pinfo.mr_mode.virt_addr { p as u64 } else { 0 };
+        Ok((h, MrInfo { key, base }))
+    }
+
+    /// Registers `mem` for local use and remote writes, honouring the provider's `mr_mode` (requested
+    /// key unless `FI_MR_PROV_KEY`, bind + enable under `FI_MR_ENDPOINT`). The registration keeps a
+    /// clone of `mem` (and so the memory) until [`Self::dereg`] or drop.
+    pub fn reg(&mut self, mem: &MemRegion) -> Result<(MrHandle, MrInfo), BackendError> {
+        let access = u64::from(
+            sys::FI_SEND | sys::FI_RECV | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
+        );
+        self.reg_access(mem, access)
+    }
+
+    /// Closes a registration. Unknown handles are ignored. Operations in flight keep their memory alive
+    /// but may complete with an error.
+    pub fn dereg(&mut self, h: MrHandle) {
+        if let Some(mr) = self.mrs.remove(&h.0) {
+            close_fid("mr", fid_of!(mr.fid));
+        }
+    }
+
+    fn track(&mut self, ctx: Box<OpContext>, user: u64, keep: Keep) {
+        let addr = (&*ctx as *const OpContext) as usize;
+        if !matches!(keep, Keep::Recv(_)) {
+            self.tx_in_flight += 1;
+        }
+        self.ops.insert(addr, Op { ctx, user, keep });
+    }
+
+    fn post_ret(call: &'static str, ret: isize, ctx: impl FnOnce() -> String) -> Result<(), PostError> {
+        if ret == EAGAIN {
+            return Err(PostError::Again);
+        }
+        check(call, ret, ctx).map_err(PostError::Failed)
+    }
+
+    fn local_ptr(&self, r: &LocalRange) -> Result<(*mut u8, *mut c_void, MemRegion), BackendError> {
+        let mr = self.mrs.get(&r.mr.0).ok_or_else(|| BackendError::Config {
+            backend: NAME,
+            detail: format!("memory registration {} is closed", r.mr.0),
+        })?;
+        mr.mem.check(r.offset, r.len).map_err(|e| BackendError::Config {
+            backend: NAME,
+            detail: format!("local range outside its registration: {e}"),
+        })?;
+        Ok((mr.mem.as_ptr().wrapping_add(r.offset as usize), mr.desc, mr.mem.clone()))
+    }
+
+    /// Posts one RMA write of `local` (gathered) to `remote` (scattered) at `dest` with `fi_writemsg`,
+    /// requesting a completion (with `FI_DELIVERY_COMPLETE` when the provider offers it) and carrying
+    /// remote CQ data when `data` is given. Its [`Event::Done`] carries `user`. The source memory stays
+    /// alive until then.
+    pub fn write(
+        &mut self,
+        dest: u64,
+        local: &[LocalRange],
+        remote: &[RemoteIov],
+        data: Option<u64>,
+        user: u64,
+    ) -> Result<(), PostError> {
+        let mut iov = Vec::with_capacity(local.len());
+        let mut desc = Vec::with_capacity(local.len());
+        let mut keep = Vec::with_capacity(local.len());
+        for l in local {
+            let (p, d, m) = self.local_ptr(l).map_err(PostError::Failed)?;
+            iov.push(sys::iovec { iov_base: p.cast(), iov_len: l.len as usize });
+            desc.push(d);
+            keep.push(m);
+        }
+        let rma: Vec<sys::fi_rma_iov> =
+            remote.iter().map(|r| sys::fi_rma_iov { addr: r.addr, len: r.len as usize, key: r.key }).collect();
+        let mut ctx = Box::<OpContext>::default();
+        let msg = sys::fi_msg_rma {
+            msg_iov: iov.as_ptr(),
+            desc: desc.as_mut_ptr(),
+            iov_count: iov.len(),
+            addr: dest,
+            rma_iov: rma.as_ptr(),
+            rma_iov_count: rma.len(),
+            context: (&mut *ctx as *mut OpContext).cast(),
+            data: data.unwrap_or(0),
+        };
+        let mut flags = u64::from(sys::FI_COMPLETION);
+        if self.pinfo.delivery_complete {
+            flags |= u64::from(sys::FI_DELIVERY_COMPLETE);
+        }
+        if data.is_some() {
+            flags |= u64::from(sys::FI_REMOTE_CQ_DATA);
+        }
+        // SAFETY: the iov/desc/rma arrays live across the call (the provider copies them); the source
+        // memory is kept alive by `keep` and the context by the boxed `ctx`, both stored in `ops` until
+        // the completion is read (or the endpoint is closed).
+        let ret = unsafe { sys::kvx_fi_writemsg(self.ep, &msg, flags) };
+        let total: u64 = local.iter().map(|l| l.len).sum();
+        Self::post_ret("fi_writemsg", ret, || format!("{} iovs, {total} bytes", local.len()))?;
+        self.track(ctx, user, Keep::Regions(keep));
+        Ok(())
+    }
+
+    /// Posts a plain `fi_write` of one range (the baseline's path; no flags beyond the provider's defaults).
+    pub fn write_plain(&mut self, dest: u64, local: LocalRange, remote: RemoteIov, user: u64) -> Result<(), PostError> {
+        let (p, d, m) = self.local_ptr(&local).map_err(PostError::Failed)?;
+        let mut ctx = Box::<OpContext>::default();
+        // SAFETY: the source memory (`m`) and the context are stored in `ops` until completion.
+        let ret = unsafe {
+            sys::kvx_fi_write(
+                self.ep,
+                p.cast(),
+                local.len as usize,
+                d,
+                dest,
+                remote.addr,
+                remote.key,
+                (&mut *ctx as *mut OpContext).cast(),
+            )
+        };
+        Self::post_ret("fi_write", ret, || format!("{} bytes", local.len))?;
+        self.track(ctx, user, Keep::Regions(vec![m]));
+        Ok(())
+    }
+
+    /// Posts a message (owned until its completion, registered first under `FI_MR_LOCAL`).
+    pub fn send(&mut self, dest: u64, msg: Vec<u8>, user: u64) -> Result<(), PostError> {
+        let (mr, desc) = if self.pinfo.mr_mode.local && !msg.is_empty() {
+            // Describe the Vec's heap buffer; it is kept (unmoved) in `ops` until completion and the MR
+            // is closed before the Vec is dropped.
+            let region = crate::ffi_mem::vec_region(&msg);
+            let (h, _) = self.reg_access(&region, u64::from(sys::FI_SEND)).map_err(PostError::Failed)?;
+            (Some(h), self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc))
+        } else {
+            (None, ptr::null_mut())
+        };
+        let mut ctx = Box::<OpContext>::default();
+        // SAFETY: `msg`'s heap buffer and the context are stored in `ops` until completion.
+        let ret = unsafe {
+            sys::kvx_fi_send(self.ep, msg.as_ptr().cast(), msg.len(), desc, dest, (&mut *ctx as *mut OpContext).cast())
+        };
+        if let Err(e) = Self::post_ret("fi_send", ret, || format!("{} bytes", msg.len())) {
+            if let Some(h) = mr {
+                self.dereg(h);
+            }
+            return Err(e);
+        }
+        self.track(ctx, user, Keep::Send(msg, mr));
+        Ok(())
+    }
+
+    /// Allocates, registers (for `FI_RECV`) and posts `count` receive buffers of `size` bytes, which
+    /// [`Self::poll`] reposts after each message.
+    pub fn post_receives(&mut self, count: usize, size: usize) -> Result<(), BackendError> {
+        if self.recv_slab.is_some() {
+            return Err(BackendError::Config { backend: NAME, detail: "receives are already posted".into() });
+        }
+        let slab = HostBuffer::zeroed(count * size);
+        let (h, _) = self.reg_access(&slab.region(), u64::from(sys::FI_RECV))?;
+        self.recv_slab = Some((slab, h, size));
+        for slot in 0..count {
+            match self.post_slot(slot) {
+                Ok(()) => {}
+                Err(PostError::Again) => self.unposted.push(slot),
+                Err(PostError::Failed(e)) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn post_slot(&mut self, slot: usize) -> Result<(), PostError> {
+        let Some((slab, h, size)) = &self.recv_slab else { return Ok(()) };
+        let region = slab.region();
+        let (size, h) = (*size, *h);
+        let desc = self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc);
+        let p = region.as_ptr().wrapping_add(slot * size);
+        let mut ctx = Box::<OpContext>::default();
+        // SAFETY: the slot lies inside the slab (slot < count), which lives until after the endpoint is
+        // closed; the context is stored in `ops` until completion or close.
+        let ret = unsafe {
+            sys::kvx_fi_recv(self.ep, p.cast(), size, desc, FI_ADDR_UNSPEC, (&mut *ctx as *mut OpContext).cast())
+        };
+        Self::post_ret("fi_recv", ret, || format!("{size} bytes"))?;
+        self.track(ctx, 0, Keep::Recv(slot));
+        Ok(())
+    }
+
+    fn repost(&mut self, slot: usize) {
+        match self.post_slot(slot) {
+            Ok(()) => {}
+            Err(PostError::Again) => self.unposted.push(slot),
+            Err(PostError::Failed(e)) => {
+                tracing::warn!(target: "kvxfer_fabric", "reposting receive buffer {slot}: {e}");
+                self.unposted.push(slot);
+            }
+        }
+    }
+
+    /// Reads up to `max` completions (errors included, via `fi_cq_readerr`), which also drives the
+    /// provider's progress, and turns them into events. Returns how many completions were read.
+    pub fn poll(&mut self, out: &mut Vec<Event>, max: usize) -> Result<usize, BackendError> {
+        if !self.unposted.is_empty() {
+            for slot in std::mem::take(&mut self.unposted) {
+                self.repost(slot);
+            }
+        }
+        let mut entries: Vec<sys::fi_cq_data_entry> =
+            vec![
+                sys::fi_cq_data_entry { op_context: ptr::null_mut(), flags: 0, len: 0, buf: ptr::null_mut(), data: 0 };
+                max.max(1)
+            ];
+        // SAFETY: `entries` has room for `entries.len()` entries of the CQ's format (FI_CQ_FORMAT_DATA).
+        let n = unsafe { sys::kvx_fi_cq_read(self.cq, entries.as_mut_ptr().cast(), entries.len()) };
+        if n > 0 {
+            for e in &entries[..n as usize] {
+                self.complete(e.op_context as usize, e.flags, e.len, e.data, None, out);
+            }
+            return Ok(n as usize);
+        }
+        if n == EAGAIN || n == 0 {
+            return Ok(0);
+        }
+        if n != EAVAIL {
+            check("fi_cq_read", n, || "polling the completion queue".into())?;
+            return Ok(0);
+        }
+        let mut err = sys::fi_cq_err_entry::default();
+        // SAFETY: `err` is a valid, zeroed error entry (err_data_size 0: the provider may point err_data
+        // at its own buffer, valid until the next call on the CQ; we use it right below).
+        let r = unsafe { sys::kvx_fi_cq_readerr(self.cq, &mut err, 0) };
+        check("fi_cq_readerr", r, || "reading an error completion".into())?;
+        let mut buf = vec![0 as std::os::raw::c_char; 256];
+        // SAFETY: cq is open; err_data (if any) is the provider's and still valid; `buf` holds 256 bytes.
+        let msg = unsafe {
+            cstr_field(sys::kvx_fi_cq_strerror(self.cq, err.prov_errno, err.err_data, buf.as_mut_ptr(), buf.len()))
+        };
+        let fe = FiError {
+            code: err.err,
+            detail: format!("{} (provider errno {}: {msg})", strerror(i64::from(err.err)), err.prov_errno),
+        };
+        self.complete(err.op_context as usize, err.flags, err.len, err.data, Some(fe), out);
+        Ok(1)
+    }
+
+    fn complete(
+        &mut self,
+        ctx: usize,
+        flags: u64,
+        len: usize,
+        data: u64,
+        error: Option<FiError>,
+        out: &mut Vec<Event>,
+    ) {
+        let op = self.ops.remove(&ctx);
+        let remote_data = flags & u64::from(sys::FI_REMOTE_CQ_DATA) != 0 && error.is_none();
+        match op {
+            None => {
+                if remote_data {
+                    out.push(Event::RemoteData(data));
+                } else if let Some(e) = error {
+                    out.push(Event::RecvError(e));
+                } else {
+                    tracing::debug!(target: "kvxfer_fabric", "completion for an unknown context {ctx:#x} (flags {flags:#x})");
+                }
+            }
+            Some(Op { user, keep: Keep::Regions(_), .. }) => {
+                self.tx_in_flight -= 1;
+                out.push(Event::Done { user, error });
+            }
+            Some(Op { user, keep: Keep::Send(_, mr), .. }) => {
+                self.tx_in_flight -= 1;
+                if let Some(h) = mr {
+                    self.dereg(h);
+                }
+                out.push(Event::Done { user, error });
+            }
+            Some(Op { keep: Keep::Recv(slot), .. }) => {
+                if remote_data {
+                    // FI_RX_CQ_DATA: the write's CQ data consumed this buffer; no message in it.
+                    out.push(Event::RemoteData(data));
+                } else if let Some(e) = error {
+                    if e.code != sys::FI_ECANCELED as i32 {
+                        out.push(Event::RecvError(e));
+                    }
+                } else if let Some((slab, _, size)) = &self.recv_slab {
+                    let mut bytes = vec![0u8; len.min(*size)];
+                    if slab.region().read((slot * size) as u64, &mut bytes).is_ok() {
+                        out.push(Event::Message(bytes));
+                    }
+                }
+                self.repost(slot);
+            }
+        }
+    }
+}
