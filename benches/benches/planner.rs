@@ -5,9 +5,9 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion};
+use criterion::{BenchmarkId, Criterion, SamplingMode};
 use kvxfer_benches::{llama70b_topology, one_op_per_token, page_lists, PAGES, TOKENS};
-use kvxfer_core::plan::plan_chunk;
+use kvxfer_core::plan::{page_runs, plan_chunk};
 use kvxfer_core::{Layout, Topology};
 
 struct Case {
@@ -72,9 +72,18 @@ fn planner(c: &mut Criterion) {
     }
     g.finish();
 
+    // The page-list half of plan_chunk alone (coalescing into runs plus the duplicate-destination check).
+    let mut g = c.benchmark_group("page_runs");
+    for shuffled in [false, true] {
+        let (src, dst) = page_lists(PAGES, shuffled);
+        let name = if shuffled { "shuffled" } else { "contiguous" };
+        g.bench_function(name, |b| b.iter(|| page_runs(black_box(&src), black_box(&dst)).unwrap()));
+    }
+    g.finish();
+
     // Every op of every pair, as a backend walks them (the plan built once, outside the timing).
     let mut g = c.benchmark_group("iterate_ops");
-    g.sample_size(10);
+    g.sample_size(10).sampling_mode(SamplingMode::Flat);
     for case in &cases {
         let plan = plan_chunk(&case.topo, &case.src, &case.dst).unwrap();
         g.bench_with_input(BenchmarkId::from_parameter(&case.name), &plan, |b, plan| {
