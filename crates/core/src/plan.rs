@@ -33,10 +33,12 @@ pub fn page_runs(src: &[u32], dst: &[u32]) -> Result<Vec<PageRun>, PlanError> {
     if src.len() != dst.len() {
         return Err(PlanError::PageCountMismatch { src: src.len(), dst: dst.len() });
     }
-    let mut seen = std::collections::HashSet::with_capacity(dst.len());
-    for &d in dst {
-        if !seen.insert(d) {
-            return Err(PlanError::DuplicateDestinationPage { page: d });
+    // Strictly increasing lists (the common case) cannot repeat; otherwise sort a copy.
+    if !dst.windows(2).all(|w| w[0] < w[1]) {
+        let mut sorted = dst.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(PlanError::DuplicateDestinationPage { page: w[0] });
         }
     }
     let mut runs: Vec<PageRun> = Vec::new();
