@@ -61,6 +61,15 @@ pub struct Options {
     pub attached: AttachedMode,
     /// Longest sleep of the idle progress thread.
     pub idle_poll: Duration,
+    /// Silence after which a peer that connected to this endpoint is reported lost.
+    pub peer_timeout: Duration,
+}
+
+impl Options {
+    /// How often an endpoint tells the peers it connected to that it is alive.
+    pub fn heartbeat_interval(&self) -> Duration {
+        (self.peer_timeout / 8).clamp(Duration::from_millis(20), Duration::from_secs(1))
+    }
 }
 
 fn config_err(detail: String) -> BackendError {
@@ -102,7 +111,8 @@ impl Options {
             Some(v) => return Err(config_err(format!("attached={v}: use auto, cq-data or message"))),
         };
         let idle_poll = Duration::from_micros(config.parse_or(NAME, "idle_poll_us", 200u64)?.max(1));
-        Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll })
+        let peer_timeout = Duration::from_millis(config.parse_or(NAME, "peer_timeout_ms", 5_000u64)?.max(100));
+        Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll, peer_timeout })
     }
 }
 
@@ -116,6 +126,7 @@ struct Peer {
     identity: u64,
     fi_addr: u64,
     addr: Vec<u8>,
+    nonce: u32,
     provider: String,
     recv_buf: usize,
     cq_data: bool,
@@ -124,6 +135,10 @@ struct Peer {
 }
 
 impl Peer {
+    fn closed_key(&self) -> ClosedKey {
+        (self.provider.clone(), self.addr.clone(), self.nonce)
+    }
+
     fn describe(&self, id: PeerId) -> String {
         format!("{id} (identity {:#x}, {})", self.identity, self.provider)
     }
@@ -165,7 +180,21 @@ struct State {
     reasm: Reassembly,
     scratch: Vec<Event>,
     dropped_messages: u64,
+    stale_messages: u64,
+    /// This endpoint's nonce and identity (for liveness messages).
+    nonce: u32,
+    identity: u64,
+    /// Peers that connected to this endpoint, by their nonce: identity and when last heard.
+    live: HashMap<u32, Live>,
 }
+
+struct Live {
+    identity: u64,
+    last_seen: Instant,
+}
+
+/// `user` value of liveness messages (no batch waits for them).
+const USER_CONTROL: u64 = 0;
 
 const USER_SEND: u64 = 1;
 
@@ -208,14 +237,53 @@ impl State {
 
     fn dispatch(&mut self, ev: Event, events: &mpsc::UnboundedSender<BackendEvent>) {
         match ev {
-            Event::Message(bytes) => match self.reasm.frame(&bytes) {
-                Ok(Some(n)) => self.deliver(n, events),
-                Ok(None) => {}
-                Err(e) => {
-                    self.dropped_messages += 1;
-                    tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
+            Event::Message(bytes) => {
+                let h = match wire::parse(&bytes) {
+                    Ok((h, _)) => h,
+                    Err(e) => {
+                        self.dropped_messages += 1;
+                        tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
+                        return;
+                    }
+                };
+                if h.dest != self.nonce {
+                    // For an earlier owner of this (recycled) endpoint address.
+                    self.stale_messages += 1;
+                    return;
                 }
-            },
+                let now = Instant::now();
+                match h.kind {
+                    Kind::Heartbeat => {
+                        self.live.entry(h.nonce).or_insert(Live { identity: h.seq, last_seen: now }).last_seen = now;
+                        return;
+                    }
+                    Kind::Bye => {
+                        self.live.remove(&h.nonce);
+                        return;
+                    }
+                    Kind::Gone => {
+                        self.live.remove(&h.nonce);
+                        let _ = events.send(BackendEvent::PeerLost {
+                            identity: h.seq,
+                            reason: format!("the peer endpoint (identity {:#x}) closed", h.seq),
+                        });
+                        return;
+                    }
+                    Kind::Notify | Kind::Staged => {
+                        if let Some(l) = self.live.get_mut(&h.nonce) {
+                            l.last_seen = now;
+                        }
+                    }
+                }
+                match self.reasm.frame(&bytes) {
+                    Ok(Some(n)) => self.deliver(n, events),
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.dropped_messages += 1;
+                        tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
+                    }
+                }
+            }
             Event::RemoteData(token) => {
                 if let Some(n) = self.reasm.token(token) {
                     self.deliver(n, events);
@@ -224,6 +292,11 @@ impl State {
             Event::RecvError(e) => {
                 self.dropped_messages += 1;
                 tracing::warn!(target: "kvxfer_fabric", "a receive failed: {}", e.detail);
+            }
+            Event::Done { user: USER_CONTROL, error } => {
+                if let Some(e) = error {
+                    tracing::debug!(target: "kvxfer_fabric", "a liveness message failed: {}", e.detail);
+                }
             }
             Event::Done { user, error } => {
                 let id = user >> 1;
@@ -256,6 +329,47 @@ impl State {
     }
 }
 
+impl State {
+    /// Posts a liveness message to every connected peer (best effort: a full queue skips a round).
+    fn send_control(&mut self, kind: Kind) -> usize {
+        let targets: Vec<(u64, u32)> = {
+            let closed = closed_set();
+            self.peers
+                .values()
+                .filter(|p| !p.lost && !closed.as_ref().is_some_and(|c| c.contains(&p.closed_key())))
+                .map(|p| (p.fi_addr, p.nonce))
+                .collect()
+        };
+        let mut posted = 0;
+        for (a, dest) in targets {
+            if self.ep.send(a, wire::control(kind, self.nonce, dest, self.identity), USER_CONTROL).is_ok() {
+                posted += 1;
+            }
+        }
+        posted
+    }
+
+    /// Reports peers not heard from within `timeout` as lost (once).
+    fn check_liveness(&mut self, timeout: Duration, events: &mpsc::UnboundedSender<BackendEvent>) {
+        let now = Instant::now();
+        let dead: Vec<u32> =
+            self.live.iter().filter(|(_, l)| now.duration_since(l.last_seen) > timeout).map(|(n, _)| *n).collect();
+        for n in dead {
+            if let Some(l) = self.live.remove(&n) {
+                let _ = events.send(BackendEvent::PeerLost {
+                    identity: l.identity,
+                    reason: format!("no heartbeat from identity {:#x} for {timeout:?}", l.identity),
+                });
+            }
+        }
+    }
+
+    /// Whether a `write` or `notify` is waiting for completions.
+    fn waiting(&self) -> bool {
+        self.batches.values().any(|b| b.done.is_some())
+    }
+}
+
 fn ffi_completion_error(call: &'static str, e: &FiError, peer: PeerId, identity: u64) -> BackendError {
     BackendError::Ffi {
         backend: NAME,
@@ -278,16 +392,24 @@ impl Shared {
     }
 }
 
-fn progress_loop(shared: Arc<Shared>, idle_max: Duration) {
+fn progress_loop(shared: Arc<Shared>, opts: Options) {
     const HOT: Duration = Duration::from_millis(2);
     let min_sleep = Duration::from_micros(10);
+    let idle_max = opts.idle_poll;
+    let beat = opts.heartbeat_interval();
     let mut sleep = min_sleep;
     let mut last_active = Instant::now();
+    let mut last_beat = Instant::now();
     while !shared.stop.load(Ordering::Acquire) {
         let (n, busy) = {
             let mut st = shared.lock();
             let n = st.pump(&shared.events);
-            (n, st.ep.tx_in_flight() > 0)
+            if last_beat.elapsed() >= beat {
+                last_beat = Instant::now();
+                st.send_control(Kind::Heartbeat);
+                st.check_liveness(opts.peer_timeout, &shared.events);
+            }
+            (n, st.waiting())
         };
         if n > 0 || busy {
             last_active = Instant::now();
@@ -307,9 +429,12 @@ fn progress_loop(shared: Arc<Shared>, idle_max: Duration) {
 /// libfabric's shm provider (1.17) crashes (SIGSEGV in `fi_writemsg`) when an endpoint writes to a peer
 /// endpoint of the same process that was closed, so posts to such a peer fail with `PeerLost` instead.
 /// Peers in other processes are unaffected: their writes fail or run into the deadline.
-static CLOSED_IN_PROCESS: Mutex<Option<HashSet<(String, Vec<u8>)>>> = Mutex::new(None);
+static CLOSED_IN_PROCESS: Mutex<Option<HashSet<ClosedKey>>> = Mutex::new(None);
 
-fn closed_set() -> MutexGuard<'static, Option<HashSet<(String, Vec<u8>)>>> {
+/// Provider, address and nonce of an endpoint instance.
+type ClosedKey = (String, Vec<u8>, u32);
+
+fn closed_set() -> MutexGuard<'static, Option<HashSet<ClosedKey>>> {
     CLOSED_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -335,11 +460,22 @@ pub struct FabricBackend {
 impl Drop for FabricBackend {
     fn drop(&mut self) {
         let name = self.shared.lock().ep.name().to_vec();
-        closed_set().get_or_insert_with(HashSet::new).insert((self.info.provider.clone(), name));
+        closed_set().get_or_insert_with(HashSet::new).insert((self.info.provider.clone(), name, self.nonce));
         self.shared.stop.store(true, Ordering::Release);
         self.waker.unpark();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        // Tell the peers this endpoint connected to that it is going away, and give those messages a
+        // moment to leave (bounded) before the endpoint closes.
+        let mut st = self.shared.lock();
+        let before = st.ep.tx_in_flight();
+        if st.send_control(Kind::Gone) > 0 {
+            let end = Instant::now() + Duration::from_millis(200);
+            while st.ep.tx_in_flight() > before && Instant::now() < end {
+                st.pump(&self.shared.events);
+                std::thread::yield_now();
+            }
         }
     }
 }
@@ -371,9 +507,6 @@ impl FabricBackend {
             }
         };
         ep.post_receives(opts.recv_buffers, opts.recv_buf_size)?;
-        if let Some(set) = closed_set().as_mut() {
-            set.remove(&(info.provider.clone(), ep.name().to_vec()));
-        }
         tracing::debug!(
             target: "kvxfer_fabric",
             "opened {} ({} / {}): mr_mode {}, delivery_complete {}, order_saw {}, cq_data {} bytes, rma_event {}, rx_cq_data {}, iov_limit {}",
@@ -381,6 +514,7 @@ impl FabricBackend {
             info.cq_data_size, info.rma_event, info.rx_cq_data, info.iov_limit
         );
         let (tx, rx) = mpsc::unbounded_channel();
+        let nonce = nonce();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 ep,
@@ -394,15 +528,19 @@ impl FabricBackend {
                 reasm: Reassembly::default(),
                 scratch: Vec::new(),
                 dropped_messages: 0,
+                stale_messages: 0,
+                nonce,
+                identity: config.identity,
+                live: HashMap::new(),
             }),
             events: tx,
             stop: AtomicBool::new(false),
         });
         let s2 = shared.clone();
-        let idle = opts.idle_poll;
+        let o2 = opts.clone();
         let thread = std::thread::Builder::new()
             .name("kvxfer-fabric-progress".into())
-            .spawn(move || progress_loop(s2, idle))
+            .spawn(move || progress_loop(s2, o2))
             .map_err(|e| BackendError::Io {
                 backend: NAME,
                 context: "spawning the progress thread".into(),
@@ -415,7 +553,7 @@ impl FabricBackend {
             thread: Some(thread),
             waker,
             identity: config.identity,
-            nonce: nonce(),
+            nonce,
             opts,
             info,
             cq_data_local,
@@ -435,6 +573,11 @@ impl FabricBackend {
     /// Messages dropped because they were malformed, undecodable, or their receive failed.
     pub fn dropped_messages(&self) -> u64 {
         self.shared.lock().dropped_messages
+    }
+
+    /// Messages addressed to an earlier owner of this endpoint's (recycled) address, dropped.
+    pub fn stale_messages(&self) -> u64 {
+        self.shared.lock().stale_messages
     }
 
     /// Validates `ops` against local and peer regions and turns them into posts of at most `iov_limit`
@@ -521,7 +664,7 @@ impl FabricBackend {
             let mut st = self.shared.lock();
             let p = st.peers.get_mut(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
             let (fi_addr, identity) = (p.fi_addr, p.identity);
-            if closed_set().as_ref().is_some_and(|s| s.contains(&(p.provider.clone(), p.addr.clone()))) {
+            if closed_set().as_ref().is_some_and(|s| s.contains(&p.closed_key())) {
                 let detail = "its endpoint (in this process) was closed".to_owned();
                 if !p.lost {
                     p.lost = true;
@@ -644,10 +787,10 @@ impl FabricBackend {
         s
     }
 
-    fn peer_limits(&self, peer: PeerId) -> Result<(usize, bool), BackendError> {
+    fn peer_limits(&self, peer: PeerId) -> Result<(usize, bool, u32), BackendError> {
         let st = self.shared.lock();
         let p = st.peers.get(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
-        Ok((p.recv_buf, p.cq_data))
+        Ok((p.recv_buf, p.cq_data, p.nonce))
     }
 
     fn encode(n: &Notification) -> Result<Vec<u8>, BackendError> {
@@ -700,8 +843,9 @@ impl KvTransferBackend for FabricBackend {
             provider: self.info.provider.clone(),
             addr: st.ep.name().to_vec(),
             virt_addr: self.info.mr_mode.virt_addr,
-            recv_buf: self.opts.recv_buf_size as u32,
+            recv_buf: st.ep.recv_buf_size() as u32,
             cq_data: self.cq_data_local,
+            nonce: self.nonce,
             regions,
         };
         let payload = serde_json::to_vec(&payload).map_err(|e| BackendError::Io {
@@ -755,6 +899,7 @@ impl KvTransferBackend for FabricBackend {
                 identity: peer.identity,
                 fi_addr,
                 addr: p.addr,
+                nonce: p.nonce,
                 provider: p.provider,
                 recv_buf: p.recv_buf as usize,
                 cq_data: p.cq_data,
@@ -763,6 +908,12 @@ impl KvTransferBackend for FabricBackend {
             },
         );
         tracing::debug!(target: "kvxfer_fabric", "connected {}", st.peers[&id].describe(id));
+        // Introduce ourselves so the peer can report us lost if we go away (best effort; the periodic
+        // heartbeat repeats it).
+        let hello = wire::control(Kind::Heartbeat, self.nonce, st.peers[&id].nonce, self.identity);
+        let _ = st.ep.send(fi_addr, hello, USER_CONTROL);
+        drop(st);
+        self.waker.unpark();
         Ok(id)
     }
 
@@ -776,7 +927,7 @@ impl KvTransferBackend for FabricBackend {
             return self.run_batch(peer, items, deadline).await;
         };
         let body = Self::encode(n)?;
-        let (recv_buf, peer_cq_data) = self.peer_limits(peer)?;
+        let (recv_buf, peer_cq_data, dest) = self.peer_limits(peer)?;
         if self.cq_data_local && peer_cq_data && !items.is_empty() {
             let mut last = items.pop().expect("non-empty");
             self.run_batch(peer, items, deadline).await?;
@@ -784,15 +935,19 @@ impl KvTransferBackend for FabricBackend {
             if let Item::Write { data, .. } = &mut last {
                 *data = Some(token);
             }
-            let mut batch: Vec<Item> =
-                wire::frames(Kind::Staged, self.nonce, token, &body, recv_buf).into_iter().map(Item::Send).collect();
+            let mut batch: Vec<Item> = wire::frames(Kind::Staged, self.nonce, dest, token, &body, recv_buf)
+                .into_iter()
+                .map(Item::Send)
+                .collect();
             batch.push(last);
             self.run_batch(peer, batch, deadline).await
         } else {
             self.run_batch(peer, items, deadline).await?;
             let seq = self.next_seq();
-            let frames =
-                wire::frames(Kind::Notify, self.nonce, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
+            let frames = wire::frames(Kind::Notify, self.nonce, dest, seq, &body, recv_buf)
+                .into_iter()
+                .map(Item::Send)
+                .collect();
             self.run_batch(peer, frames, deadline).await
         }
     }
@@ -800,9 +955,10 @@ impl KvTransferBackend for FabricBackend {
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
         let deadline = Instant::now() + self.opts.timeout;
         let body = Self::encode(notification)?;
-        let (recv_buf, _) = self.peer_limits(peer)?;
+        let (recv_buf, _, dest) = self.peer_limits(peer)?;
         let seq = self.next_seq();
-        let frames = wire::frames(Kind::Notify, self.nonce, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
+        let frames =
+            wire::frames(Kind::Notify, self.nonce, dest, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
         self.run_batch(peer, frames, deadline).await
     }
 
@@ -827,6 +983,11 @@ impl KvTransferBackend for FabricBackend {
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         let mut st = self.shared.lock();
-        st.peers.remove(&peer).map(|_| ()).ok_or(BackendError::UnknownPeer { backend: NAME, peer })
+        let p = st.peers.remove(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
+        if !st.peers.values().any(|q| q.fi_addr == p.fi_addr) {
+            let bye = wire::control(Kind::Bye, self.nonce, p.nonce, self.identity);
+            let _ = st.ep.send(p.fi_addr, bye, USER_CONTROL);
+        }
+        Ok(())
     }
 }

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
 use std::fmt;
 use std::ptr;
+use std::sync::Mutex;
 
 use kvxfer_core::{BackendError, HostBuffer, MemRegion};
 use kvxfer_fabric_sys as sys;
@@ -284,6 +285,8 @@ pub struct MrInfo {
 struct Mr {
     fid: *mut sys::fid_mr,
     desc: *mut c_void,
+    /// Registered through [`Endpoint::reg`] (a user region), closed when the endpoint is recycled.
+    user: bool,
     /// The registered memory, kept alive as long as the registration.
     mem: MemRegion,
 }
@@ -309,6 +312,9 @@ struct Op {
     ctx: Box<OpContext>,
     user: u64,
     keep: Keep,
+    /// The endpoint generation that posted it (see [`RdmEndpoint`]): completions of an earlier
+    /// owner's operations are swallowed.
+    generation: u64,
 }
 
 /// A failed operation, as `fi_cq_readerr` described it.
@@ -388,8 +394,8 @@ pub enum PostError {
 
 /// An RDM endpoint and everything it needs, owned together: the fabric, domain, completion queue,
 /// address vector, memory registrations, in-flight operations (and what they keep alive), and a slab
-/// of receive buffers it keeps posted.
-pub struct RdmEndpoint {
+/// of receive buffers it keeps posted. Used through [`RdmEndpoint`].
+pub struct Endpoint {
     mrs: HashMap<u64, Mr>,
     ep: *mut sys::fid_ep,
     av: *mut sys::fid_av,
@@ -406,12 +412,80 @@ pub struct RdmEndpoint {
     recv_slab: Option<(HostBuffer, MrHandle, usize)>,
     unposted: Vec<usize>,
     tx_in_flight: usize,
+    generation: u64,
+    pool_key: (Option<String>, Option<String>),
 }
 
 // SAFETY: libfabric objects opened with FI_THREAD_DOMAIN may be used from any thread as long as calls
 // are serialised; every method that calls libfabric takes `&mut self`, and the backend keeps the
-// endpoint in a Mutex. The raw pointers in `ops` point into memory this struct owns or keeps alive.
-unsafe impl Send for RdmEndpoint {}
+// endpoint in a Mutex (the recycling pool in another). The raw pointers in `ops` point into memory
+// this struct owns or keeps alive.
+unsafe impl Send for Endpoint {}
+
+/// Endpoints of providers that must not be closed while the process runs (see [`RdmEndpoint`]).
+/// Boxed because [`RdmEndpoint`] holds them boxed; moving between the two is then a pointer move.
+#[allow(clippy::vec_box)]
+static RECYCLED: Mutex<Vec<Box<Endpoint>>> = Mutex::new(Vec::new());
+
+#[allow(clippy::vec_box)]
+fn recycled() -> std::sync::MutexGuard<'static, Vec<Box<Endpoint>>> {
+    RECYCLED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An open [`Endpoint`], closed on drop, except for the `shm` provider, whose endpoints are recycled.
+///
+/// Why: libfabric 1.17's shm provider shares the shared-memory region of an endpoint with the other
+/// endpoints of the same process by pointer, and `fi_close` unmaps it, so any later access by a peer
+/// endpoint of the same process (a send, the progress of an earlier command, closing its address
+/// vector) crashes the process. Recycling keeps every shm region mapped for the life of the process
+/// and bounds their number by the peak of endpoints open at once. A recycled endpoint gets a new
+/// generation: its user registrations are closed (their keys are never reused), completions of the
+/// previous owner's operations are swallowed, and the backend tags messages with the receiver's
+/// nonce so stale ones are dropped.
+pub struct RdmEndpoint(Option<Box<Endpoint>>);
+
+impl std::ops::Deref for RdmEndpoint {
+    type Target = Endpoint;
+    fn deref(&self) -> &Endpoint {
+        self.0.as_deref().expect("present until drop")
+    }
+}
+
+impl std::ops::DerefMut for RdmEndpoint {
+    fn deref_mut(&mut self) -> &mut Endpoint {
+        self.0.as_deref_mut().expect("present until drop")
+    }
+}
+
+impl Drop for RdmEndpoint {
+    fn drop(&mut self) {
+        if let Some(mut e) = self.0.take() {
+            if e.pinfo.provider == "shm" {
+                let user: Vec<u64> = e.mrs.iter().filter(|(_, m)| m.user).map(|(k, _)| *k).collect();
+                for k in user {
+                    e.dereg(MrHandle(k));
+                }
+                e.generation += 1;
+                recycled().push(e);
+            }
+        }
+    }
+}
+
+impl RdmEndpoint {
+    /// Opens an endpoint (or takes a recycled one opened with the same hints).
+    pub fn open(hints: &Hints) -> Result<Self, BackendError> {
+        let key = (hints.provider.clone(), hints.node.clone());
+        let reuse = {
+            let mut pool = recycled();
+            pool.iter().position(|e| e.pool_key == key).map(|i| pool.swap_remove(i))
+        };
+        match reuse {
+            Some(e) => Ok(Self(Some(e))),
+            None => Ok(Self(Some(Box::new(Endpoint::open(hints)?)))),
+        }
+    }
+}
 
 fn close_fid(what: &str, fid: *mut sys::fid) {
     if fid.is_null() {
@@ -438,7 +512,7 @@ macro_rules! fid_of {
     };
 }
 
-impl Drop for RdmEndpoint {
+impl Drop for Endpoint {
     fn drop(&mut self) {
         // Close order: endpoint first (it stops using posted buffers and registrations), then the
         // registrations, address vector, completion queue, domain and fabric. The memory that in-flight
@@ -454,10 +528,10 @@ impl Drop for RdmEndpoint {
     }
 }
 
-impl RdmEndpoint {
+impl Endpoint {
     /// Opens fabric, domain, completion queue, address vector and an enabled RDM endpoint. Asks for
     /// `FI_DELIVERY_COMPLETE` first and falls back to the provider's default completion semantic.
-    pub fn open(hints: &Hints) -> Result<Self, BackendError> {
+    fn open(hints: &Hints) -> Result<Self, BackendError> {
         let info = match getinfo(hints, true) {
             Ok(i) => i,
             Err(first) => getinfo(hints, false).inspect_err(|_| {
@@ -487,6 +561,8 @@ impl RdmEndpoint {
             recv_slab: None,
             unposted: Vec::new(),
             tx_in_flight: 0,
+            generation: 0,
+            pool_key: (hints.provider.clone(), hints.node.clone()),
         };
         let prov = me.pinfo.provider.clone();
         let ctx = || format!("provider {prov}");
@@ -543,6 +619,11 @@ impl RdmEndpoint {
         &self.name
     }
 
+    /// Size of each posted receive buffer (0 before [`Self::post_receives`]).
+    pub fn recv_buf_size(&self) -> usize {
+        self.recv_slab.as_ref().map_or(0, |(_, _, s)| *s)
+    }
+
     /// Writes and sends posted and not yet completed.
     pub fn tx_in_flight(&self) -> usize {
         self.tx_in_flight
@@ -567,7 +648,7 @@ impl RdmEndpoint {
         Ok(fi_addr)
     }
 
-    fn reg_access(&mut self, mem: &MemRegion, access: u64) -> Result<(MrHandle, MrInfo), BackendError> {
+    fn reg_access(&mut self, mem: &MemRegion, access: u64, user: bool) -> Result<(MrHandle, MrInfo), BackendError> {
         let requested_key = if self.pinfo.mr_mode.prov_key { 0 } else { self.next_key };
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
         let (p, len) = (mem.as_ptr(), mem.len());
@@ -606,7 +687,7 @@ impl RdmEndpoint {
         }
         let h = MrHandle(self.next_mr);
         self.next_mr += 1;
-        self.mrs.insert(h.0, Mr { fid: mr, desc, mem: mem.clone() });
+        self.mrs.insert(h.0, Mr { fid: mr, desc, user, mem: mem.clone() });
         let base = if self.pinfo.mr_mode.virt_addr { p as u64 } else { 0 };
         Ok((h, MrInfo { key, base }))
     }
@@ -618,7 +699,7 @@ impl RdmEndpoint {
         let access = u64::from(
             sys::FI_SEND | sys::FI_RECV | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
         );
-        self.reg_access(mem, access)
+        self.reg_access(mem, access, true)
     }
 
     /// Closes a registration. Unknown handles are ignored. Operations in flight keep their memory alive
@@ -634,7 +715,8 @@ impl RdmEndpoint {
         if !matches!(keep, Keep::Recv(_)) {
             self.tx_in_flight += 1;
         }
-        self.ops.insert(addr, Op { ctx, user, keep });
+        let generation = self.generation;
+        self.ops.insert(addr, Op { ctx, user, keep, generation });
     }
 
     fn post_ret(call: &'static str, ret: isize, ctx: impl FnOnce() -> String) -> Result<(), PostError> {
@@ -735,7 +817,7 @@ impl RdmEndpoint {
             // Describe the Vec's heap buffer; it is kept (unmoved) in `ops` until completion and the MR
             // is closed before the Vec is dropped.
             let region = crate::ffi_mem::vec_region(&msg);
-            let (h, _) = self.reg_access(&region, u64::from(sys::FI_SEND)).map_err(PostError::Failed)?;
+            let (h, _) = self.reg_access(&region, u64::from(sys::FI_SEND), false).map_err(PostError::Failed)?;
             (Some(h), self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc))
         } else {
             (None, ptr::null_mut())
@@ -759,10 +841,11 @@ impl RdmEndpoint {
     /// [`Self::poll`] reposts after each message.
     pub fn post_receives(&mut self, count: usize, size: usize) -> Result<(), BackendError> {
         if self.recv_slab.is_some() {
-            return Err(BackendError::Config { backend: NAME, detail: "receives are already posted".into() });
+            // A recycled endpoint keeps the buffers its first owner posted.
+            return Ok(());
         }
         let slab = HostBuffer::zeroed(count * size);
-        let (h, _) = self.reg_access(&slab.region(), u64::from(sys::FI_RECV))?;
+        let (h, _) = self.reg_access(&slab.region(), u64::from(sys::FI_RECV), false)?;
         self.recv_slab = Some((slab, h, size));
         for slot in 0..count {
             match self.post_slot(slot) {
@@ -869,16 +952,20 @@ impl RdmEndpoint {
                     tracing::debug!(target: "kvxfer_fabric", "completion for an unknown context {ctx:#x} (flags {flags:#x})");
                 }
             }
-            Some(Op { user, keep: Keep::Regions(_), .. }) => {
+            Some(Op { user, keep: Keep::Regions(_), generation, .. }) => {
                 self.tx_in_flight -= 1;
-                out.push(Event::Done { user, error });
+                if generation == self.generation {
+                    out.push(Event::Done { user, error });
+                }
             }
-            Some(Op { user, keep: Keep::Send(_, mr), .. }) => {
+            Some(Op { user, keep: Keep::Send(_, mr), generation, .. }) => {
                 self.tx_in_flight -= 1;
                 if let Some(h) = mr {
                     self.dereg(h);
                 }
-                out.push(Event::Done { user, error });
+                if generation == self.generation {
+                    out.push(Event::Done { user, error });
+                }
             }
             Some(Op { keep: Keep::Recv(slot), .. }) => {
                 if remote_data {

@@ -36,12 +36,14 @@ pub struct Payload {
     pub recv_buf: u32,
     /// Whether the endpoint accepts attached notifications as remote CQ data on the last write.
     pub cq_data: bool,
+    /// The endpoint's nonce (random per backend instance); messages to it carry it.
+    pub nonce: u32,
     /// Registered regions.
     pub regions: Vec<RegionMeta>,
 }
 
 /// Bytes of a message header.
-pub const HEADER: usize = 24;
+pub const HEADER: usize = 28;
 const MAGIC: u8 = 0xfb;
 
 /// What a message carries.
@@ -52,6 +54,25 @@ pub enum Kind {
     /// A notification to deliver once the remote CQ data with the same token has arrived (attached
     /// style over `fi_writedata`).
     Staged = 2,
+    /// "I am alive": sent on connect and then periodically by every endpoint to the peers it connected
+    /// to; `seq` carries the sender's identity. A receiver that stops hearing it reports the peer lost.
+    Heartbeat = 3,
+    /// The sending endpoint is closing (it was dropped): the receiver reports the peer lost at once.
+    Gone = 4,
+    /// The sender disconnected on purpose: forget it without reporting a loss.
+    Bye = 5,
+}
+
+impl Kind {
+    /// Whether this kind is a liveness message (no notification body).
+    pub fn is_control(self) -> bool {
+        matches!(self, Kind::Heartbeat | Kind::Gone | Kind::Bye)
+    }
+}
+
+/// A liveness message ([`Kind::Heartbeat`], [`Kind::Gone`], [`Kind::Bye`]) carrying `identity`.
+pub fn control(kind: Kind, nonce: u32, dest: u32, identity: u64) -> Vec<u8> {
+    frames(kind, nonce, dest, identity, &[], HEADER).remove(0)
 }
 
 /// A parsed message header.
@@ -61,6 +82,9 @@ pub struct Header {
     pub kind: Kind,
     /// The sender endpoint's nonce.
     pub nonce: u32,
+    /// The receiving endpoint's nonce (from its metadata): a message for an earlier owner of a recycled
+    /// endpoint address is dropped.
+    pub dest: u32,
     /// Message sequence number (for [`Kind::Staged`], the CQ-data token).
     pub seq: u64,
     /// Length of the whole notification encoding.
@@ -70,7 +94,7 @@ pub struct Header {
 }
 
 /// Splits an encoded notification into frames of at most `frame_max` bytes (header included).
-pub fn frames(kind: Kind, nonce: u32, seq: u64, body: &[u8], frame_max: usize) -> Vec<Vec<u8>> {
+pub fn frames(kind: Kind, nonce: u32, dest: u32, seq: u64, body: &[u8], frame_max: usize) -> Vec<Vec<u8>> {
     let room = frame_max.saturating_sub(HEADER).max(1);
     let mut out = Vec::new();
     let mut off = 0usize;
@@ -84,6 +108,7 @@ pub fn frames(kind: Kind, nonce: u32, seq: u64, body: &[u8], frame_max: usize) -
         f.extend_from_slice(&seq.to_le_bytes());
         f.extend_from_slice(&(body.len() as u32).to_le_bytes());
         f.extend_from_slice(&(off as u32).to_le_bytes());
+        f.extend_from_slice(&dest.to_le_bytes());
         f.extend_from_slice(&body[off..end]);
         out.push(f);
         off = end;
@@ -104,6 +129,9 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), String> {
     let kind = match frame[1] {
         1 => Kind::Notify,
         2 => Kind::Staged,
+        3 => Kind::Heartbeat,
+        4 => Kind::Gone,
+        5 => Kind::Bye,
         k => return Err(format!("unknown message kind {k}")),
     };
     let u32_at = |i: usize| u32::from_le_bytes(frame[i..i + 4].try_into().expect("4 bytes"));
@@ -111,11 +139,12 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), String> {
     let seq = u64::from_le_bytes(frame[8..16].try_into().expect("8 bytes"));
     let total = u32_at(16);
     let offset = u32_at(20);
+    let dest = u32_at(24);
     let frag = &frame[HEADER..];
     if u64::from(offset) + frag.len() as u64 > u64::from(total) {
         return Err(format!("fragment at {offset} of {} bytes exceeds the total {total}", frag.len()));
     }
-    Ok((Header { kind, nonce, seq, total, offset }, frag))
+    Ok((Header { kind, nonce, dest, seq, total, offset }, frag))
 }
 
 /// Most partial messages or unmatched tokens kept at once; beyond it the oldest are dropped with a warning.
@@ -177,6 +206,7 @@ impl Reassembly {
             self.partial.remove(&key).map(|p| p.buf).unwrap_or_default()
         };
         match h.kind {
+            Kind::Heartbeat | Kind::Gone | Kind::Bye => Err(format!("{:?} is not a notification", h.kind)),
             Kind::Notify => Ok(Some(whole)),
             Kind::Staged => {
                 if self.tokens.remove(&h.seq).is_some() {
@@ -214,8 +244,8 @@ mod tests {
     fn fragments_reassemble_in_any_order_and_interleaved() {
         let a: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
         let b: Vec<u8> = (0..700u32).map(|i| (i * 7) as u8).collect();
-        let fa = frames(Kind::Notify, 1, 5, &a, 100);
-        let fb = frames(Kind::Notify, 2, 5, &b, 64);
+        let fa = frames(Kind::Notify, 1, 0, 5, &a, 100);
+        let fb = frames(Kind::Notify, 2, 0, 5, &b, 64);
         assert!(fa.len() > 10 && fa.iter().all(|f| f.len() <= 100));
         let mut r = Reassembly::default();
         let mut got = Vec::new();
@@ -242,23 +272,23 @@ mod tests {
     #[test]
     fn staged_waits_for_its_token_either_way_round() {
         let mut r = Reassembly::default();
-        let f = frames(Kind::Staged, 3, 77, b"hello", 64);
+        let f = frames(Kind::Staged, 3, 0, 77, b"hello", 64);
         assert_eq!(r.frame(&f[0]).unwrap(), None);
         assert_eq!(r.token(78), None);
         assert_eq!(r.token(77), Some(b"hello".to_vec()));
-        assert_eq!(r.frame(&frames(Kind::Staged, 3, 78, b"x", 64)[0]).unwrap(), Some(b"x".to_vec()));
+        assert_eq!(r.frame(&frames(Kind::Staged, 3, 0, 78, b"x", 64)[0]).unwrap(), Some(b"x".to_vec()));
     }
 
     #[test]
     fn malformed_frames_are_errors() {
         assert!(parse(&[0; 10]).is_err());
-        let mut f = frames(Kind::Notify, 1, 1, b"abc", 64).remove(0);
+        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
         f[0] = 0;
         assert!(parse(&f).is_err());
-        let mut f = frames(Kind::Notify, 1, 1, b"abc", 64).remove(0);
+        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
         f[1] = 9;
         assert!(parse(&f).is_err());
-        let mut f = frames(Kind::Notify, 1, 1, b"abc", 64).remove(0);
+        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
         f[16] = 1; // total 1 < fragment 3
         assert!(parse(&f).is_err());
     }
