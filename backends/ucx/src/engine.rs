@@ -45,6 +45,8 @@ pub(crate) struct Settings {
     pub proc: ProcId,
     /// Whether the transports are all shared-memory ones (no peer error handling in UCX 1.13).
     pub shm_only: bool,
+    /// Whether writes go as active messages (the receiver places the bytes) instead of puts.
+    pub am_data: bool,
 }
 
 /// Which UCX error handling mode endpoints use.
@@ -146,6 +148,8 @@ struct Job {
     what: &'static str,
     /// Whether the caller was answered with success (a connect that failed removes its peer).
     ok: Option<bool>,
+    /// Active-message data path: the sequence number whose acknowledgement completes the job.
+    awaiting_ack: Option<u64>,
     /// Source registrations and remote keys the posted puts use, kept until the flush completes.
     sources: Vec<Rc<MemHandle>>,
     rkeys: Vec<Rc<RemoteKey>>,
@@ -179,6 +183,7 @@ impl Job {
             deadline,
             what,
             ok: None,
+            awaiting_ack: None,
             sources: Vec::new(),
             rkeys: Vec::new(),
         }
@@ -273,7 +278,8 @@ impl Job {
             }
         }
         let idle = self.reqs.is_empty() && self.flush.is_none() && self.am_req.is_none();
-        let complete = self.error.is_some() || (idle && self.flushed && self.am.is_none());
+        let complete =
+            self.error.is_some() || (idle && self.flushed && self.am.is_none() && self.awaiting_ack.is_none());
         if complete || now >= self.deadline {
             if let Some(reply) = self.reply.take() {
                 let r = match self.error.take() {
@@ -333,7 +339,11 @@ impl Peer {
                 may_post = false;
             }
         }
-        self.jobs.retain(|j| !j.finished());
+        // A lost peer's jobs go once their callers have an answer: UCX may never complete their
+        // requests (error mode none); dropping a job with requests in flight leaks, never frees,
+        // what they use.
+        let lost = self.lost.is_some();
+        self.jobs.retain(|j| !(j.finished() || (lost && j.reply.is_none())));
         !self.jobs.is_empty()
     }
 }
@@ -364,6 +374,11 @@ struct Engine {
     next_peer: u64,
     lost_instances: HashSet<u64>,
     last_liveness: Instant,
+    next_seq: u64,
+    /// Active-message data path, receiving side: writes that could not be placed, by (instance, seq).
+    refused: HashMap<(u64, u64), String>,
+    /// Requests nobody waits for (acknowledgements), kept until UCX is done with their buffers.
+    loose: Vec<Request>,
     settings: Settings,
     events: UnboundedSender<BackendEvent>,
     meta: Arc<Mutex<LocalMeta>>,
@@ -401,6 +416,9 @@ pub(crate) fn start(
                     next_peer: 1,
                     lost_instances: HashSet::new(),
                     last_liveness: Instant::now(),
+                    next_seq: 1,
+                    refused: HashMap::new(),
+                    loose: Vec::new(),
                     settings,
                     events,
                     meta,
@@ -593,6 +611,9 @@ impl Engine {
                     }
                 }
             }
+            Kind::Data => self.on_data(h, &m.data),
+            Kind::Commit => self.on_commit(h, &m.data),
+            Kind::Ack => self.on_ack(h, &m.data),
             Kind::Goodbye => {
                 if let Some(r) = self.reverse.remove(&h.instance) {
                     // The peer is going away: no close handshake with it.
@@ -607,6 +628,105 @@ impl Engine {
                     }
                     let reason = format!("peer with identity {:#x} shut down its UCX endpoint", h.identity);
                     self.emit_lost(h.instance, h.identity, reason);
+                }
+            }
+        }
+    }
+
+    /// Active-message data path: places the bytes of a data message into registered memory,
+    /// checking every segment against the region (a write outside it is refused, never placed).
+    fn on_data(&mut self, h: Header, body: &[u8]) {
+        let (seq, region, segs) = match wire::decode_data(body) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(identity = h.identity, "ucx: dropping a malformed data message: {e}");
+                return;
+            }
+        };
+        if self.refused.contains_key(&(h.instance, seq)) {
+            return;
+        }
+        let id = RegionId(region);
+        let mem = match self.regions.get(&id) {
+            Some(Local::Mapped(m)) => Some(m.region().clone()),
+            Some(Local::Empty) => None,
+            None => {
+                self.refused.insert((h.instance, seq), format!("{id} is not registered at the receiver"));
+                return;
+            }
+        };
+        for (off, bytes) in segs {
+            let r = match &mem {
+                Some(m) => m.write(off, bytes),
+                None if bytes.is_empty() => Ok(()),
+                None => Err(kvxfer_core::MemError { offset: off, len: bytes.len() as u64, region_len: 0 }),
+            };
+            if let Err(e) = r {
+                self.refused.insert((h.instance, seq), format!("write into {id} refused by the receiver: {e}"));
+                return;
+            }
+        }
+    }
+
+    /// Active-message data path: a write is complete; deliver its notification and acknowledge.
+    fn on_commit(&mut self, h: Header, body: &[u8]) {
+        if body.len() < 8 {
+            tracing::warn!(identity = h.identity, "ucx: dropping a malformed commit");
+            return;
+        }
+        let seq = u64::from_le_bytes(body[..8].try_into().expect("8"));
+        let refused = self.refused.remove(&(h.instance, seq));
+        if refused.is_none() && body.len() > 8 {
+            match Notification::decode(&body[8..]) {
+                Ok(n) => self.emit(BackendEvent::Notification(n)),
+                Err(e) => tracing::warn!(identity = h.identity, "ucx: dropping undecodable notification: {e}"),
+            }
+        }
+        let mut ack = seq.to_le_bytes().to_vec();
+        match &refused {
+            None => ack.push(1),
+            Some(reason) => {
+                ack.push(0);
+                ack.extend_from_slice(reason.as_bytes());
+            }
+        }
+        let ep = self
+            .reverse
+            .get(&h.instance)
+            .map(|r| r.ep.clone())
+            .or_else(|| self.peers.values().find(|p| p.instance == h.instance).map(|p| p.ep.clone()));
+        let Some(ep) = ep else {
+            tracing::warn!(identity = h.identity, "ucx: cannot acknowledge a write: no endpoint back to the sender");
+            return;
+        };
+        match ep.am_send(self.header(Kind::Ack, 0), ack) {
+            Ok(Posted::Pending(r)) => self.loose.push(r),
+            Ok(Posted::Done) => {}
+            Err(e) => tracing::debug!("ucx: acknowledging a write failed: {} {}", e.call, e.text()),
+        }
+    }
+
+    /// Active-message data path, sending side: the receiver placed (or refused) write `seq`.
+    fn on_ack(&mut self, h: Header, body: &[u8]) {
+        if body.len() < 9 {
+            tracing::warn!(identity = h.identity, "ucx: dropping a malformed acknowledgement");
+            return;
+        }
+        let seq = u64::from_le_bytes(body[..8].try_into().expect("8"));
+        let ok = body[8] == 1;
+        let reason = String::from_utf8_lossy(&body[9..]).into_owned();
+        for (pid, p) in self.peers.iter_mut().chain(self.closing.iter_mut().map(|(i, p, _)| (&*i, p))) {
+            if p.instance != h.instance {
+                continue;
+            }
+            for j in p.jobs.iter_mut().filter(|j| j.awaiting_ack == Some(seq)) {
+                j.awaiting_ack = None;
+                if !ok {
+                    j.fail(BackendError::Protocol {
+                        backend: NAME,
+                        peer: desc(*pid, p.identity),
+                        detail: reason.clone(),
+                    });
                 }
             }
         }
@@ -632,7 +752,16 @@ impl Engine {
         let mut lost = Vec::new();
         for (pid, p) in self.peers.iter_mut() {
             if !p.ep.peer_errors() && p.lost.is_none() && p.connected && p.proc.alive(&me) == Some(false) {
-                p.lost = Some(format!("peer process {} exited", p.proc.pid));
+                let reason = format!("peer process {} exited", p.proc.pid);
+                // UCX will not fail what is in flight to it (error mode none): fail it here.
+                for j in p.jobs.iter_mut().filter(|j| j.reply.is_some()) {
+                    j.fail(BackendError::PeerLost {
+                        backend: NAME,
+                        peer: desc(*pid, p.identity),
+                        detail: reason.clone(),
+                    });
+                }
+                p.lost = Some(reason);
                 lost.push((
                     p.instance,
                     p.identity,
@@ -839,11 +968,25 @@ impl Engine {
             plan.push((src, dst, *op));
         }
         let mut job = Job::new("write", Reply::Unit(reply), deadline);
-        if let Err(e) = post_puts(&peer.ep, &plan, &mut job) {
-            job.fail(ffi(e, &d));
+        if self.settings.am_data {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            let (data_h, commit_h) = (
+                Header { kind: Kind::Data, ..Header::decode(&header).expect("own header") }.encode(),
+                Header { kind: Kind::Commit, ..Header::decode(&header).expect("own header") }.encode(),
+            );
+            if let Err(e) = post_am_data(&peer.ep, &plan, seq, data_h, commit_h, notify, &mut job) {
+                job.fail(ffi(e, &d));
+            }
+            job.flushed = true;
+            job.awaiting_ack = Some(seq);
+        } else {
+            if let Err(e) = post_puts(&peer.ep, &plan, &mut job) {
+                job.fail(ffi(e, &d));
+            }
+            job.post_flush(&peer.ep, &d);
+            job.am = notify.map(|n| (header, n));
         }
-        job.post_flush(&peer.ep, &d);
-        job.am = notify.map(|n| (header, n));
         peer.jobs.push_back(job);
     }
 
@@ -881,6 +1024,7 @@ impl Engine {
                 p.ep.mark_failed();
             }
         }
+        self.loose.retain(|r| r.poll("ucp_am_send_nbx").is_none());
         let mut i = 0;
         while i < self.closing.len() {
             let (pid, p, deadline) = &mut self.closing[i];
@@ -949,6 +1093,7 @@ impl Engine {
         self.peers.clear();
         self.closing.clear();
         self.reverse.clear();
+        self.loose.clear();
         while let Ok(cmd) = rx.try_recv() {
             refuse(cmd);
         }
@@ -965,6 +1110,48 @@ fn refuse(cmd: Cmd) {
         }
         Cmd::Shutdown => {}
     }
+}
+
+/// Active-message data path: sends the bytes of validated ops in data messages (copied out of the
+/// source region), then a commit that carries the notification; all on one endpoint, so they
+/// arrive in this order and the receiver places the bytes before it sees the commit.
+fn post_am_data(
+    ep: &Endpoint,
+    plan: &[(&Local, &Remote, WriteOp)],
+    seq: u64,
+    data_header: Vec<u8>,
+    commit_header: Vec<u8>,
+    notify: Option<Vec<u8>>,
+    job: &mut Job,
+) -> Result<(), UcxError> {
+    let mut b = wire::DataBuilder::new(seq);
+    for (src, _, op) in plan {
+        let Local::Mapped(memh) = src else { continue };
+        if op.len == 0 {
+            continue;
+        }
+        let mem = memh.region();
+        let whole = op.count > 1 && op.src_stride == op.len && op.dst_stride == op.len;
+        let ranges: Box<dyn Iterator<Item = (u64, u64, u64)>> = if whole {
+            Box::new(std::iter::once((op.src_offset, op.dst_offset, op.len * op.count)))
+        } else {
+            Box::new(op.ranges())
+        };
+        for (so, dof, len) in ranges {
+            b.add(op.dst.0, dof, len, |at, out| mem.read(so + at, out).expect("source range checked in write"));
+        }
+    }
+    for msg in b.finish() {
+        if let Posted::Pending(r) = ep.am_send(data_header.clone(), msg)? {
+            job.reqs.push(("ucp_am_send_nbx", r));
+        }
+    }
+    let mut commit = seq.to_le_bytes().to_vec();
+    commit.extend_from_slice(&notify.unwrap_or_default());
+    if let Posted::Pending(r) = ep.am_send(commit_header, commit)? {
+        job.reqs.push(("ucp_am_send_nbx", r));
+    }
+    Ok(())
 }
 
 /// Posts the puts of validated ops; the job keeps their sources and remote keys until its flush

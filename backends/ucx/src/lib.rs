@@ -16,6 +16,14 @@
 //!   active message posted after that flush, so it can never arrive before the data it covers.
 //!   Out-of-band notifications (`notify`) are active messages too, sent on the caller's request
 //!   after its writes returned; both kinds are delivered in the order they were sent per peer.
+//! - Over tcp, writes take the active-message data path instead (option `data`, see below): UCX
+//!   1.13 has no native RMA over tcp and emulates puts with active messages whose acknowledgement
+//!   path aborts the *receiving* process (`ucp_put_handler` -> `Fatal: unexpected error: Endpoint
+//!   timeout`, in `ucp_request_try_send`) when the sender dies mid-transfer. So over tcp the sender
+//!   packs the ranges into eager active messages (up to 1 MiB each) followed by a commit carrying
+//!   the attached notification; the receiver checks every range against its registered region,
+//!   copies it in, and acknowledges the commit; `write` returns on that acknowledgement (remote
+//!   completion). Messages on one endpoint are ordered, so the notification still follows the data.
 //! - Peer loss: endpoints use `UCP_ERR_HANDLING_MODE_PEER` with an error callback. A connecting
 //!   endpoint introduces itself with a hello message carrying its worker address; the receiver
 //!   opens an endpoint back to it just to watch it. When a peer dies, UCX fails these endpoints
@@ -25,14 +33,16 @@
 //!   which peers report the same way without waiting for a timeout.
 //!
 //! # Which memory a peer can write
-//! A receiver only accepts writes into memory it registered: a peer can only address a region
-//! through the remote key it was given in the metadata, and with RDMA transports the NIC enforces
-//! the key's bounds. With tcp and cma UCX does not check bounds on the receiving side (tcp places
-//! bytes where the packet says; cma is `process_vm_writev`, limited by the kernel's ptrace rules to
-//! processes of the same user). kvxfer therefore checks every range against the published region
-//! on the sending side before posting it, so a kvxfer sender never writes outside a region, and a
-//! receiver should only publish its metadata to peers it trusts. A deregistered region must not be
-//! freed while connected peers may still hold its remote key (reconnect them first).
+//! A receiver only accepts writes into memory it registered. With puts, a peer can only address a
+//! region through the remote key it was given in the metadata, and with RDMA transports the NIC
+//! enforces the key's bounds. With cma (shared memory) UCX does not check bounds on the receiving
+//! side (cma is `process_vm_writev`, limited by the kernel's ptrace rules to processes of the same
+//! user), so kvxfer checks every range against the published region on the sending side before
+//! posting it: a kvxfer sender never writes outside a region, and a receiver should only publish
+//! its metadata to peers it trusts. A deregistered region must not be freed while connected peers
+//! may still hold its remote key (reconnect them first). On the active-message data path (tcp)
+//! the receiver itself checks every range against the region it has registered *now* and refuses
+//! (the sender's `write` fails with a protocol error) anything else.
 //!
 //! # Options (`BackendConfig::options`, with environment fallbacks)
 //! | option | env | meaning |
@@ -41,6 +51,7 @@
 //! | `net_devices` | `KVXFER_UCX_NET_DEVICES` | network devices (`UCX_NET_DEVICES`), e.g. `lo`; default: UCX's |
 //! | `timeout_ms` | `KVXFER_UCX_TIMEOUT_MS` | deadline of every connect, write and notify (default 30000) |
 //! | `keepalive_ms` | `KVXFER_UCX_KEEPALIVE_MS` | UCX keepalive interval, bounds dead-peer detection on shared memory (default 1000) |
+//! | `data` | `KVXFER_UCX_DATA` | `auto` (default), `put` or `am`: one-sided `ucp_put_nbx`, or the active-message data path; `auto` = `am` when tcp may be used (tls unset, `all`, or naming tcp), else `put` |
 //! | `err_mode` | `KVXFER_UCX_ERR_MODE` | `auto` (default), `peer` or `none`: UCX error handling mode of endpoints (see below) |
 //! | `ucx.NAME` | | any other UCX setting, e.g. `ucx.RNDV_THRESH=64k` |
 //!
@@ -120,7 +131,7 @@ fn parse_ms(config: &BackendConfig, key: &str, env: &str, default: u64) -> Resul
 }
 
 fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
-    const KNOWN: [&str; 5] = ["tls", "net_devices", "timeout_ms", "keepalive_ms", "err_mode"];
+    const KNOWN: [&str; 6] = ["tls", "net_devices", "timeout_ms", "keepalive_ms", "err_mode", "data"];
     for k in config.options.keys() {
         if !KNOWN.contains(&k.as_str()) && !k.starts_with("ucx.") {
             return Err(BackendError::Config {
@@ -159,6 +170,23 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
             })
         }
     };
+    let effective_tls = tls.clone().or_else(|| std::env::var("UCX_TLS").ok().filter(|t| !t.is_empty()));
+    let am_data = match option(config, "data", "KVXFER_UCX_DATA").as_deref() {
+        None | Some("auto") => match effective_tls.as_deref() {
+            None => true,
+            Some(t) => {
+                t.split(',').any(|x| matches!(x.trim().trim_start_matches('^'), "tcp" | "all")) || t.starts_with('^')
+            }
+        },
+        Some("put") => false,
+        Some("am") => true,
+        Some(other) => {
+            return Err(BackendError::Config {
+                backend: NAME,
+                detail: format!("data={other:?} (or KVXFER_UCX_DATA): expected auto, put or am"),
+            })
+        }
+    };
     if keepalive == 0 {
         return Err(BackendError::Config { backend: NAME, detail: "keepalive_ms must be at least 1".into() });
     }
@@ -170,7 +198,8 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         err_mode,
         keepalive: Duration::from_millis(keepalive),
         proc: liveness::ProcId::current(),
-        shm_only: shm_only(tls.as_deref().or(std::env::var("UCX_TLS").ok().as_deref())),
+        shm_only: shm_only(effective_tls.as_deref()),
+        am_data,
     })
 }
 

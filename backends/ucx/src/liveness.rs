@@ -19,12 +19,17 @@ pub(crate) struct ProcId {
     pub start: u64,
 }
 
+/// The start time of a running process (`None` when gone, a zombie, or unreadable).
 fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Field 2 (comm) is in parentheses and may contain spaces: count fields after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    // rest starts with field 3 (state); starttime is field 22.
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut rest = stat[stat.rfind(')')? + 1..].split_whitespace();
+    // rest starts with field 3 (state); a killed process not yet reaped is a zombie (Z) or dead (X).
+    if matches!(rest.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    // starttime is field 22.
+    rest.nth(18)?.parse().ok()
 }
 
 impl ProcId {
@@ -65,6 +70,13 @@ mod tests {
         let mut child = std::process::Command::new("sleep").arg("0.2").spawn().unwrap();
         let them = ProcId { host: me.host.clone(), pid: child.id(), start: start_time(child.id()).unwrap() };
         assert_eq!(them.alive(&me), Some(true));
+        // Killed but not reaped (a zombie) already counts as dead.
+        child.kill().unwrap();
+        let t0 = std::time::Instant::now();
+        while them.alive(&me) != Some(false) && t0.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(them.alive(&me), Some(false));
         child.wait().unwrap();
         assert_eq!(them.alive(&me), Some(false));
         let elsewhere = ProcId { host: "another-boot".into(), ..them };
