@@ -987,6 +987,7 @@ impl KvTransferBackend for TcpBackend {
                 link.enqueue(&link.data[s], Job::Frame { head, ops: srcs, done: None })?;
             }
         }
+        let mut note_sent = None;
         if let Some(n) = notify {
             let body = n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?;
             let mut h = Header::new(FrameType::Note, batch);
@@ -994,10 +995,19 @@ impl KvTransferBackend for TcpBackend {
             h.parts = parts;
             let mut head = h.encode().to_vec();
             head.extend_from_slice(&body);
-            link.enqueue(&link.data[0], Job::Frame { head, ops: Vec::new(), done: None })?;
+            let (tx, rx) = oneshot::channel();
+            link.enqueue(&link.data[0], Job::Frame { head, ops: Vec::new(), done: Some(tx) })?;
+            note_sent = Some(rx);
         }
         let t = self.opts.timeout;
         let all = async {
+            // The attached notification is on the wire (in the socket) before `write` returns, so a
+            // sender that exits right after cannot lose it.
+            if let Some(rx) = note_sent {
+                if rx.await.is_err() {
+                    return Err(link.state.check().err().unwrap_or_else(|| link.lost("link closed")));
+                }
+            }
             for w in waits {
                 match w.await {
                     Ok(r) => r?,

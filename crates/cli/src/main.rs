@@ -4,7 +4,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+mod demo;
+mod model;
 mod plan;
+mod worker;
 
 /// Moves KV cache between prefill and decode workers of disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -18,10 +22,27 @@ struct Cli {
 enum Command {
     /// Print what every prefill rank writes into every decode rank for one request chunk.
     Plan(plan::PlanArgs),
+    /// The main job: prefill and decode worker processes move a stream of requests for a model shape
+    /// through a bootstrap service, and every decode byte is verified.
+    Demo(demo::DemoArgs),
+    /// One prefill or decode rank (started by `demo`, or by hand on several hosts).
+    Worker(Box<worker::WorkerArgs>),
+    /// Run the bootstrap service alone, for workers started by hand.
+    Bootstrap(demo::BootstrapArgs),
+    /// Bandwidth of a backend between two processes, next to memcpy and a plain socket.
+    Bench(Box<bench::BenchArgs>),
+    /// The receiving process of `bench` (started by it).
+    #[command(hide = true)]
+    BenchPeer(bench::PeerArgs),
 }
 
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Plan(args) => plan::run(&args),
+        Command::Demo(args) => demo::run(&args),
+        Command::Worker(args) => worker::run(&args),
+        Command::Bootstrap(args) => demo::bootstrap(&args),
+        Command::Bench(args) => bench::run(&args),
+        Command::BenchPeer(args) => bench::peer(&args),
     }
 }

@@ -1,0 +1,22 @@
+//! The conformance suite over real loopback TCP sockets (both notification styles are cases of the
+//! suite). Each endpoint listens on 127.0.0.1 with an ephemeral port and two data streams per peer.
+
+use std::sync::Arc;
+
+use kvxfer_conformance::BackendFactory;
+use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend};
+
+struct Tcp;
+
+impl BackendFactory for Tcp {
+    fn name(&self) -> String {
+        "tcp(loopback)".into()
+    }
+    fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+        kvxfer_tcp::create(&BackendConfig::new(identity).with("listen", "127.0.0.1:0").with("connections", "2"))
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    kvxfer_conformance::run_main(Arc::new(Tcp))
+}

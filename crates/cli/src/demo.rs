@@ -1,0 +1,525 @@
+//! `kvxfer demo`, the main job: a bootstrap service, P prefill and D decode worker processes, a stream
+//! of requests for a real model shape, every decode byte verified, a progress bar and a summary.
+//! Also `kvxfer bootstrap`, the service alone (for workers started by hand on several hosts).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvxfer::bootstrap::BootstrapServer;
+use kvxfer_core::plan::plan_chunk;
+use kvxfer_core::{Side, Topology};
+use serde::Serialize;
+
+use crate::model::{request_pages, Workload};
+use crate::plan::Format;
+use crate::worker::WorkerSummary;
+
+/// Arguments of `kvxfer demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// The workload.
+    #[command(flatten)]
+    pub workload: Workload,
+    /// Summary format.
+    #[arg(long, value_enum, default_value = "table")]
+    pub format: Format,
+    /// Where the embedded bootstrap service listens.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub bootstrap_listen: String,
+    /// Deadline of the whole run, in seconds (workers are killed after it).
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout_s: f64,
+    /// Test-only: corrupt one source byte, so verification fails and the demo exits non-zero.
+    #[arg(long, hide = true)]
+    pub inject_wrong_byte: bool,
+}
+
+/// Arguments of `kvxfer bootstrap`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BootstrapArgs {
+    /// Address to listen on (`0.0.0.0:7878` to accept workers of other hosts).
+    #[arg(long, default_value = "127.0.0.1:7878")]
+    pub listen: String,
+    /// Stop after this many seconds (default: run until killed).
+    #[arg(long)]
+    pub for_s: Option<f64>,
+}
+
+/// Runs the bootstrap service alone.
+pub fn bootstrap(args: &BootstrapArgs) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvxfer bootstrap: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let server = match BootstrapServer::start(&args.listen).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("kvxfer bootstrap: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        println!("bootstrap listening on {}", server.addr());
+        match args.for_s {
+            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
+            None => std::future::pending::<()>().await,
+        }
+        ExitCode::SUCCESS
+    })
+}
+
+/// One rank's line in the summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankLine {
+    /// prefill / decode.
+    pub role: String,
+    /// `tp/pp`.
+    pub rank: String,
+    /// Bytes sent or received.
+    pub bytes: u64,
+    /// Ops posted (prefill).
+    pub ops: u64,
+    /// Seconds of the request stream on this rank (fill and verification included).
+    pub seconds: f64,
+    /// Seconds with a transfer in flight (prefill: inside send; decode: expect to done).
+    pub transfer_seconds: f64,
+    /// bytes / transfer_seconds / 1e9.
+    pub gbps: f64,
+}
+
+/// The demo's summary (`--format json` prints it).
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoSummary {
+    /// Model preset.
+    pub model: String,
+    /// Layers, KV heads (1 for MLA), layout, page size.
+    pub shape: String,
+    /// Prefill TP x PP.
+    pub prefill: String,
+    /// Decode TP x PP.
+    pub decode: String,
+    /// Backend name.
+    pub backend: String,
+    /// Notification style.
+    pub notify: String,
+    /// Tokens per request.
+    pub tokens: u32,
+    /// Requests.
+    pub requests: u32,
+    /// KV bytes one request moves (all decode ranks together).
+    pub bytes_per_request: u64,
+    /// Strided ops the planner makes for one request (all pairs, all chunks).
+    pub plan_ops_per_request: u64,
+    /// Byte ranges the same request is with one op per token and head slice (SGLang's NHD count).
+    pub per_token_ranges_per_request: u64,
+    /// Per rank.
+    pub ranks: Vec<RankLine>,
+    /// Request completion latency (decode: expect to done), microseconds.
+    pub latency_us: Latency,
+    /// Bytes verified against the oracle.
+    pub verified_bytes: u64,
+    /// Whether every byte verified and every worker succeeded.
+    pub ok: bool,
+    /// Every failure.
+    pub errors: Vec<String>,
+    /// Wall time of the whole run, seconds (process start to last exit).
+    pub wall_seconds: f64,
+    /// Bytes moved into decode over the longest decode rank's stream time (fill and verify included).
+    pub aggregate_gbps: f64,
+}
+
+/// Latency percentiles.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Latency {
+    /// Median.
+    pub p50: u64,
+    /// 99th percentile.
+    pub p99: u64,
+    /// Maximum.
+    pub max: u64,
+    /// Samples (requests x decode ranks).
+    pub samples: usize,
+}
+
+/// Percentile `q` (0..=100) of sorted samples, nearest-rank.
+pub fn percentile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((q / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+struct Worker {
+    name: String,
+    child: Child,
+    status: Option<std::process::ExitStatus>,
+}
+
+/// Runs the demo.
+pub fn run(args: &DemoArgs) -> ExitCode {
+    let w = &args.workload;
+    let topo = match w.topology() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvxfer demo: invalid configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = kvxfer_core::backend::lookup(&w.backend) {
+        eprintln!("kvxfer demo: {e}");
+        return ExitCode::from(2);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvxfer demo: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = match rt.block_on(BootstrapServer::start(&args.bootstrap_listen)) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvxfer demo: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvxfer demo: cannot find my own executable to start workers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let start = Instant::now();
+    let (tx, rx) = mpsc::channel::<(usize, String)>();
+    let mut workers: Vec<Worker> = Vec::new();
+    let mut errors: Vec<String> = Vec::new();
+    let ranks: Vec<(Side, kvxfer_core::RankId)> = topo
+        .ranks(Side::Decode)
+        .into_iter()
+        .map(|r| (Side::Decode, r))
+        .chain(topo.ranks(Side::Prefill).into_iter().map(|r| (Side::Prefill, r)))
+        .collect();
+    for (i, (side, rank)) in ranks.iter().enumerate() {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("worker")
+            .args(["--bootstrap", &server.addr().to_string(), "--role", &side.to_string()])
+            .args(["--tp-rank", &rank.tp.to_string(), "--pp-stage", &rank.pp.to_string()])
+            .args(["--timeout-s", &args.timeout_s.to_string()])
+            .args(w.to_args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if args.inject_wrong_byte {
+            cmd.arg("--inject-wrong-byte");
+        }
+        match cmd.spawn() {
+            Ok(mut child) => {
+                let out = child.stdout.take().expect("piped stdout");
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(out).lines() {
+                        let Ok(line) = line else { break };
+                        if tx.send((i, line)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                workers.push(Worker { name: format!("{side} {rank}"), child, status: None });
+            }
+            Err(e) => {
+                errors.push(format!("cannot start worker {side} {rank}: {e}"));
+                break;
+            }
+        }
+    }
+    drop(tx);
+
+    let decode_ranks = topo.ranks(Side::Decode).len() as u64;
+    let total = u64::from(w.requests) * decode_ranks;
+    let pb = indicatif::ProgressBar::new(total);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} request x decode-rank transfers verified {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut summaries: Vec<WorkerSummary> = Vec::new();
+    let deadline = start + Duration::from_secs_f64(args.timeout_s);
+    let mut killed = false;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((i, line)) => match serde_json::from_str::<serde_json::Value>(&line) {
+                Ok(v) => match v["kind"].as_str() {
+                    Some("done") => pb.inc(1),
+                    Some("failed") => {
+                        pb.inc(1);
+                        pb.set_message("(failures)");
+                    }
+                    Some("summary") => match serde_json::from_value::<WorkerSummary>(v["summary"].clone()) {
+                        Ok(s) => summaries.push(s),
+                        Err(e) => errors.push(format!("{}: unreadable summary: {e}", workers[i].name)),
+                    },
+                    Some("error") => {
+                        errors.push(format!("{}: {}", workers[i].name, v["message"].as_str().unwrap_or("?")))
+                    }
+                    _ => {}
+                },
+                Err(_) => pb.println(format!("{}: {line}", workers[i].name)),
+            },
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+        }
+        let mut failed = false;
+        for wk in workers.iter_mut().filter(|w| w.status.is_none()) {
+            if let Ok(Some(st)) = wk.child.try_wait() {
+                wk.status = Some(st);
+                if !st.success() {
+                    failed = true;
+                }
+            }
+        }
+        let all_done = workers.iter().all(|w| w.status.is_some());
+        if all_done && rx.try_recv().is_err() {
+            // Drain what is left of the output.
+            for (i, line) in rx.try_iter() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    if v["kind"] == "summary" {
+                        if let Ok(s) = serde_json::from_value::<WorkerSummary>(v["summary"].clone()) {
+                            summaries.push(s);
+                        }
+                    } else if v["kind"] == "error" {
+                        errors.push(format!("{}: {}", workers[i].name, v["message"].as_str().unwrap_or("?")));
+                    }
+                }
+            }
+            break;
+        }
+        let late = Instant::now() >= deadline;
+        if (failed || late || !errors.is_empty()) && !killed {
+            if late {
+                errors.push(format!("the run did not finish within {} s; workers killed", args.timeout_s));
+            }
+            // One worker failed: the others would wait for it until their deadlines. Give them a
+            // moment to report, then stop them.
+            std::thread::sleep(Duration::from_millis(500));
+            for wk in workers.iter_mut().filter(|w| w.status.is_none()) {
+                let _ = wk.child.kill();
+            }
+            killed = true;
+        }
+    }
+    for wk in workers.iter_mut() {
+        let st = wk.status.or_else(|| wk.child.wait().ok());
+        if let Some(st) = st {
+            if !st.success() && !killed {
+                errors.push(format!("worker {} exited with {st}", wk.name));
+            }
+        }
+    }
+    pb.finish_and_clear();
+    drop(server);
+    let wall = start.elapsed().as_secs_f64();
+    let summary = summarize(w, &topo, &summaries, errors, wall, workers.len());
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&summary).expect("summary serializes")),
+        Format::Table => print_table(&summary),
+    }
+    if summary.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn summarize(
+    w: &Workload,
+    topo: &Topology,
+    summaries: &[WorkerSummary],
+    mut errors: Vec<String>,
+    wall: f64,
+    workers: usize,
+) -> DemoSummary {
+    for s in summaries {
+        errors.extend(s.errors.iter().map(|e| format!("{} {}: {e}", s.role, s.rank)));
+    }
+    if summaries.len() != workers {
+        errors.push(format!("{} of {workers} workers reported a summary", summaries.len()));
+    }
+    let mut ranks: Vec<RankLine> = summaries
+        .iter()
+        .map(|s| RankLine {
+            role: s.role.clone(),
+            rank: s.rank.clone(),
+            bytes: s.bytes,
+            ops: s.ops,
+            seconds: s.seconds,
+            transfer_seconds: s.transfer_seconds,
+            gbps: if s.transfer_seconds > 0.0 { s.bytes as f64 / s.transfer_seconds / 1e9 } else { 0.0 },
+        })
+        .collect();
+    ranks.sort_by(|a, b| (&a.role, &a.rank).cmp(&(&b.role, &b.rank)).reverse());
+    let mut lat: Vec<u64> = summaries.iter().flat_map(|s| s.latencies_us.iter().copied()).collect();
+    lat.sort_unstable();
+    let verified: u64 = summaries.iter().filter(|s| s.role == "decode").map(|s| s.verified_bytes).sum();
+    let decode_secs = summaries.iter().filter(|s| s.role == "decode").map(|s| s.seconds).fold(0.0, f64::max);
+    let expected_total = u64::from(w.requests) * bytes_per_request(w, topo);
+    if errors.is_empty() && verified != expected_total {
+        errors.push(format!("verified {verified} bytes but the requests carry {expected_total}"));
+    }
+    let (plan_ops, per_token) = plan_counts(w, topo);
+    let kv = topo.kv();
+    DemoSummary {
+        model: w.model.name(),
+        shape: format!(
+            "{} layers, {}, {} layout, page size {}",
+            kv.layers,
+            match kv.attention {
+                kvxfer_core::Attention::Gqa { kv_heads, head_dim_k, head_dim_v } =>
+                    format!("{kv_heads} KV heads x {head_dim_k}/{head_dim_v}"),
+                kvxfer_core::Attention::Mla { latent_dim } => format!("MLA latent {latent_dim}"),
+            },
+            kv.layout,
+            kv.page_size
+        ),
+        prefill: format!("TP {} x PP {}", w.prefill_tp, w.prefill_pp),
+        decode: format!("TP {} x PP {}", w.decode_tp, w.decode_pp),
+        backend: w.backend.clone(),
+        notify: format!("{}", kvxfer_core::NotifyStyle::from(w.notify)),
+        tokens: w.tokens,
+        requests: w.requests,
+        bytes_per_request: bytes_per_request(w, topo),
+        plan_ops_per_request: plan_ops,
+        per_token_ranges_per_request: per_token,
+        ranks,
+        latency_us: Latency {
+            p50: percentile(&lat, 50.0),
+            p99: percentile(&lat, 99.0),
+            max: lat.last().copied().unwrap_or(0),
+            samples: lat.len(),
+        },
+        verified_bytes: verified,
+        ok: errors.is_empty(),
+        errors,
+        wall_seconds: wall,
+        aggregate_gbps: if decode_secs > 0.0 { verified as f64 / decode_secs / 1e9 } else { 0.0 },
+    }
+}
+
+/// KV bytes of one request over all decode ranks (every decode byte of its pages, written once).
+pub fn bytes_per_request(w: &Workload, topo: &Topology) -> u64 {
+    let pages = w.pages_per_request();
+    topo.ranks(Side::Decode)
+        .iter()
+        .map(|_| {
+            let layers = u64::from(topo.stage_layers(Side::Decode));
+            topo.kv().kinds().iter().map(|k| topo.buffer_bytes(Side::Decode, *k, pages)).sum::<u64>() * layers
+        })
+        .sum()
+}
+
+/// The planner's op count for request 0 (all pairs and chunks), and the number of contiguous byte
+/// ranges the same request is when every token's head slice is its own range.
+fn plan_counts(w: &Workload, topo: &Topology) -> (u64, u64) {
+    let src = request_pages(w, 0, 0x5052_4546);
+    let dst = request_pages(w, 0, 0x4445_434f);
+    let n = if w.chunk_pages == 0 { src.len().max(1) } else { w.chunk_pages as usize };
+    let mut ops = 0;
+    let mut ranges = 0;
+    for (s, d) in src.chunks(n).zip(dst.chunks(n)) {
+        if let Ok(p) = plan_chunk(topo, s, d) {
+            ops += p.op_count();
+            ranges += p
+                .pairs
+                .iter()
+                .map(|pair| {
+                    let tokens = s.len() as u64 * u64::from(w.page_size);
+                    u64::from(pair.layers) * pair.slices.len() as u64 * tokens
+                })
+                .sum::<u64>();
+        }
+    }
+    (ops, ranges)
+}
+
+fn human(bytes: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", U[i])
+}
+
+fn print_table(s: &DemoSummary) {
+    println!(
+        "kvxfer demo: {} ({}), prefill {} -> decode {}, backend {}, {} notifications",
+        s.model, s.shape, s.prefill, s.decode, s.backend, s.notify
+    );
+    println!(
+        "  {} requests x {} tokens, {} per request; plan: {} strided ops per request ({} per-token ranges without striding)",
+        s.requests,
+        s.tokens,
+        human(s.bytes_per_request),
+        s.plan_ops_per_request,
+        s.per_token_ranges_per_request
+    );
+    println!(
+        "  {:<8} {:<6} {:>12} {:>10} {:>9} {:>10} {:>8}",
+        "role", "rank", "bytes", "ops", "stream s", "transfer s", "GB/s"
+    );
+    for r in &s.ranks {
+        println!(
+            "  {:<8} {:<6} {:>12} {:>10} {:>9.3} {:>10.3} {:>8.2}",
+            r.role,
+            r.rank,
+            human(r.bytes),
+            if r.role == "prefill" { r.ops.to_string() } else { "-".into() },
+            r.seconds,
+            r.transfer_seconds,
+            r.gbps
+        );
+    }
+    println!("  (GB/s = bytes / transfer seconds: prefill inside send, decode from expect to done)");
+    println!(
+        "  request latency (expect -> done): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms over {} samples",
+        s.latency_us.p50 as f64 / 1e3,
+        s.latency_us.p99 as f64 / 1e3,
+        s.latency_us.max as f64 / 1e3,
+        s.latency_us.samples
+    );
+    println!(
+        "  end to end {:.2} GB/s into decode (stream incl. pattern fill and byte-wise verification); wall time {:.1} s",
+        s.aggregate_gbps, s.wall_seconds
+    );
+    if s.ok {
+        println!("  verification: OK, {} verified against the oracle, no stray writes", human(s.verified_bytes));
+    } else {
+        println!("  verification: FAILED");
+        for e in &s.errors {
+            println!("    - {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), 50);
+        assert_eq!(percentile(&v, 99.0), 99);
+        assert_eq!(percentile(&[7], 99.0), 7);
+        assert_eq!(percentile(&[], 50.0), 0);
+    }
+}
