@@ -63,8 +63,8 @@ kvxfer_core::inventory::submit! {
     }
 }
 
-/// Builds a TCP endpoint from a config. Must be called inside a tokio runtime (it binds the
-/// listener and spawns the accept task on the current runtime).
+/// Builds a TCP endpoint from a config. Inside a tokio runtime, the endpoint's listener and accept
+/// task live on that runtime; outside one, on a small process-wide background runtime.
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
     Ok(Arc::new(TcpBackend::new(config)?))
 }
@@ -640,6 +640,26 @@ fn stripe(items: Vec<(SrcOp, OpDesc)>, streams: usize, total: u64) -> Vec<Vec<(S
 // ---------------------------------------------------------------------------------------------
 // The endpoint.
 
+/// A background runtime for endpoints created outside any tokio runtime (e.g. to read capabilities).
+fn fallback_runtime() -> Result<tokio::runtime::Handle, BackendError> {
+    static RT: std::sync::OnceLock<Result<tokio::runtime::Runtime, String>> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvxfer-tcp")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map(|rt| rt.handle().clone())
+    .map_err(|e| BackendError::Io {
+        backend: NAME,
+        context: "starting a background tokio runtime".into(),
+        detail: e.clone(),
+    })
+}
+
 /// A TCP endpoint: listens for peers that write into its registered regions, and connects to
 /// peers to write into theirs.
 pub struct TcpBackend {
@@ -663,9 +683,10 @@ impl TcpBackend {
     /// Binds the listener and starts accepting. Needs a tokio runtime.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = TcpOptions::from_config(config)?;
-        let rt = tokio::runtime::Handle::try_current().map_err(|_| {
-            cfg_err("the tcp backend must be created inside a tokio runtime (it spawns its accept task)".into())
-        })?;
+        let rt = match tokio::runtime::Handle::try_current() {
+            Ok(h) => h,
+            Err(_) => fallback_runtime()?,
+        };
         let std_listener = std::net::TcpListener::bind(opts.listen).map_err(|e| BackendError::Io {
             backend: NAME,
             context: format!("binding {}", opts.listen),
@@ -1096,6 +1117,13 @@ mod tests {
         assert!(TcpOptions::from_config(&c).is_err());
         let c = BackendConfig::new(1).with("tls", "tcp");
         assert!(TcpOptions::from_config(&c).unwrap_err().to_string().contains("unknown option"));
+    }
+
+    #[test]
+    fn endpoints_can_be_created_outside_a_runtime() {
+        let b = create(&BackendConfig::new(3)).unwrap();
+        assert_eq!(b.capabilities(), CAPABILITIES);
+        assert!(b.metadata().unwrap().payload.len() > 10);
     }
 
     #[test]
