@@ -13,7 +13,6 @@
 
 use std::collections::VecDeque;
 use std::ffi::CStr;
-use std::fmt;
 use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -22,13 +21,8 @@ use std::time::Duration;
 use ibverbs_sys as sys;
 use kvxfer_core::{BackendError, MemRegion};
 
+pub(crate) use crate::vtypes::*;
 use crate::NAME;
-
-/// Turns a failed C call into a typed error naming the call; `code` is the return value or errno.
-pub(crate) fn ffi_error(call: &'static str, code: i32, context: impl fmt::Display) -> BackendError {
-    let os = std::io::Error::from_raw_os_error(code.abs());
-    BackendError::Ffi { backend: NAME, call, code: i64::from(code), detail: format!("{os}; {context}") }
-}
 
 fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -49,32 +43,6 @@ fn device_name(dev: *mut sys::ibv_device) -> String {
     }
     // SAFETY: non-null, NUL-terminated, valid while the list lives (we copy it out at once).
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-/// Device limits the backend sizes its queues and work requests by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct DeviceCaps {
-    /// Largest work-request count per queue.
-    pub max_qp_wr: u32,
-    /// Largest scatter/gather count per work request.
-    pub max_sge: u32,
-    /// Largest completion queue.
-    pub max_cqe: u32,
-}
-
-/// Port properties used to build queue-pair attributes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PortInfo {
-    /// `ibv_port_state` value (4 = ACTIVE).
-    pub state: u32,
-    /// Local identifier (InfiniBand; 0 on RoCE).
-    pub lid: u16,
-    /// Active MTU as an `ibv_mtu` value (1 = 256 .. 5 = 4096).
-    pub active_mtu: u32,
-    /// Link layer (1 InfiniBand, 2 Ethernet).
-    pub link_layer: u8,
-    /// Largest message size.
-    pub max_msg_sz: u32,
 }
 
 /// An open device context (`ibv_context`).
@@ -190,59 +158,6 @@ impl Drop for Context {
     }
 }
 
-/// Why a device could not be opened.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum OpenError {
-    /// `ibv_get_device_list` failed.
-    List {
-        /// errno.
-        errno: i32,
-    },
-    /// No (matching) device.
-    NotFound {
-        /// The name asked for.
-        wanted: Option<String>,
-        /// What exists.
-        available: Vec<String>,
-    },
-    /// `ibv_open_device` failed.
-    Open {
-        /// Device.
-        name: String,
-        /// errno.
-        errno: i32,
-    },
-}
-
-impl fmt::Display for OpenError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            OpenError::List { errno } => write!(
-                f,
-                "ibv_get_device_list failed: {}; this kernel has no usable RDMA subsystem \
-                 (no ib_uverbs). On an RDMA host load the NIC driver, or set up Soft-RoCE with \
-                 `rdma link add rxe0 type rxe netdev eth0`",
-                std::io::Error::from_raw_os_error(*errno)
-            ),
-            OpenError::NotFound { wanted: None, .. } => write!(
-                f,
-                "ibv_get_device_list returned no RDMA devices; load the NIC driver or set up Soft-RoCE with \
-                 `rdma link add rxe0 type rxe netdev eth0`"
-            ),
-            OpenError::NotFound { wanted: Some(w), available } => write!(
-                f,
-                "RDMA device {w:?} (KVXFER_VERBS_DEVICE / option device) not found; available: [{}]",
-                available.join(", ")
-            ),
-            OpenError::Open { name, errno } => write!(
-                f,
-                "ibv_open_device({name}) failed: {} (errno {errno})",
-                std::io::Error::from_raw_os_error(*errno)
-            ),
-        }
-    }
-}
-
 /// A protection domain.
 pub(crate) struct Pd {
     ptr: NonNull<sys::ibv_pd>,
@@ -271,27 +186,6 @@ impl Drop for Pd {
         if rc != 0 {
             tracing::warn!(device = %self.ctx.name, rc, "ibv_dealloc_pd failed");
         }
-    }
-}
-
-/// Access a registration grants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Access {
-    /// Local read and write (receive buffers, staging).
-    Local,
-    /// Local write plus remote RDMA WRITE (KV regions, notification rings).
-    RemoteWrite,
-}
-
-impl Access {
-    fn flags(self) -> c_int {
-        let f = match self {
-            Access::Local => sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
-            Access::RemoteWrite => {
-                sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-            }
-        };
-        f.0 as c_int
     }
 }
 
@@ -469,42 +363,6 @@ impl Drop for CqEvent {
     }
 }
 
-/// One work completion, copied out of `ibv_wc`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Completion {
-    /// The work request's id.
-    pub wr_id: u64,
-    /// `ibv_wc_status` (0 = success).
-    pub status: u32,
-    /// Vendor error syndrome.
-    pub vendor_err: u32,
-    /// `ibv_wc_opcode`.
-    pub opcode: u32,
-    /// Bytes received (receive completions).
-    pub byte_len: u32,
-    /// Immediate data in host order, when present.
-    pub imm: Option<u32>,
-    /// The local QP number.
-    pub qp_num: u32,
-}
-
-impl Completion {
-    /// Whether it succeeded.
-    pub fn ok(&self) -> bool {
-        self.status == sys::ibv_wc_status::IBV_WC_SUCCESS
-    }
-
-    /// Whether it is the receive side of an RDMA WRITE WITH IMMEDIATE.
-    pub fn is_recv_imm(&self) -> bool {
-        self.opcode == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
-    }
-
-    /// Whether it is the receive side of a SEND.
-    pub fn is_recv_send(&self) -> bool {
-        self.opcode == sys::ibv_wc_opcode::IBV_WC_RECV
-    }
-}
-
 /// libibverbs' text for a completion status.
 pub(crate) fn status_str(status: u32) -> String {
     // SAFETY: ibv_wc_status_str returns a static NUL-terminated string for any value.
@@ -598,68 +456,6 @@ impl Drop for Cq {
             tracing::warn!(rc, "ibv_destroy_cq failed");
         }
     }
-}
-
-/// Sizes of a queue pair, as requested and as granted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct QpCaps {
-    /// Send queue depth.
-    pub max_send_wr: u32,
-    /// Receive queue depth.
-    pub max_recv_wr: u32,
-    /// Scatter/gather entries per send work request.
-    pub max_send_sge: u32,
-    /// Inline bytes per send work request.
-    pub max_inline: u32,
-}
-
-/// One local scatter/gather entry: `len` bytes at `offset` of a registered region.
-#[derive(Clone)]
-pub(crate) struct LocalSge {
-    /// The registration (kept alive by the QP until the request retires).
-    pub mr: Arc<Mr>,
-    /// Offset in the region.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u32,
-}
-
-/// What a send work request does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SendKind {
-    /// RDMA WRITE to `remote_addr` under `rkey`.
-    Write {
-        /// Remote virtual address.
-        remote_addr: u64,
-        /// Remote key.
-        rkey: u32,
-    },
-    /// RDMA WRITE WITH IMMEDIATE (`imm` in host order).
-    WriteImm {
-        /// Remote virtual address.
-        remote_addr: u64,
-        /// Remote key.
-        rkey: u32,
-        /// Immediate data.
-        imm: u32,
-    },
-    /// SEND into the peer's next receive buffer.
-    Send,
-}
-
-/// A send work request in owned, checked form.
-#[derive(Clone)]
-pub(crate) struct SendWr {
-    /// Id reported by its completion.
-    pub wr_id: u64,
-    /// Operation.
-    pub kind: SendKind,
-    /// Local data.
-    pub sges: Vec<LocalSge>,
-    /// Ask for a completion.
-    pub signaled: bool,
-    /// Copy the data into the WQE at post time.
-    pub inline: bool,
 }
 
 /// A reliable-connected queue pair.

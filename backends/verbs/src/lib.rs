@@ -25,15 +25,23 @@ use kvxfer_core::{BackendConfig, BackendError, Capabilities, KvTransferBackend};
 
 pub mod attrs;
 mod backend;
+// With the test-only `emulator` feature, the FFI layer is replaced by an in-process software model
+// of the same API (see src/emu.rs); without it, the real libibverbs layer is used.
+#[cfg_attr(feature = "emulator", path = "emu.rs")]
 mod ffi;
 pub mod proto;
 pub mod ring;
 pub mod split;
+mod vtypes;
 
 pub use backend::VerbsBackend;
 
 /// Registry name.
 pub const NAME: &str = "verbs";
+
+/// True when built with the test-only `emulator` feature: the verbs layer is an in-process software
+/// model (device `emu0`), not libibverbs. Such a build cannot talk to real hardware.
+pub const EMULATED: bool = cfg!(feature = "emulator");
 
 /// What this backend supports.
 pub const CAPABILITIES: Capabilities =

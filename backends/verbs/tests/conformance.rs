@@ -4,6 +4,9 @@
 //! `KVXFER_VERBS_GID_INDEX`, `KVXFER_VERBS_LISTEN`; see the crate README). On a host without a usable
 //! RDMA device every case is reported skipped with the reason `ibv_get_device_list` (or the port
 //! query) gave; skipped cases are counted and printed, never counted as passed.
+//!
+//! Built with `--features emulator`, the same suite runs the backend over the in-process software
+//! model of the verbs layer (`src/emu.rs`) and reports itself as `verbs(emulated)`.
 
 use std::sync::Arc;
 
@@ -16,6 +19,9 @@ struct Verbs {
 
 impl BackendFactory for Verbs {
     fn name(&self) -> String {
+        if kvxfer_verbs::EMULATED {
+            return "verbs(emulated)".into();
+        }
         match std::env::var("KVXFER_VERBS_DEVICE") {
             Ok(d) if !d.is_empty() => format!("verbs({d})"),
             _ => "verbs".into(),

@@ -1,0 +1,608 @@
+//! An in-process software model of the verbs API the backend uses (test-only `emulator` feature).
+//!
+//! It replaces `ffi.rs` wholesale (same types and methods), so the backend code above it is exactly
+//! the code that runs on hardware. It models what the backend relies on, not a NIC:
+//! - one device `emu0` (InfiniBand link layer, port 1 ACTIVE, LID 1); every endpoint in the process
+//!   shares one fabric where QPs are found by number and memory regions by rkey;
+//! - RC semantics: work requests execute in post order; RDMA WRITE checks the rkey, the PD and the
+//!   bounds of the remote region (else `REM_ACCESS_ERR`); WRITE WITH IMMEDIATE and SEND consume a posted
+//!   receive at the peer, and wait (RNR, order preserved) while none is posted; a SEND longer than the
+//!   receive buffer fails; a peer QP that is gone or not ready gives `RETRY_EXC_ERR`;
+//! - completions only for signalled requests and for every failed or flushed one; the first error
+//!   moves the QP to ERR and flushes later requests and posted receives;
+//! - completion channel events fire once per arming, like `ibv_req_notify_cq`;
+//! - a CQ overrun panics (the hardware would raise a fatal async event), so sizing bugs are loud.
+//!
+//! Requests complete at post time (data is copied synchronously), so this says nothing about timing,
+//! bandwidth, or the device's limits.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Duration;
+
+use ibverbs_sys as sys;
+use kvxfer_core::{BackendError, MemRegion};
+
+pub(crate) use crate::vtypes::*;
+use crate::NAME;
+
+const DEVICE: &str = "emu0";
+
+const S_OK: u32 = 0;
+const S_LOC_LEN: u32 = 1;
+const S_FLUSH: u32 = 5;
+const S_REM_INV: u32 = 9;
+const S_REM_ACCESS: u32 = 10;
+const S_RETRY_EXC: u32 = 12;
+const OP_SEND: u32 = 0;
+const OP_WRITE: u32 = 1;
+const OP_RECV: u32 = 128;
+const OP_RECV_IMM: u32 = 129;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Default)]
+struct Fabric {
+    qps: HashMap<u32, Weak<QpShared>>,
+    mrs: HashMap<u32, Weak<MrShared>>,
+    next_qpn: u32,
+    next_key: u32,
+    next_pd: u64,
+}
+
+fn fabric() -> MutexGuard<'static, Fabric> {
+    static F: OnceLock<Mutex<Fabric>> = OnceLock::new();
+    lock(F.get_or_init(|| Mutex::new(Fabric { next_qpn: 0x100, next_key: 0x1000, next_pd: 1, ..Default::default() })))
+}
+
+/// libibverbs' names for the statuses the model produces.
+pub(crate) fn status_str(status: u32) -> String {
+    match status {
+        S_OK => "success",
+        S_LOC_LEN => "local length error",
+        S_FLUSH => "Work Request Flushed Error",
+        S_REM_INV => "remote invalid request error",
+        S_REM_ACCESS => "remote access error",
+        S_RETRY_EXC => "transport retry counter exceeded",
+        _ => "unknown",
+    }
+    .to_string()
+}
+
+/// The emulated device context.
+pub(crate) struct Context {
+    name: String,
+}
+
+impl Context {
+    /// Opens `emu0` (the only device).
+    pub fn open(wanted: Option<&str>) -> Result<Arc<Context>, OpenError> {
+        match wanted {
+            Some(w) if w != DEVICE => {
+                Err(OpenError::NotFound { wanted: Some(w.to_owned()), available: vec![DEVICE.into()] })
+            }
+            _ => Ok(Arc::new(Context { name: DEVICE.into() })),
+        }
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Device limits.
+    pub fn query_device(&self) -> Result<DeviceCaps, BackendError> {
+        Ok(DeviceCaps { max_qp_wr: 16384, max_sge: 30, max_cqe: 1 << 20 })
+    }
+
+    /// Port properties (port 1 only).
+    pub fn query_port(&self, port: u8) -> Result<PortInfo, BackendError> {
+        if port != 1 {
+            return Err(ffi_error("ibv_query_port", -libc::EINVAL, format!("device {DEVICE} has only port 1")));
+        }
+        Ok(PortInfo { state: 4, lid: 1, active_mtu: 5, link_layer: crate::attrs::LINK_IB, max_msg_sz: 1 << 31 })
+    }
+
+    /// A GID (all zero: the model routes by QP number).
+    pub fn query_gid(&self, _port: u8, _index: u8) -> Result<[u8; 16], BackendError> {
+        Ok([0; 16])
+    }
+}
+
+/// A protection domain.
+pub(crate) struct Pd {
+    id: u64,
+    _ctx: Arc<Context>,
+}
+
+impl Pd {
+    /// Allocates a protection domain.
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Pd>, BackendError> {
+        let mut f = fabric();
+        let id = f.next_pd;
+        f.next_pd += 1;
+        Ok(Arc::new(Pd { id, _ctx: ctx.clone() }))
+    }
+}
+
+struct MrShared {
+    mem: MemRegion,
+    pd: u64,
+    remote_write: bool,
+}
+
+/// A registered memory region.
+pub(crate) struct Mr {
+    shared: Arc<MrShared>,
+    addr: u64,
+    len: usize,
+    rkey: u32,
+    _pd: Arc<Pd>,
+}
+
+impl Mr {
+    /// Registers a described memory region.
+    pub fn register(pd: &Arc<Pd>, mem: MemRegion, access: Access) -> Result<Mr, BackendError> {
+        let addr = mem.as_ptr() as u64;
+        let len = mem.len();
+        let shared = Arc::new(MrShared { mem, pd: pd.id, remote_write: access == Access::RemoteWrite });
+        let mut f = fabric();
+        let rkey = f.next_key;
+        f.next_key += 1;
+        f.mrs.insert(rkey, Arc::downgrade(&shared));
+        Ok(Mr { shared, addr, len, rkey, _pd: pd.clone() })
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        fabric().mrs.remove(&self.rkey);
+    }
+}
+
+/// A completion channel.
+pub(crate) struct CompChannel {
+    q: Mutex<VecDeque<u64>>,
+    cv: Condvar,
+    _ctx: Arc<Context>,
+}
+
+impl CompChannel {
+    /// Creates a channel.
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<CompChannel>, BackendError> {
+        Ok(Arc::new(CompChannel { q: Mutex::new(VecDeque::new()), cv: Condvar::new(), _ctx: ctx.clone() }))
+    }
+
+    /// Waits up to `timeout` for one event.
+    pub fn next_event(&self, timeout: Duration) -> Result<Option<CqEvent>, BackendError> {
+        let q = lock(&self.q);
+        let (mut q, _) = self.cv.wait_timeout_while(q, timeout, |q| q.is_empty()).unwrap_or_else(|p| p.into_inner());
+        Ok(q.pop_front().map(|key| CqEvent { key }))
+    }
+
+    fn fire(&self, key: u64) {
+        lock(&self.q).push_back(key);
+        self.cv.notify_all();
+    }
+}
+
+/// One completion event.
+pub(crate) struct CqEvent {
+    key: u64,
+}
+
+impl CqEvent {
+    /// The key the CQ was created with.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+}
+
+impl Drop for CqEvent {
+    fn drop(&mut self) {
+        // Acknowledging is a no-op in the model; the impl keeps `ffi::CqEvent`'s drop-acknowledges shape.
+    }
+}
+
+struct CqShared {
+    key: u64,
+    cap: usize,
+    entries: Mutex<VecDeque<Completion>>,
+    armed: AtomicBool,
+    channel: Arc<CompChannel>,
+}
+
+impl CqShared {
+    fn push(&self, c: Completion) {
+        {
+            let mut e = lock(&self.entries);
+            e.push_back(c);
+            assert!(e.len() <= self.cap, "emulated CQ {} overrun: {} entries > {}", self.key, e.len(), self.cap);
+        }
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.channel.fire(self.key);
+        }
+    }
+}
+
+/// A completion queue.
+pub(crate) struct Cq {
+    shared: Arc<CqShared>,
+}
+
+impl Cq {
+    /// Creates a CQ of `depth` entries tagged with `key`, armed.
+    pub fn new(_ctx: &Arc<Context>, channel: &Arc<CompChannel>, depth: u32, key: u64) -> Result<Arc<Cq>, BackendError> {
+        let shared = Arc::new(CqShared {
+            key,
+            cap: depth as usize,
+            entries: Mutex::new(VecDeque::new()),
+            armed: AtomicBool::new(true),
+            channel: channel.clone(),
+        });
+        Ok(Arc::new(Cq { shared }))
+    }
+
+    /// Requests an event for the next completion.
+    pub fn arm(&self) -> Result<(), BackendError> {
+        self.shared.armed.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Polls up to `max` completions.
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BackendError> {
+        let mut e = lock(&self.shared.entries);
+        let n = e.len().min(max.max(1));
+        out.extend(e.drain(..n));
+        Ok(n)
+    }
+}
+
+struct Recv {
+    wr_id: u64,
+    mr: Arc<MrShared>,
+    offset: u64,
+    len: u32,
+}
+
+struct Inbound {
+    from: Arc<QpShared>,
+    wr_id: u64,
+    signaled: bool,
+    kind: SendKind,
+    data: Vec<u8>,
+}
+
+struct QpState {
+    state: u32,
+    dest: u32,
+    recvs: VecDeque<Recv>,
+    pending: VecDeque<Inbound>,
+}
+
+struct QpShared {
+    qpn: u32,
+    pd: u64,
+    send_cq: Arc<CqShared>,
+    recv_cq: Arc<CqShared>,
+    st: Mutex<QpState>,
+}
+
+fn completion(wr_id: u64, status: u32, opcode: u32, qp_num: u32) -> Completion {
+    Completion { wr_id, status, vendor_err: 0, opcode, byte_len: 0, imm: None, qp_num }
+}
+
+fn send_opcode(kind: &SendKind) -> u32 {
+    match kind {
+        SendKind::Send => OP_SEND,
+        _ => OP_WRITE,
+    }
+}
+
+fn needs_recv(kind: &SendKind) -> bool {
+    !matches!(kind, SendKind::Write { .. })
+}
+
+impl QpShared {
+    /// Moves to ERR: flushes posted receives and fails requests waiting to be delivered here.
+    fn enter_error(self: &Arc<Self>) {
+        let (recvs, pending) = {
+            let mut st = lock(&self.st);
+            st.state = sys::ibv_qp_state::IBV_QPS_ERR;
+            (std::mem::take(&mut st.recvs), std::mem::take(&mut st.pending))
+        };
+        for r in recvs {
+            self.recv_cq.push(completion(r.wr_id, S_FLUSH, OP_RECV, self.qpn));
+        }
+        let mut failed_senders: Vec<Arc<QpShared>> = Vec::new();
+        for p in pending {
+            let first = !failed_senders.iter().any(|s| Arc::ptr_eq(s, &p.from));
+            let status = if first { S_RETRY_EXC } else { S_FLUSH };
+            p.from.send_cq.push(completion(p.wr_id, status, send_opcode(&p.kind), p.from.qpn));
+            if first {
+                failed_senders.push(p.from.clone());
+            }
+        }
+        for s in failed_senders {
+            if !Arc::ptr_eq(&s, self) {
+                s.enter_error();
+            }
+        }
+    }
+
+    /// Executes one inbound request at this (receiving) QP; `Err(status)` is the sender's status.
+    fn deliver(&self, st: &mut QpState, kind: SendKind, data: &[u8]) -> Result<(), u32> {
+        match kind {
+            SendKind::Write { remote_addr, rkey } => self.write_local(remote_addr, rkey, data),
+            SendKind::WriteImm { remote_addr, rkey, imm } => {
+                self.write_local(remote_addr, rkey, data)?;
+                let r = st.recvs.pop_front().expect("caller checked a receive is posted");
+                self.recv_cq.push(Completion {
+                    wr_id: r.wr_id,
+                    status: S_OK,
+                    vendor_err: 0,
+                    opcode: OP_RECV_IMM,
+                    byte_len: data.len() as u32,
+                    imm: Some(imm),
+                    qp_num: self.qpn,
+                });
+                Ok(())
+            }
+            SendKind::Send => {
+                let r = st.recvs.pop_front().expect("caller checked a receive is posted");
+                if data.len() > r.len as usize {
+                    self.recv_cq.push(completion(r.wr_id, S_LOC_LEN, OP_RECV, self.qpn));
+                    return Err(S_REM_INV);
+                }
+                r.mr.mem.write(r.offset, data).map_err(|_| S_REM_INV)?;
+                self.recv_cq.push(Completion {
+                    wr_id: r.wr_id,
+                    status: S_OK,
+                    vendor_err: 0,
+                    opcode: OP_RECV,
+                    byte_len: data.len() as u32,
+                    imm: None,
+                    qp_num: self.qpn,
+                });
+                Ok(())
+            }
+        }
+    }
+
+    fn write_local(&self, remote_addr: u64, rkey: u32, data: &[u8]) -> Result<(), u32> {
+        let mr = fabric().mrs.get(&rkey).and_then(Weak::upgrade).ok_or(S_REM_ACCESS)?;
+        if !mr.remote_write || mr.pd != self.pd {
+            return Err(S_REM_ACCESS);
+        }
+        let base = mr.mem.as_ptr() as u64;
+        let off = remote_addr.checked_sub(base).ok_or(S_REM_ACCESS)?;
+        mr.mem.write(off, data).map_err(|_| S_REM_ACCESS)
+    }
+}
+
+/// An RC queue pair.
+pub(crate) struct Qp {
+    shared: Arc<QpShared>,
+    caps: QpCaps,
+    _pd: Arc<Pd>,
+    _send_cq: Arc<Cq>,
+    _recv_cq: Arc<Cq>,
+}
+
+impl Qp {
+    /// Creates an RC queue pair in RESET.
+    pub fn new_rc(pd: &Arc<Pd>, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, want: QpCaps) -> Result<Qp, BackendError> {
+        let mut f = fabric();
+        let qpn = f.next_qpn;
+        f.next_qpn += 1;
+        let shared = Arc::new(QpShared {
+            qpn,
+            pd: pd.id,
+            send_cq: send_cq.shared.clone(),
+            recv_cq: recv_cq.shared.clone(),
+            st: Mutex::new(QpState {
+                state: sys::ibv_qp_state::IBV_QPS_RESET,
+                dest: 0,
+                recvs: VecDeque::new(),
+                pending: VecDeque::new(),
+            }),
+        });
+        f.qps.insert(qpn, Arc::downgrade(&shared));
+        Ok(Qp { shared, caps: want, _pd: pd.clone(), _send_cq: send_cq.clone(), _recv_cq: recv_cq.clone() })
+    }
+
+    /// Granted sizes (as requested).
+    pub fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.shared.qpn
+    }
+
+    /// Applies a transition; only RESET→INIT→RTR→RTS and any→ERR are accepted.
+    pub fn modify(&self, attr: &sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<(), BackendError> {
+        use sys::ibv_qp_state as S;
+        if mask.0 & sys::ibv_qp_attr_mask::IBV_QP_STATE.0 == 0 {
+            return Err(ffi_error("ibv_modify_qp", -libc::EINVAL, format!("{what}: no state in the mask")));
+        }
+        if attr.qp_state == S::IBV_QPS_ERR {
+            self.shared.enter_error();
+            return Ok(());
+        }
+        let mut st = lock(&self.shared.st);
+        let ok = matches!(
+            (st.state, attr.qp_state),
+            (S::IBV_QPS_RESET, S::IBV_QPS_INIT) | (S::IBV_QPS_INIT, S::IBV_QPS_RTR) | (S::IBV_QPS_RTR, S::IBV_QPS_RTS)
+        );
+        if !ok {
+            return Err(ffi_error(
+                "ibv_modify_qp",
+                -libc::EINVAL,
+                format!("{what}: transition {} -> {} (qp {})", st.state, attr.qp_state, self.shared.qpn),
+            ));
+        }
+        if attr.qp_state == S::IBV_QPS_RTR {
+            st.dest = attr.dest_qp_num;
+        }
+        st.state = attr.qp_state;
+        Ok(())
+    }
+
+    /// Executes a chain of send requests in order.
+    pub fn post_send(&self, wrs: &[SendWr]) -> Result<(), BackendError> {
+        let me = &self.shared;
+        let (state, dest) = {
+            let st = lock(&me.st);
+            (st.state, st.dest)
+        };
+        if state == sys::ibv_qp_state::IBV_QPS_ERR {
+            for wr in wrs {
+                me.send_cq.push(completion(wr.wr_id, S_FLUSH, send_opcode(&wr.kind), me.qpn));
+            }
+            return Ok(());
+        }
+        if state != sys::ibv_qp_state::IBV_QPS_RTS {
+            return Err(ffi_error("ibv_post_send", libc::EINVAL, format!("qp {} is not in RTS", me.qpn)));
+        }
+        let mut datas = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            if wr.sges.len() > self.caps.max_send_sge as usize {
+                return Err(ffi_error("ibv_post_send", libc::EINVAL, format!("{} SGEs", wr.sges.len())));
+            }
+            let bytes: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
+            if wr.inline && bytes > u64::from(self.caps.max_inline) {
+                return Err(ffi_error(
+                    "ibv_post_send",
+                    libc::EINVAL,
+                    format!("{bytes} inline bytes > {}", self.caps.max_inline),
+                ));
+            }
+            let mut data = Vec::new();
+            for s in &wr.sges {
+                let start = data.len();
+                data.resize(start + s.len as usize, 0);
+                s.mr.shared.mem.read(s.offset, &mut data[start..]).map_err(|e| BackendError::Protocol {
+                    backend: NAME,
+                    peer: format!("qp {}", me.qpn),
+                    detail: format!("work request {} SGE: {e}", wr.wr_id),
+                })?;
+            }
+            datas.push(data);
+        }
+        let remote = fabric().qps.get(&dest).and_then(Weak::upgrade);
+        let mut failed = false;
+        for (wr, data) in wrs.iter().zip(datas) {
+            if failed {
+                me.send_cq.push(completion(wr.wr_id, S_FLUSH, send_opcode(&wr.kind), me.qpn));
+                continue;
+            }
+            let result = match &remote {
+                None => Err(S_RETRY_EXC),
+                Some(r) => {
+                    let mut rs = lock(&r.st);
+                    let ready =
+                        rs.state == sys::ibv_qp_state::IBV_QPS_RTR || rs.state == sys::ibv_qp_state::IBV_QPS_RTS;
+                    if !ready {
+                        Err(S_RETRY_EXC)
+                    } else if !rs.pending.is_empty() || (needs_recv(&wr.kind) && rs.recvs.is_empty()) {
+                        // Receiver not ready: the request waits (RNR retry), in order, completing later.
+                        rs.pending.push_back(Inbound {
+                            from: me.clone(),
+                            wr_id: wr.wr_id,
+                            signaled: wr.signaled,
+                            kind: wr.kind,
+                            data,
+                        });
+                        continue;
+                    } else {
+                        r.deliver(&mut rs, wr.kind, &data)
+                    }
+                }
+            };
+            match result {
+                Ok(()) => {
+                    if wr.signaled {
+                        me.send_cq.push(completion(wr.wr_id, S_OK, send_opcode(&wr.kind), me.qpn));
+                    }
+                }
+                Err(status) => {
+                    me.send_cq.push(completion(wr.wr_id, status, send_opcode(&wr.kind), me.qpn));
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            me.enter_error();
+        }
+        Ok(())
+    }
+
+    /// Nothing to release: the model copies data at post time.
+    pub fn retire_through(&self, _wr_id: u64) {}
+
+    /// Posts one receive buffer, then delivers requests that were waiting for one.
+    pub fn post_recv(&self, wr_id: u64, mr: &Arc<Mr>, offset: u64, len: u32) -> Result<(), BackendError> {
+        if offset.checked_add(u64::from(len)).is_none_or(|e| e > mr.len as u64) {
+            return Err(ffi_error("ibv_post_recv", libc::EINVAL, "buffer outside its registration"));
+        }
+        let me = &self.shared;
+        let mut failed_senders = Vec::new();
+        {
+            let mut st = lock(&me.st);
+            if st.state == sys::ibv_qp_state::IBV_QPS_ERR {
+                drop(st);
+                me.recv_cq.push(completion(wr_id, S_FLUSH, OP_RECV, me.qpn));
+                return Ok(());
+            }
+            st.recvs.push_back(Recv { wr_id, mr: mr.shared.clone(), offset, len });
+            while let Some(front) = st.pending.front() {
+                if needs_recv(&front.kind) && st.recvs.is_empty() {
+                    break;
+                }
+                let inb = st.pending.pop_front().expect("front exists");
+                match me.deliver(&mut st, inb.kind, &inb.data) {
+                    Ok(()) => {
+                        if inb.signaled {
+                            inb.from.send_cq.push(completion(inb.wr_id, S_OK, send_opcode(&inb.kind), inb.from.qpn));
+                        }
+                    }
+                    Err(status) => {
+                        inb.from.send_cq.push(completion(inb.wr_id, status, send_opcode(&inb.kind), inb.from.qpn));
+                        failed_senders.push(inb.from.clone());
+                    }
+                }
+            }
+        }
+        for s in failed_senders {
+            s.enter_error();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        fabric().qps.remove(&self.shared.qpn);
+        self.shared.enter_error();
+    }
+}
