@@ -28,7 +28,7 @@ use kvxfer_core::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::ffi::{
-    Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov,
+    Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov, Waker,
 };
 use crate::wire::{self, Kind, Payload, Reassembly, RegionMeta, WIRE_VERSION};
 use crate::NAME;
@@ -63,6 +63,9 @@ pub struct Options {
     pub idle_poll: Duration,
     /// Silence after which a peer that connected to this endpoint is reported lost.
     pub peer_timeout: Duration,
+    /// Let the idle progress thread block on the completion queue's wait fd (`wait=fd`) instead of
+    /// polling with backoff (`wait=poll`).
+    pub wait_fd: bool,
 }
 
 impl Options {
@@ -112,7 +115,14 @@ impl Options {
         };
         let idle_poll = Duration::from_micros(config.parse_or(NAME, "idle_poll_us", 200u64)?.max(1));
         let peer_timeout = Duration::from_millis(config.parse_or(NAME, "peer_timeout_ms", 5_000u64)?.max(100));
-        Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll, peer_timeout })
+        let wait = config.options.get("wait").cloned().or_else(|| std::env::var("KVXFER_FABRIC_WAIT").ok());
+        let wait_fd = match wait.as_deref() {
+            None => !provider.starts_with("shm"),
+            Some("fd") => true,
+            Some("poll") => false,
+            Some(v) => return Err(config_err(format!("wait={v}: use fd or poll"))),
+        };
+        Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll, peer_timeout, wait_fd })
     }
 }
 
@@ -383,6 +393,20 @@ struct Shared {
     state: Mutex<State>,
     events: mpsc::UnboundedSender<BackendEvent>,
     stop: AtomicBool,
+    /// Wakes the progress thread when it blocks on the completion queue's wait fd.
+    waker: Waker,
+    /// Set while the progress thread is (about to be) blocked.
+    sleeping: AtomicBool,
+}
+
+impl Shared {
+    /// Makes sure the progress thread looks at the endpoint soon (after a post).
+    fn wake(&self, thread: &std::thread::Thread) {
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.waker.poke();
+        }
+        thread.unpark();
+    }
 }
 
 impl Shared {
@@ -400,6 +424,7 @@ fn progress_loop(shared: Arc<Shared>, opts: Options) {
     let mut sleep = min_sleep;
     let mut last_active = Instant::now();
     let mut last_beat = Instant::now();
+    let use_park = !shared.lock().ep.has_wait_fd();
     while !shared.stop.load(Ordering::Acquire) {
         let (n, busy) = {
             let mut st = shared.lock();
@@ -418,8 +443,26 @@ fn progress_loop(shared: Arc<Shared>, opts: Options) {
         } else if last_active.elapsed() < HOT {
             std::thread::yield_now();
         } else {
-            std::thread::park_timeout(sleep);
-            sleep = (sleep * 2).min(idle_max);
+            // Idle. With a wait fd, block on it (and on the wake pipe) until the provider has work, a
+            // post wakes us, or the next heartbeat is due; else sleep with backoff.
+            shared.sleeping.store(true, Ordering::SeqCst);
+            let fd = {
+                let mut st = shared.lock();
+                if st.waiting() {
+                    None
+                } else {
+                    st.ep.try_wait()
+                }
+            };
+            match fd {
+                Some(fd) => shared.waker.wait(fd, beat.saturating_sub(last_beat.elapsed())),
+                None if use_park => {
+                    std::thread::park_timeout(sleep);
+                    sleep = (sleep * 2).min(idle_max);
+                }
+                None => {}
+            }
+            shared.sleeping.store(false, Ordering::SeqCst);
         }
     }
 }
@@ -462,7 +505,7 @@ impl Drop for FabricBackend {
         let name = self.shared.lock().ep.name().to_vec();
         closed_set().get_or_insert_with(HashSet::new).insert((self.info.provider.clone(), name, self.nonce));
         self.shared.stop.store(true, Ordering::Release);
-        self.waker.unpark();
+        self.shared.wake(&self.waker);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -492,7 +535,7 @@ impl FabricBackend {
     /// Opens an endpoint with the given options.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = Options::from_config(config)?;
-        let hints = Hints { provider: Some(opts.provider.clone()), node: opts.addr.clone() };
+        let hints = Hints { provider: Some(opts.provider.clone()), node: opts.addr.clone(), wait_fd: opts.wait_fd };
         let mut ep = RdmEndpoint::open(&hints)?;
         let info = ep.info().clone();
         let cq_data_local = match opts.attached {
@@ -535,6 +578,8 @@ impl FabricBackend {
             }),
             events: tx,
             stop: AtomicBool::new(false),
+            waker: Waker::new()?,
+            sleeping: AtomicBool::new(false),
         });
         let s2 = shared.clone();
         let o2 = opts.clone();
@@ -715,7 +760,7 @@ impl FabricBackend {
                 };
                 match r {
                     Ok(()) => {
-                        self.waker.unpark();
+                        self.shared.wake(&self.waker);
                         continue 'items;
                     }
                     Err(PostError::Failed(e)) => {
@@ -731,7 +776,7 @@ impl FabricBackend {
                             });
                             break 'items;
                         }
-                        self.waker.unpark();
+                        self.shared.wake(&self.waker);
                         tokio::task::yield_now().await;
                     }
                 }
@@ -913,7 +958,7 @@ impl KvTransferBackend for FabricBackend {
         let hello = wire::control(Kind::Heartbeat, self.nonce, st.peers[&id].nonce, self.identity);
         let _ = st.ep.send(fi_addr, hello, USER_CONTROL);
         drop(st);
-        self.waker.unpark();
+        self.shared.wake(&self.waker);
         Ok(id)
     }
 

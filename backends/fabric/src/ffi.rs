@@ -18,6 +18,7 @@ use std::ffi::{c_void, CStr, CString};
 use std::fmt;
 use std::ptr;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use kvxfer_core::{BackendError, HostBuffer, MemRegion};
 use kvxfer_fabric_sys as sys;
@@ -67,6 +68,9 @@ pub struct Hints {
     pub provider: Option<String>,
     /// Local address (node) to bind to, e.g. `127.0.0.1`; `None` takes the provider's first.
     pub node: Option<String>,
+    /// Open the completion queue with an fd wait object (`FI_WAIT_FD`) if the provider offers one, so
+    /// an idle progress thread can block on it (see [`Endpoint::try_wait`]).
+    pub wait_fd: bool,
 }
 
 /// The memory-registration mode bits of the chosen provider (`fi_domain_attr::mr_mode`), decoded.
@@ -413,7 +417,8 @@ pub struct Endpoint {
     unposted: Vec<usize>,
     tx_in_flight: usize,
     generation: u64,
-    pool_key: (Option<String>, Option<String>),
+    pool_key: (Option<String>, Option<String>, bool),
+    wait_fd: Option<i32>,
 }
 
 // SAFETY: libfabric objects opened with FI_THREAD_DOMAIN may be used from any thread as long as calls
@@ -475,7 +480,7 @@ impl Drop for RdmEndpoint {
 impl RdmEndpoint {
     /// Opens an endpoint (or takes a recycled one opened with the same hints).
     pub fn open(hints: &Hints) -> Result<Self, BackendError> {
-        let key = (hints.provider.clone(), hints.node.clone());
+        let key = (hints.provider.clone(), hints.node.clone(), hints.wait_fd);
         let reuse = {
             let mut pool = recycled();
             pool.iter().position(|e| e.pool_key == key).map(|i| pool.swap_remove(i))
@@ -562,7 +567,8 @@ impl Endpoint {
             unposted: Vec::new(),
             tx_in_flight: 0,
             generation: 0,
-            pool_key: (hints.provider.clone(), hints.node.clone()),
+            pool_key: (hints.provider.clone(), hints.node.clone(), hints.wait_fd),
+            wait_fd: None,
         };
         let prov = me.pinfo.provider.clone();
         let ctx = || format!("provider {prov}");
@@ -574,14 +580,20 @@ impl Endpoint {
             check("fi_domain", sys::kvx_fi_domain(me.fabric, i, &mut me.domain, ptr::null_mut()) as isize, ctx)?;
             let mut cq_attr = sys::fi_cq_attr {
                 format: sys::fi_cq_format_FI_CQ_FORMAT_DATA,
-                wait_obj: sys::fi_wait_obj_FI_WAIT_NONE,
+                wait_obj: sys::fi_wait_obj_FI_WAIT_FD,
                 ..Default::default()
             };
-            check(
-                "fi_cq_open",
-                sys::kvx_fi_cq_open(me.domain, &mut cq_attr, &mut me.cq, ptr::null_mut()) as isize,
-                ctx,
-            )?;
+            if hints.wait_fd && sys::kvx_fi_cq_open(me.domain, &mut cq_attr, &mut me.cq, ptr::null_mut()) == 0 {
+                let fd = sys::kvx_cq_wait_fd(me.cq);
+                if fd >= 0 {
+                    me.wait_fd = Some(fd);
+                }
+            } else {
+                me.cq = ptr::null_mut();
+                cq_attr.wait_obj = sys::fi_wait_obj_FI_WAIT_NONE;
+                let ret = sys::kvx_fi_cq_open(me.domain, &mut cq_attr, &mut me.cq, ptr::null_mut());
+                check("fi_cq_open", ret as isize, ctx)?;
+            }
             let mut av_attr = sys::fi_av_attr { type_: sys::fi_av_type_FI_AV_TABLE, ..Default::default() };
             check(
                 "fi_av_open",
@@ -617,6 +629,21 @@ impl Endpoint {
     /// This endpoint's address (`fi_getname`), for peers' `fi_av_insert`.
     pub fn name(&self) -> &[u8] {
         &self.name
+    }
+
+    /// Whether the completion queue has an fd wait object.
+    pub fn has_wait_fd(&self) -> bool {
+        self.wait_fd.is_some()
+    }
+
+    /// `fi_trywait` on the completion queue: `Some(fd)` when it is safe to block on the fd until the
+    /// provider has something to do (then poll again); `None` when there is no wait fd or events are
+    /// pending.
+    pub fn try_wait(&mut self) -> Option<i32> {
+        let fd = self.wait_fd?;
+        // SAFETY: fabric and cq are open; fi_trywait only inspects them.
+        let ret = unsafe { sys::kvx_fi_trywait(self.fabric, self.cq) };
+        (ret == 0).then_some(fd)
     }
 
     /// Size of each posted receive buffer (0 before [`Self::post_receives`]).
@@ -983,6 +1010,58 @@ impl Endpoint {
                 }
                 self.repost(slot);
             }
+        }
+    }
+}
+
+/// A self-pipe that wakes a progress thread blocked in [`Waker::wait`].
+#[derive(Debug)]
+pub struct Waker {
+    read: i32,
+    write: i32,
+}
+
+impl Waker {
+    /// A new pipe.
+    pub fn new() -> Result<Self, BackendError> {
+        let mut fds = [-1i32; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+        let ret = unsafe { sys::kvx_pipe(fds.as_mut_ptr()) };
+        if ret != 0 {
+            return Err(BackendError::Io {
+                backend: NAME,
+                context: "creating the wake pipe".into(),
+                detail: format!("errno {}", -ret),
+            });
+        }
+        Ok(Self { read: fds[0], write: fds[1] })
+    }
+
+    /// Wakes a thread blocked in [`Self::wait`] (or makes its next wait return at once).
+    pub fn poke(&self) {
+        // SAFETY: writes one byte from a local to our own non-blocking pipe.
+        unsafe { sys::kvx_poke(self.write) }
+    }
+
+    /// Blocks until the pipe is poked, `fd` (a completion queue's wait fd) is readable, or `timeout`
+    /// passes; then empties the pipe.
+    pub fn wait(&self, fd: i32, timeout: Duration) {
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: poll on two descriptors: our pipe and the provider's wait fd, which stays open while
+        // the endpoint does (the progress thread that calls this is joined before the endpoint closes).
+        unsafe {
+            sys::kvx_poll_in(self.read, fd, ms);
+            sys::kvx_drain(self.read);
+        }
+    }
+}
+
+impl Drop for Waker {
+    fn drop(&mut self) {
+        // SAFETY: both descriptors were opened by pipe2 and are closed once.
+        unsafe {
+            sys::kvx_close_fd(self.read);
+            sys::kvx_close_fd(self.write);
         }
     }
 }

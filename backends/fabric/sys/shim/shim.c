@@ -1,7 +1,12 @@
 /* See shim.h: one-line forwards to libfabric's static inline functions. */
+#define _GNU_SOURCE
 #include "shim.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <string.h>
+#include <unistd.h>
 
 char *kvx_strdup(const char *s) { return strdup(s); }
 
@@ -65,3 +70,30 @@ ssize_t kvx_fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64
 const char *kvx_fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_data, char *buf, size_t len) {
     return fi_cq_strerror(cq, prov_errno, err_data, buf, len);
 }
+
+int kvx_cq_wait_fd(struct fid_cq *cq) {
+    int fd = -1;
+    int ret = fi_control(&cq->fid, FI_GETWAIT, &fd);
+    return ret ? ret : fd;
+}
+int kvx_fi_trywait(struct fid_fabric *fabric, struct fid_cq *cq) {
+    struct fid *f = &cq->fid;
+    return fi_trywait(fabric, &f, 1);
+}
+int kvx_poll_in(int fd1, int fd2, int timeout_ms) {
+    struct pollfd p[2] = {{fd1, POLLIN, 0}, {fd2, POLLIN, 0}};
+    int ret = poll(p, fd2 >= 0 ? 2 : 1, timeout_ms);
+    return ret < 0 ? -errno : ret;
+}
+int kvx_pipe(int fds[2]) { return pipe2(fds, O_NONBLOCK | O_CLOEXEC) ? -errno : 0; }
+void kvx_drain(int fd) {
+    char buf[64];
+    while (read(fd, buf, sizeof buf) > 0) {
+    }
+}
+void kvx_poke(int fd) {
+    char b = 1;
+    ssize_t r = write(fd, &b, 1);
+    (void)r;
+}
+void kvx_close_fd(int fd) { close(fd); }

@@ -45,4 +45,20 @@ ssize_t kvx_fi_cq_read(struct fid_cq *cq, void *buf, size_t count);
 ssize_t kvx_fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags);
 const char *kvx_fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_data, char *buf, size_t len);
 
+
+/* The CQ's wait fd (fi_control FI_GETWAIT), or a negative fi_errno. */
+int kvx_cq_wait_fd(struct fid_cq *cq);
+/* fi_trywait on one CQ: 0 when it is safe to block on its wait fd. */
+int kvx_fi_trywait(struct fid_fabric *fabric, struct fid_cq *cq);
+/* poll(2) for POLLIN on up to two fds (fd2 < 0: ignored); returns poll's result or -errno. */
+int kvx_poll_in(int fd1, int fd2, int timeout_ms);
+/* A non-blocking, close-on-exec pipe; returns 0 or -errno. */
+int kvx_pipe(int fds[2]);
+/* Reads and discards what the fd holds (non-blocking). */
+void kvx_drain(int fd);
+/* Writes one byte (non-blocking; a full pipe already wakes the reader). */
+void kvx_poke(int fd);
+/* close(2). */
+void kvx_close_fd(int fd);
+
 #endif
