@@ -4,8 +4,9 @@
 //! detection.
 //!
 //! Modules:
-//! - [`ffi`] (private): the safe layer over `ibverbs-sys` (device, PD, MR, CQ + completion channel, QP),
-//!   the crate's only `unsafe` code;
+//! - `ffi` (private): the safe layer over `ibverbs-sys` (device, PD, MR, CQ + completion channel, QP),
+//!   the crate's only `unsafe` code (with the test-only `emulator` feature, `emu.rs`, a safe in-process
+//!   model of the same API, takes its place);
 //! - [`attrs`]: QP attributes for INIT, RTR and RTS built from exchanged metadata;
 //! - [`split`]: strided ops into work requests within SGE, message-size and inline limits;
 //! - [`ring`]: immediate encoding, the notification ring, fragmenting and reassembly;
