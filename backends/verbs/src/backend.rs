@@ -229,6 +229,8 @@ impl Peer {
 struct Half {
     qp: Qp,
     key: u64,
+    /// Send queue depth the send CQ was sized for (the device may grant a deeper queue; we use no more).
+    sq: u32,
     psn: u32,
     send_cq: Arc<Cq>,
     recv_cq: Arc<Cq>,
@@ -402,7 +404,7 @@ impl Inner {
             qp.post_recv(u64::from(i), &recv_mr, u64::from(i) * u64::from(o.recv_buf), o.recv_buf)?;
         }
         let psn = rand::random::<u32>() & 0x00ff_ffff;
-        Ok(Half { qp, key, psn, send_cq, recv_cq, ring_mr, ring_buf, recv_mr, recv_mem, recv_count })
+        Ok(Half { qp, key, sq, psn, send_cq, recv_cq, ring_mr, ring_buf, recv_mr, recv_mem, recv_count })
     }
 
     fn hello(&self, half: &Half) -> Hello {
@@ -465,7 +467,7 @@ impl Inner {
             stage_buf,
             remote_regions,
             limits,
-            sq_depth: caps.max_send_wr.max(1),
+            sq_depth: caps.max_send_wr.min(half.sq).max(1),
             send: Mutex::new(SendState {
                 outstanding: VecDeque::new(),
                 in_flight: 0,
@@ -1016,6 +1018,10 @@ impl Inner {
                 .map_err(|_| self.timeout_error(format!("waiting to post to {}", peer.label)))?;
             let batch_max = (peer.sq_depth / 4).max(1) as usize;
             let mut next = 0usize;
+            // If this future fails or is dropped after some fragments of the notification were posted
+            // but not the last, the receiver's reassembly would splice the next notification onto them:
+            // the guard marks the connection failed instead.
+            let mut cut = FragmentGuard { peer: &peer, posted: 0, of: frags.len() };
             while next < total {
                 self.wait_until(&peer, deadline, "send queue room", |st| st.in_flight < peer.sq_depth).await?;
                 let is_frag = next >= plans.len();
@@ -1093,6 +1099,7 @@ impl Inner {
                 }
                 let w = if next == total { tx.take() } else { None };
                 self.post(&peer, batch, w)?;
+                cut.posted = next.saturating_sub(plans.len());
             }
         }
         match tokio::time::timeout_at(deadline, rx).await {
@@ -1165,6 +1172,34 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+/// Marks the connection failed if a notification's fragments were only partly posted.
+struct FragmentGuard<'a> {
+    peer: &'a Peer,
+    posted: usize,
+    of: usize,
+}
+
+impl Drop for FragmentGuard<'_> {
+    fn drop(&mut self) {
+        if self.posted > 0 && self.posted < self.of {
+            let mut st = lock(&self.peer.send);
+            if st.failed.is_none() {
+                st.failed = Some(BackendError::Protocol {
+                    backend: NAME,
+                    peer: self.peer.label.clone(),
+                    detail: format!(
+                        "a notification was cut off after fragment {} of {}; the connection cannot carry \
+                         notifications any more: disconnect and reconnect",
+                        self.posted, self.of
+                    ),
+                });
+            }
+            drop(st);
+            self.peer.wake.notify_waiters();
+        }
     }
 }
 
