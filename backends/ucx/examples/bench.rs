@@ -139,7 +139,11 @@ async fn main() {
     let tls_list: Vec<String> =
         arg("--tls").unwrap_or_else(|| "tcp;posix,sysv,cma,self".into()).split(';').map(str::to_owned).collect();
     let window: usize = arg("--window").map(|w| w.parse().expect("--window takes a count")).unwrap_or(8);
-    println!("UCX {} | write = one write in flight, window = {window} in flight | GiB/s", kvxfer_ucx::ucx_version());
+    let repeat: usize = arg("--repeat").map(|w| w.parse().expect("--repeat takes a count")).unwrap_or(3).max(1);
+    println!(
+        "UCX {} | write = one write in flight, window = {window} in flight | GiB/s, best of {repeat} runs each",
+        kvxfer_ucx::ucx_version()
+    );
     println!(
         "{:<22} {:>9} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "tls", "size", "iters", "write", "window", "perftest", "ratio1", "ratioW"
@@ -147,14 +151,22 @@ async fn main() {
     for tls in &tls_list {
         for &size in &sizes {
             let iters = iters_for(size);
-            let one = backend_bw(tls, size, iters, 1).await;
-            let win = backend_bw(tls, size, iters, window).await;
-            let base = tokio::task::spawn_blocking({
-                let tls = tls.clone();
-                move || kvxfer_ucx::perftest::run(&tls, size, iters, Duration::from_secs(300))
-            })
-            .await
-            .unwrap();
+            let (mut one, mut win, mut base) = (0f64, 0f64, Err(None));
+            for _ in 0..repeat {
+                one = one.max(backend_bw(tls, size, iters, 1).await);
+                win = win.max(backend_bw(tls, size, iters, window).await);
+                let b = tokio::task::spawn_blocking({
+                    let tls = tls.clone();
+                    move || kvxfer_ucx::perftest::run(&tls, size, iters, Duration::from_secs(300))
+                })
+                .await
+                .unwrap();
+                base = match (base, b) {
+                    (Ok(x), Ok(y)) => Ok(if y.bytes_per_sec > x.bytes_per_sec { y } else { x }),
+                    (Ok(x), Err(_)) | (Err(_), Ok(x)) => Ok(x),
+                    (Err(_), Err(e)) => Err(Some(e)),
+                };
+            }
             match base {
                 Ok(b) => println!(
                     "{tls:<22} {size:>9} {iters:>6} {} {} {} {:8.2} {:8.2}",
@@ -164,7 +176,7 @@ async fn main() {
                     one / b.bytes_per_sec,
                     win / b.bytes_per_sec
                 ),
-                Err(e) => println!("{tls:<22} {size:>9} {iters:>6} {} {} perftest failed: {e}", gib(one), gib(win)),
+                Err(e) => println!("{tls:<22} {size:>9} {iters:>6} {} {} perftest failed: {e:?}", gib(one), gib(win)),
             }
         }
     }

@@ -2,9 +2,10 @@
 //! only ever touched by this thread), receives commands over a channel, answers through oneshot
 //! channels, and drives `ucp_worker_progress`. Every wait it performs has a deadline.
 //!
-//! Idle strategy: while anything is in flight, or for [`HOT`] after the last activity, the thread
-//! spins on `ucp_worker_progress` (yielding the CPU when a round found nothing); after that it
-//! blocks on the command channel for at most [`COLD`] between progress calls.
+//! Idle strategy: the thread spins on `ucp_worker_progress` (yielding the CPU) for [`SPIN`] after
+//! the last event; then, while anything is in flight or for [`HOT`] after the last event, it naps
+//! on the command channel for [`NAP`] between progress calls, and after that for [`COLD`]. A
+//! command always wakes it at once. On a busy host this keeps the thread from burning a core.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -22,6 +23,10 @@ use crate::NAME;
 
 /// How long the thread keeps spinning after the last activity.
 const HOT: Duration = Duration::from_millis(20);
+/// How long the thread spins (yielding) after the last event before it starts napping.
+const SPIN: Duration = Duration::from_micros(200);
+/// The nap between progress calls while something is in flight or shortly after activity.
+const NAP: Duration = Duration::from_micros(50);
 /// Longest sleep between progress calls when idle.
 const COLD: Duration = Duration::from_millis(1);
 /// How long shutdown waits for in-flight writes, then for goodbyes to be flushed.
@@ -476,18 +481,18 @@ impl Engine {
                 self.last_liveness = now;
                 self.check_liveness();
             }
-            if busy || in_flight {
+            if busy {
                 last_busy = now;
-                if !busy {
-                    std::thread::yield_now();
-                }
                 continue;
             }
-            if now.duration_since(last_busy) < HOT {
+            let quiet = now.duration_since(last_busy);
+            if quiet < SPIN {
                 std::thread::yield_now();
                 continue;
             }
-            match rx.recv_timeout(COLD) {
+            // Napping on the channel: a command wakes the thread at once.
+            let nap = if in_flight || quiet < HOT { NAP } else { COLD };
+            match rx.recv_timeout(nap) {
                 Ok(Cmd::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
                 Ok(cmd) => {
                     self.handle(cmd);
