@@ -619,6 +619,15 @@ impl Engine {
             Kind::Data => self.on_data(h, &m.data),
             Kind::Commit => self.on_commit(h, &m.data),
             Kind::Ack => self.on_ack(h, &m.data),
+            Kind::Revoke => {
+                let Ok(id) = <[u8; 4]>::try_from(&m.data[..]).map(u32::from_le_bytes) else {
+                    tracing::warn!(identity = h.identity, "ucx: dropping a malformed revoke");
+                    return;
+                };
+                for p in self.peers.values_mut().filter(|p| p.instance == h.instance) {
+                    p.regions.remove(&RegionId(id));
+                }
+            }
             Kind::Goodbye => {
                 if let Some(r) = self.reverse.remove(&h.instance) {
                     // The peer is going away: no close handshake with it.
@@ -634,6 +643,35 @@ impl Engine {
                     let reason = format!("peer with identity {:#x} shut down its UCX endpoint", h.identity);
                     self.emit_lost(h.instance, h.identity, reason);
                 }
+            }
+        }
+    }
+
+    /// Tells every peer that knows this endpoint (connected either way) to forget a deregistered
+    /// region's remote key, so their later writes naming it fail with `UnknownRegion` instead of
+    /// landing in memory that may be freed. Best effort: a write already posted is not recalled.
+    fn revoke(&mut self, id: RegionId) {
+        let header = self.header(Kind::Revoke, 0);
+        let mut told = HashSet::new();
+        let eps: Vec<(u64, Rc<Endpoint>)> = self
+            .reverse
+            .iter()
+            .map(|(i, r)| (*i, r.ep.clone()))
+            .chain(self.peers.values().filter(|p| p.lost.is_none()).map(|p| (p.instance, p.ep.clone())))
+            .collect();
+        for (instance, ep) in eps {
+            if instance == self.settings.instance {
+                // Connected to ourselves: forget it directly.
+                for p in self.peers.values_mut().filter(|p| p.instance == instance) {
+                    p.regions.remove(&id);
+                }
+                continue;
+            }
+            if !told.insert(instance) {
+                continue;
+            }
+            if let Ok(Posted::Pending(r)) = ep.am_send(header.clone(), id.0.to_le_bytes().to_vec()) {
+                self.loose.push(r);
             }
         }
     }
@@ -815,6 +853,7 @@ impl Engine {
                 let r = match self.regions.remove(&id) {
                     Some(_) => {
                         lock(&self.meta).regions.remove(&id);
+                        self.revoke(id);
                         Ok(())
                     }
                     None => Err(BackendError::UnknownRegion { backend: NAME, region: id, peer: None }),

@@ -8,7 +8,8 @@
 //!
 //! Active-message header (18 bytes, little endian): `kind u8, flags u8, instance u64, identity u64`;
 //! the data is the kind's body: an encoded [`kvxfer_core::Notification`] (kinds 1 and 2), a JSON
-//! [`Hello`] (3) or nothing (goodbye, 4).
+//! [`Hello`] (3), nothing (goodbye, 4), data-path messages (5 to 7, see [`DataBuilder`]) or a
+//! revoked region id (8).
 
 use serde::{Deserialize, Serialize};
 
@@ -100,6 +101,8 @@ pub(crate) enum Kind {
     Commit = 6,
     /// The receiver placed (or refused) one write of the active-message data path.
     Ack = 7,
+    /// The sender deregistered a region (data: region id, u32): peers forget its remote key.
+    Revoke = 8,
 }
 
 /// Goodbye flag: the whole endpoint is going away (not just one connection).
@@ -144,6 +147,7 @@ impl Header {
             5 => Kind::Data,
             6 => Kind::Commit,
             7 => Kind::Ack,
+            8 => Kind::Revoke,
             k => return Err(format!("unknown active-message kind {k}")),
         };
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));

@@ -302,6 +302,40 @@ async fn disconnect_forgets_the_peer_and_reconnect_works() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deregistered_destination_is_revoked_at_connected_peers() {
+    for (name, tls) in TRANSPORTS {
+        let p = pair(tls, 1 << 16).await;
+        let op = WriteOp::contiguous(RegionId(1), 0, RegionId(9), 0, 4096);
+        p.tx.write(p.peer, &[op], None).await.unwrap();
+        p.rx.deregister(RegionId(9)).unwrap();
+        // The revocation is a message: it arrives within a moment.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let e = loop {
+            match p.tx.write(p.peer, &[op], None).await {
+                Err(e) => break e,
+                Ok(()) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(10)).await,
+                Ok(()) => panic!("{name}: writes into a deregistered region kept succeeding"),
+            }
+        };
+        // Either the sender already forgot the region, or (active-message data path) the receiver
+        // refused the bytes itself; never a silent write.
+        let ok = match &e {
+            BackendError::UnknownRegion { region: RegionId(9), peer: Some(_), .. } => true,
+            BackendError::Protocol { detail, .. } => detail.contains("region 9"),
+            _ => false,
+        };
+        assert!(ok, "{name}: {e}");
+        assert!(
+            matches!(
+                p.tx.write(p.peer, &[op], None).await,
+                Err(BackendError::UnknownRegion { region: RegionId(9), .. })
+            ) || tls.contains("tcp"),
+            "{name}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_can_write_to_itself() {
     for (name, tls) in TRANSPORTS {
         let ep = endpoint(tls, 3);
