@@ -253,7 +253,8 @@ struct Inner {
     caps: DeviceCaps,
     timing: Timing,
     handshake: SocketAddr,
-    regions: Mutex<BTreeMap<RegionId, Arc<Mr>>>,
+    /// Registered regions; `None` for an empty region (nothing to register with the NIC).
+    regions: Mutex<BTreeMap<RegionId, Option<Arc<Mr>>>>,
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     by_key: Mutex<HashMap<u64, Arc<Peer>>>,
     next_peer: AtomicU64,
@@ -410,7 +411,10 @@ impl Inner {
     fn hello(&self, half: &Half) -> Hello {
         let regions = lock(&self.regions)
             .iter()
-            .map(|(id, mr)| RemoteRegion { id: id.0, addr: mr.addr(), len: mr.len() as u64, rkey: mr.rkey() })
+            .map(|(id, mr)| match mr {
+                Some(mr) => RemoteRegion { id: id.0, addr: mr.addr(), len: mr.len() as u64, rkey: mr.rkey() },
+                None => RemoteRegion { id: id.0, addr: 0, len: 0, rkey: 0 },
+            })
             .collect();
         Hello {
             version: PROTO_VERSION,
@@ -957,7 +961,7 @@ impl Inner {
         self.closed()?;
         let peer = self.peer(peer_id)?;
         // Validate everything before any byte moves.
-        let mut srcs: Vec<Arc<Mr>> = Vec::with_capacity(ops.len());
+        let mut srcs: Vec<Option<Arc<Mr>>> = Vec::with_capacity(ops.len());
         let mut dsts: Vec<RemoteRegion> = Vec::with_capacity(ops.len());
         {
             let regions = lock(&self.regions);
@@ -967,15 +971,16 @@ impl Inner {
                     region: op.src,
                     peer: None,
                 })?;
-                WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, mr.len() as u64).map_err(
-                    |source| BackendError::OutOfBounds {
+                let src_len = mr.as_ref().map_or(0, |m| m.len() as u64);
+                WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src_len).map_err(|source| {
+                    BackendError::OutOfBounds {
                         backend: NAME,
                         side: "source",
                         region: op.src,
                         peer: Some(peer_id),
                         source,
-                    },
-                )?;
+                    }
+                })?;
                 let dst = peer.remote_regions.get(&op.dst.0).ok_or(BackendError::UnknownRegion {
                     backend: NAME,
                     region: op.dst,
@@ -1036,7 +1041,9 @@ impl Inner {
                         if next < plans.len() {
                             let p = &plans[next];
                             let op = &ops[p.op];
-                            let mr = &srcs[p.op];
+                            // Plans exist only for non-empty ranges, which the bounds check refuses for an
+                            // empty (unregistered) region.
+                            let mr = srcs[p.op].as_ref().expect("a non-empty range lies in a registered region");
                             let dst = &dsts[p.op];
                             let sges = p
                                 .pieces
@@ -1230,8 +1237,10 @@ impl KvTransferBackend for VerbsBackend {
         if regions.contains_key(&id) {
             return Err(BackendError::RegionInUse { backend: NAME, region: id });
         }
-        let mr = Mr::register(&self.inner.pd, mem, Access::RemoteWrite)?;
-        regions.insert(id, Arc::new(mr));
+        // Some providers refuse to register zero bytes; an empty region needs no registration.
+        let mr =
+            if mem.is_empty() { None } else { Some(Arc::new(Mr::register(&self.inner.pd, mem, Access::RemoteWrite)?)) };
+        regions.insert(id, mr);
         Ok(())
     }
 

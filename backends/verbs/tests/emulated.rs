@@ -224,3 +224,28 @@ async fn concurrent_writers_on_one_connection_keep_their_notifications_whole() {
     }
     assert!(dst.to_vec()[..120 * 512].iter().all(|&x| x == 5));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_regions_register_and_only_empty_ops_use_them() {
+    let a = endpoint(1, &[]);
+    let b = endpoint(2, &[]);
+    let empty = HostBuffer::zeroed(0);
+    a.register(RegionId(1), empty.region()).unwrap();
+    b.register(RegionId(2), empty.region()).unwrap();
+    let peer = a.connect(&b.metadata().unwrap()).await.unwrap();
+    let none = WriteOp {
+        src: RegionId(1),
+        src_offset: 0,
+        dst: RegionId(2),
+        dst_offset: 0,
+        len: 0,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    a.write(peer, &[none], Some(&aux(1, 3))).await.unwrap();
+    assert_eq!(notifications(events(&b, 1, Duration::from_secs(5)).await), vec![aux(1, 3)]);
+    let one = WriteOp { len: 1, ..none };
+    assert!(matches!(a.write(peer, &[one], None).await, Err(BackendError::OutOfBounds { side: "source", .. })));
+    a.deregister(RegionId(1)).unwrap();
+}
