@@ -329,6 +329,13 @@ impl Peer {
         let d = desc(pid, self.identity);
         let mut may_post = true;
         let lost = self.lost.clone();
+        if let Some(reason) = &lost {
+            // Nothing in flight to a lost peer can still succeed (an acknowledgement will not come;
+            // with error mode none UCX may never complete a request): answer the callers now.
+            for j in self.jobs.iter_mut().filter(|j| j.reply.is_some()) {
+                j.fail(BackendError::PeerLost { backend: NAME, peer: d.clone(), detail: reason.clone() });
+            }
+        }
         for j in self.jobs.iter_mut() {
             j.poll(&self.ep, may_post, lost.as_deref(), &d, timeout, now);
             if j.what == "connect" {
