@@ -286,6 +286,9 @@ impl VerbsBackend {
     /// listener and starts the poller and listener threads.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = Options::from_config(config)?;
+        if crate::EMULATED {
+            tracing::warn!("kvxfer-verbs was built with the test-only `emulator` feature: this endpoint is an in-process model, not RDMA");
+        }
         let (ctx, port, caps, gid) = open(&opts)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
@@ -344,6 +347,9 @@ impl Drop for VerbsBackend {
         for p in peers {
             self.inner.close_peer(&p, "the endpoint was dropped");
         }
+        // Deregister now rather than when the threads notice the shutdown (in-flight requests keep
+        // their own references until they retire).
+        lock(&self.inner.regions).clear();
     }
 }
 

@@ -203,7 +203,11 @@ pub fn no_device_reason(config: &BackendConfig) -> Option<String> {
 kvxfer_core::inventory::submit! {
     kvxfer_core::BackendDescriptor {
         name: NAME,
-        description: "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE notifications (InfiniBand, RoCE)",
+        description: if EMULATED {
+            "ibverbs EMULATED in-process (test-only `emulator` feature; not RDMA)"
+        } else {
+            "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE notifications (InfiniBand, RoCE)"
+        },
         capabilities: CAPABILITIES,
         create,
     }
