@@ -460,10 +460,13 @@ struct LinkInner {
     waits: HashMap<(u64, usize), Wait>,
 }
 
-#[derive(Default)]
 struct LinkState {
     inner: Mutex<LinkInner>,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// The peer's identity and the local endpoint's event queue: an outgoing link that fails is
+    /// reported as [`BackendEvent::PeerLost`] too, so a sender learns of it without writing.
+    identity: u64,
+    events: mpsc::UnboundedSender<BackendEvent>,
 }
 
 impl LinkState {
@@ -476,6 +479,10 @@ impl LinkState {
             if i.dead.is_none() {
                 tracing::warn!(error = %err, "tcp: link failed");
                 i.dead = Some(err.clone());
+                if !i.closing {
+                    let _ =
+                        self.events.send(BackendEvent::PeerLost { identity: self.identity, reason: err.to_string() });
+                }
             }
             std::mem::take(&mut i.waits)
         };
@@ -876,7 +883,12 @@ impl KvTransferBackend for TcpBackend {
                 Hello { kind, index: i as u8, token, link: link_id, identity: self.shared.identity, streams: n as u32 };
             streams.push(self.open_stream(&m, token, peer.identity, hello).await?);
         }
-        let state = Arc::new(LinkState::default());
+        let state = Arc::new(LinkState {
+            inner: Mutex::new(LinkInner::default()),
+            tasks: Mutex::new(Vec::new()),
+            identity: peer.identity,
+            events: self.shared.events.clone(),
+        });
         let mut senders = Vec::with_capacity(n + 1);
         for (i, s) in streams.into_iter().enumerate() {
             let (r, w) = s.into_split();

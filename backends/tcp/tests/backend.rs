@@ -354,6 +354,9 @@ async fn losing_the_receiver_fails_the_sender_with_peer_and_cause() {
     }
     let e = err.expect("writes to a dropped peer kept succeeding").to_string();
     assert!(e.contains(&addr) && e.contains("lost"), "{e}");
+    // The sender's own event queue reports the lost receiver too (without having to write).
+    let ev = wait_event(&a, |e| matches!(e, BackendEvent::PeerLost { .. })).await;
+    assert!(matches!(ev, BackendEvent::PeerLost { identity: 2, .. }), "{ev:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

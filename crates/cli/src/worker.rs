@@ -9,7 +9,9 @@
 //! byte of the request's pages against the oracle (written from head ownership, not the planner),
 //! writes the sentinel back, and puts `done/<r>/<tp>.<pp>`. A page slot is reused only after every
 //! decode rank is done with it. At the end each decode rank checks that its whole pool holds the
-//! sentinel again (no stray write anywhere), and each rank prints a JSON summary line on stdout.
+//! sentinel again (no stray write anywhere) and puts `finished/<tp>.<pp>`; each prefill rank waits
+//! for its receivers' `finished`, puts `left/<tp>.<pp>`, and each decode rank exits only after its
+//! senders left (so no exit looks like a lost peer). Each rank prints a JSON summary line on stdout.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -189,14 +191,51 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
     };
     let want = local_topo.ranks(other).len() as u32;
     let (peers, topo) = client.handshake(&me, other, want, wait).await.map_err(|e| e.to_string())?;
-    let ctx = Ctx { w: w.clone(), topo, rank, client, wait, bufs: Arc::new(bufs), pages };
+    let ctx =
+        Ctx { loss: Arc::new(Loss::default()), w: w.clone(), topo, rank, client, wait, bufs: Arc::new(bufs), pages };
     match side {
         Side::Prefill => prefill(ctx, backend, pool, peers, args.inject_wrong_byte).await,
         Side::Decode => decode(ctx, backend, pool).await,
     }
 }
 
+/// The first lost peer of this worker, and a wake-up for waits that should end with it.
+#[derive(Default)]
+struct Loss {
+    reason: Mutex<Option<String>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Loss {
+    fn set(&self, reason: String) {
+        self.reason.lock().expect("loss lock").get_or_insert(reason);
+        self.notify.notify_waiters();
+    }
+
+    fn get(&self) -> Option<String> {
+        self.reason.lock().expect("loss lock").clone()
+    }
+
+    /// Runs a bootstrap wait, ending it early with the loss reason if a peer is lost meanwhile.
+    async fn guard<T, E: std::fmt::Display>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, String> {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(r) = self.get() {
+            return Err(r);
+        }
+        tokio::select! {
+            r = fut => r.map_err(|e| e.to_string()),
+            _ = notified => Err(self.get().unwrap_or_else(|| "a peer was lost".into())),
+        }
+    }
+}
+
 struct Ctx {
+    loss: Arc<Loss>,
     w: Workload,
     topo: Topology,
     rank: RankId,
@@ -263,6 +302,30 @@ async fn prefill(
         let reg = peers.iter().find(|p| p.rank == *d).ok_or_else(|| format!("decode rank {d} did not register"))?;
         sender.connect(*d, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
     }
+    // Watch the endpoint for lost receivers, so requests waiting on the bootstrap (for page lists
+    // or readiness) fail at once instead of at the bootstrap deadline.
+    let names: HashMap<u64, RankId> = peers.iter().map(|p| (p.endpoint.identity, p.rank)).collect();
+    let watch = {
+        let (backend, loss) = (Arc::clone(&backend), Arc::clone(&ctx.loss));
+        tokio::spawn(async move {
+            loop {
+                match backend.recv(Duration::from_millis(200)).await {
+                    Ok(evs) => {
+                        for e in evs {
+                            if let kvxfer_core::BackendEvent::PeerLost { identity, reason } = e {
+                                let who = names.get(&identity).map(|r| format!("decode rank {r}")).unwrap_or_default();
+                                loss.set(format!("lost {who}: {reason}"));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        loss.set(format!("endpoint failed: {e}"));
+                        return;
+                    }
+                }
+            }
+        })
+    };
     let ctx = Arc::new(ctx);
     let summary = Arc::new(Mutex::new(WorkerSummary {
         role: "prefill".into(),
@@ -303,7 +366,13 @@ async fn prefill(
     // Stay connected until every receiver has verified everything (a sender that leaves early
     // would look like a lost peer), then leave gracefully. After a failure, leave at once.
     for d in receivers.iter().filter(|_| !stopped(&summary)) {
-        ctx.client.get(&format!("finished/{}", rank_key(*d)), ctx.wait).await.map_err(|e| e.to_string())?;
+        ctx.loss.guard(ctx.client.get(&format!("finished/{}", rank_key(*d)), ctx.wait)).await?;
+    }
+    watch.abort();
+    // Tell the receivers we are done with them: they stay up until then, so their exit is never
+    // mistaken for a loss here.
+    if !stopped(&summary) {
+        ctx.client.put(&format!("left/{}", rank_key(ctx.rank)), json!(true)).await.map_err(|e| e.to_string())?;
     }
     let mut s = summary.lock().expect("summary lock").clone();
     s.seconds = elapsed;
@@ -350,11 +419,10 @@ async fn send_request(
             .await
             .map_err(|e| format!("filling source pages panicked: {e}"))?;
     }
-    let dst: Vec<u32> =
-        serde_json::from_value(ctx.client.get(&format!("req/{r}"), ctx.wait).await.map_err(|e| e.to_string())?)
-            .map_err(|e| format!("bad page list for request {r}: {e}"))?;
+    let dst: Vec<u32> = serde_json::from_value(ctx.loss.guard(ctx.client.get(&format!("req/{r}"), ctx.wait)).await?)
+        .map_err(|e| format!("bad page list for request {r}: {e}"))?;
     for d in receivers {
-        ctx.client.get(&format!("ready/{r}/{}", rank_key(*d)), ctx.wait).await.map_err(|e| e.to_string())?;
+        ctx.loss.guard(ctx.client.get(&format!("ready/{r}/{}", rank_key(*d)), ctx.wait)).await?;
     }
     let t0 = Instant::now();
     let deadline = t0 + ctx.w.request_timeout();
@@ -437,6 +505,11 @@ async fn decode(ctx: Ctx, backend: Arc<dyn KvTransferBackend>, pool: KvPool) -> 
     s.seconds = elapsed;
     s.transfer_seconds = union(&mut s.intervals);
     ctx.client.put(&format!("finished/{}", rank_key(ctx.rank)), json!(true)).await.map_err(|e| e.to_string())?;
+    if s.errors.is_empty() {
+        for p in ctx.topo.senders(ctx.rank) {
+            ctx.client.get(&format!("left/{}", rank_key(p)), ctx.wait).await.map_err(|e| e.to_string())?;
+        }
+    }
     Ok(s)
 }
 

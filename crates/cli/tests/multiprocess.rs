@@ -3,7 +3,7 @@
 //! before any byte moves, a prefill process killed mid-stream, and a run across two network
 //! namespaces joined by a veth pair (when this test may create them).
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -213,6 +213,44 @@ fn a_prefill_process_killed_mid_stream_fails_the_request_with_a_reason_before_it
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(!status.success());
+    let _ = boot.kill();
+    let _ = boot.wait();
+}
+
+#[test]
+fn a_decode_process_killed_mid_stream_fails_the_sender_naming_the_peer() {
+    let (mut boot, addr) = bootstrap("127.0.0.1:0", None);
+    let stream = ["--requests", "100000", "--tokens", "256", "--inflight", "2", "--request-timeout-s", "60"];
+    let mut d = worker(&addr, "decode", &stream, None).spawn().unwrap();
+    let mut p = worker(&addr, "prefill", &stream, None).spawn().unwrap();
+    let rx = lines(&mut p);
+    let mut sent = 0;
+    let end = Instant::now() + Duration::from_secs(60);
+    while sent < 3 && Instant::now() < end {
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+            if l.contains("\"sent\"") {
+                sent += 1;
+            }
+        }
+    }
+    assert_eq!(sent, 3, "no requests were sent");
+    d.kill().unwrap();
+    let killed = Instant::now();
+    let _ = d.wait();
+    let end = killed + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = p.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < end, "prefill worker did not stop after its receiver died");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let took = killed.elapsed();
+    assert!(!status.success());
+    assert!(took < Duration::from_secs(20), "prefill took {took:?} to notice (deadline 60 s)");
+    let mut err = String::new();
+    p.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("lost") && err.contains("decode rank 0/0"), "{err}");
     let _ = boot.kill();
     let _ = boot.wait();
 }

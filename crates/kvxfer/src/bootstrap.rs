@@ -111,10 +111,25 @@ pub enum BootstrapError {
 /// PP, divisibility). Returns the topology when compatible, else all problems found.
 pub fn check_compatible(prefill: &SideSpec, decode: &SideSpec) -> Result<Topology, Vec<String>> {
     let mism = kv_mismatches(&prefill.kv, &decode.kv);
-    if !mism.is_empty() {
-        return Err(mism.iter().map(ToString::to_string).collect());
+    if mism.is_empty() {
+        return Topology::new(prefill, decode).map_err(|e| vec![e.to_string()]);
     }
-    Topology::new(prefill, decode).map_err(|e| vec![e.to_string()])
+    let mut problems: Vec<String> = mism.iter().map(ToString::to_string).collect();
+    // The layouts differ; still name the parallel-config problems, each against its own side.
+    let (p, d) = (prefill.parallel, decode.parallel);
+    if p.tp > 0 && d.tp > 0 && p.tp.max(d.tp) % p.tp.min(d.tp) != 0 {
+        problems
+            .push(format!("prefill TP {} and decode TP {}: the larger must be a multiple of the smaller", p.tp, d.tp));
+    }
+    if d.pp != 1 && d.pp != p.pp {
+        problems.push(format!("decode PP {} must be 1 or equal to prefill PP {}", d.pp, p.pp));
+    }
+    for (side, s) in [("prefill", prefill), ("decode", decode)] {
+        if let Err(e) = Topology::new(s, s) {
+            problems.push(format!("{side} alone: {e}"));
+        }
+    }
+    Err(problems)
 }
 
 fn describe(r: &Registration) -> String {
@@ -480,6 +495,11 @@ mod tests {
             assert!(all.contains(f), "{f} missing from {all}");
         }
         assert!(!all.contains("head_dim_v"));
+        // Parallel-config problems are reported together with layout mismatches.
+        let mut d3 = spec(3, 8, 32);
+        d3.parallel.pp = 2;
+        let e = check_compatible(&spec(2, 8, 16), &d3).unwrap_err().join("; ");
+        assert!(e.contains("page_size") && e.contains("multiple") && e.contains("decode PP 2"), "{e}");
         let e = check_compatible(&spec(3, 12, 16), &spec(2, 12, 16)).unwrap_err();
         assert!(e[0].contains("multiple"), "{e:?}");
         assert!(check_compatible(&spec(2, 8, 16), &spec(4, 8, 16)).is_ok());
