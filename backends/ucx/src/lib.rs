@@ -51,7 +51,7 @@
 //! | `net_devices` | `KVXFER_UCX_NET_DEVICES` | network devices (`UCX_NET_DEVICES`), e.g. `lo`; default: UCX's |
 //! | `timeout_ms` | `KVXFER_UCX_TIMEOUT_MS` | deadline of every connect, write and notify (default 30000) |
 //! | `keepalive_ms` | `KVXFER_UCX_KEEPALIVE_MS` | UCX keepalive interval, bounds dead-peer detection on shared memory (default 1000) |
-//! | `data` | `KVXFER_UCX_DATA` | `auto` (default), `put` or `am`: one-sided `ucp_put_nbx`, or the active-message data path; `auto` = `am` when tcp may be used (tls unset, `all`, or naming tcp), else `put` |
+//! | `data` | `KVXFER_UCX_DATA` | `auto` (default), `put` or `am`: one-sided `ucp_put_nbx`, or the active-message data path; `auto` = `am` when tcp may be used (tls unset, `all`, or naming tcp) or cma is not allowed (Yama `ptrace_scope` not 0), else `put` |
 //! | `err_mode` | `KVXFER_UCX_ERR_MODE` | `auto` (default), `peer` or `none`: UCX error handling mode of endpoints (see below) |
 //! | `ucx.NAME` | | any other UCX setting, e.g. `ucx.RNDV_THRESH=64k` |
 //!
@@ -175,7 +175,9 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         None | Some("auto") => match effective_tls.as_deref() {
             None => true,
             Some(t) => {
-                t.split(',').any(|x| matches!(x.trim().trim_start_matches('^'), "tcp" | "all")) || t.starts_with('^')
+                t.split(',').any(|x| matches!(x.trim().trim_start_matches('^'), "tcp" | "all"))
+                    || t.starts_with('^')
+                    || !cma_allowed()
             }
         },
         Some("put") => false,
@@ -201,6 +203,16 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         shm_only: shm_only(effective_tls.as_deref()),
         am_data,
     })
+}
+
+/// Whether cma (`process_vm_writev` between sibling processes) is allowed: Yama's
+/// `ptrace_scope` absent or 0. Otherwise UCX has no one-sided lane on shared memory and would
+/// emulate puts with active messages, so `data=auto` takes the active-message data path.
+fn cma_allowed() -> bool {
+    match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+        Err(_) => true,
+        Ok(v) => v.trim() == "0",
+    }
 }
 
 /// Whether a `UCX_TLS` value names only shared-memory transports.
