@@ -29,6 +29,8 @@ fn main() {
 
     let mut builder = bindgen::Builder::default()
         .header("wrapper.h")
+        // The workspace's rust-version (1.80): no `unsafe extern` blocks (1.82) in the output.
+        .rust_target(bindgen::RustTarget::stable(80, 0).expect("a valid Rust target"))
         .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
         // ucs_status_t and the flag enums stay plain integers with constants: C may hand us any value.
         .default_enum_style(bindgen::EnumVariation::Consts)
