@@ -171,9 +171,20 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(e) = kvxfer_core::backend::lookup(&w.backend) {
-        eprintln!("kvxfer demo: {e}");
-        return ExitCode::from(2);
+    match kvxfer_core::backend::lookup(&w.backend) {
+        Err(e) => {
+            eprintln!("kvxfer demo: {e}");
+            return ExitCode::from(2);
+        }
+        Ok(d) if !d.capabilities.cross_process => {
+            eprintln!(
+                "kvxfer demo: backend {} only connects endpoints of one process, and the demo's workers are \
+                 separate processes; choose a cross-process backend such as tcp",
+                d.name
+            );
+            return ExitCode::from(2);
+        }
+        Ok(_) => {}
     }
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build() {
         Ok(rt) => rt,

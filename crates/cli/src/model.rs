@@ -122,7 +122,7 @@ pub struct Workload {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]
     pub inflight: u32,
-    /// Transport, by registry name (see `kvxfer worker --help` for the compiled-in list).
+    /// Transport, by registry name (an unknown name prints the compiled-in ones).
     #[arg(long, default_value = "tcp")]
     pub backend: String,
     /// Backend option `key=value` (repeatable), e.g. `connections=4` or `listen=10.0.0.1:0`.
