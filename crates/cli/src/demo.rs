@@ -264,6 +264,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     let mut summaries: Vec<WorkerSummary> = Vec::new();
     let deadline = start + Duration::from_secs_f64(args.timeout_s);
     let mut killed = false;
+    let mut disconnected = false;
     loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok((i, line)) => match serde_json::from_str::<serde_json::Value>(&line) {
@@ -285,7 +286,10 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                 Err(_) => pb.println(format!("{}: {line}", workers[i].name)),
             },
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                disconnected = true;
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
         let mut failed = false;
         for wk in workers.iter_mut().filter(|w| w.status.is_none()) {
@@ -297,19 +301,8 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             }
         }
         let all_done = workers.iter().all(|w| w.status.is_some());
-        if all_done && rx.try_recv().is_err() {
-            // Drain what is left of the output.
-            for (i, line) in rx.try_iter() {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                    if v["kind"] == "summary" {
-                        if let Ok(s) = serde_json::from_value::<WorkerSummary>(v["summary"].clone()) {
-                            summaries.push(s);
-                        }
-                    } else if v["kind"] == "error" {
-                        errors.push(format!("{}: {}", workers[i].name, v["message"].as_str().unwrap_or("?")));
-                    }
-                }
-            }
+        // Every worker exited and every line of their output was handled.
+        if all_done && disconnected {
             break;
         }
         let late = Instant::now() >= deadline;
