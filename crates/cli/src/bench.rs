@@ -148,10 +148,62 @@ pub struct CaseResult {
     pub ratio_vs_memcpy: f64,
     /// Every byte of the peer's regions equals the memcpy result.
     pub verified: bool,
+    /// The C library's own measurement at the same message size and transport, in the same run
+    /// (ucx: `ucx_perftest -t ucp_put_bw`; fabric: a plain `fi_write` loop); raw cases only.
+    pub native: Option<NativeBaseline>,
+}
+
+/// A baseline measured with the transport library itself, without kvxfer.
+#[derive(Debug, Clone, Serialize)]
+pub struct NativeBaseline {
+    /// What ran.
+    pub tool: String,
+    /// GB/s (1e9 bytes per second), or the error that stopped it.
+    pub gbps: Result<f64, String>,
+    /// Backend median / baseline.
+    pub ratio: Option<f64>,
+}
+
+/// Runs the native baseline of `args.backend` (if it has one) at message size `block`.
+#[allow(unused_variables)] // without the ucx and fabric features nothing uses the arguments
+fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, Result<f64, String>)> {
+    let opt = |k: &str| args.backend_opts.iter().find(|(kk, _)| kk == k).map(|(_, v)| v.clone());
+    let iters = (total / block.max(1)).clamp(16, 4096) as usize;
+    match args.backend.as_str() {
+        #[cfg(feature = "ucx")]
+        "ucx" => {
+            let tls = opt("tls").or_else(|| std::env::var("KVXFER_UCX_TLS").ok()).unwrap_or_else(|| "tcp".into());
+            let r = kvxfer::backends::ucx::perftest::run(&tls, block as usize, iters, Duration::from_secs(120));
+            Some((
+                format!("ucx_perftest -t ucp_put_bw, UCX_TLS={tls}"),
+                r.map(|r| r.bytes_per_sec / 1e9).map_err(|e| e.to_string()),
+            ))
+        }
+        #[cfg(feature = "fabric")]
+        "fabric" => {
+            let prov = opt("provider").or_else(|| std::env::var("FI_PROVIDER").ok()).unwrap_or_else(|| "tcp".into());
+            let addr = (prov == "tcp").then_some("127.0.0.1");
+            let r = kvxfer::backends::fabric::baseline::write_bandwidth(
+                &prov,
+                addr,
+                block as usize,
+                iters,
+                8,
+                Duration::from_secs(120),
+            );
+            Some((
+                format!("fi_write loop, provider {prov}, 8 in flight"),
+                r.map(|m| m.bytes_per_sec() / 1e9).map_err(|e| e.to_string()),
+            ))
+        }
+        _ => None,
+    }
 }
 
 struct Workload {
     name: String,
+    /// Bytes per op of a raw workload (None for model-shaped ones).
+    block: Option<u64>,
     src: Vec<(RegionId, u64)>,
     dst: Vec<(RegionId, u64)>,
     ops: Vec<WriteOp>,
@@ -171,6 +223,7 @@ fn raw_workload(block: u64, total: u64, shuffle: bool, seed: u64) -> Result<Work
         .collect();
     Ok(Workload {
         name: format!("block {}{}", human(block), if shuffle { " shuffled" } else { "" }),
+        block: Some(block),
         src: vec![(RegionId(0), total)],
         dst: vec![(RegionId(0), total)],
         ops,
@@ -228,6 +281,7 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
         })
         .collect();
     Ok(Workload {
+        block: None,
         name: format!(
             "{} {} P{}->D{} {} tokens: prefill 0/0 -> decode {}",
             preset.name(),
@@ -564,6 +618,10 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
             serde_json::from_value(theirs["hashes"].clone()).map_err(|e| format!("peer hashes: {e}"))?;
         let ours: Vec<(u32, u64)> = local_dst.iter().map(|(id, h)| (id.0, hash(&h.region()))).collect();
         let (b, m, s) = (rate(bytes, &mut t_backend), rate(bytes, &mut t_memcpy), rate(bytes, &mut t_socket));
+        let native = wl
+            .block
+            .and_then(|block| native_baseline(args, block, bytes))
+            .map(|(tool, gbps)| NativeBaseline { ratio: gbps.as_ref().ok().map(|g| b.median_gbps / g), tool, gbps });
         results.push(CaseResult {
             name: wl.name.clone(),
             bytes,
@@ -575,6 +633,7 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
             ratio_vs_socket: b.median_gbps / s.median_gbps,
             ratio_vs_memcpy: b.median_gbps / m.median_gbps,
             verified: theirs == ours,
+            native,
         });
     }
     drop(plain);
@@ -602,6 +661,16 @@ fn print_table(backend: &str, results: &[CaseResult]) {
             r.ratio_vs_memcpy,
             if r.verified { "yes" } else { "NO" }
         );
+        if let Some(n) = &r.native {
+            match &n.gbps {
+                Ok(g) => println!(
+                    "    native baseline: {} {g:.2} GB/s; {backend} / native = {:.2}",
+                    n.tool,
+                    n.ratio.unwrap_or(f64::NAN)
+                ),
+                Err(e) => println!("    native baseline: {} failed: {e}", n.tool),
+            }
+        }
     }
 }
 

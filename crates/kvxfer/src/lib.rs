@@ -39,6 +39,15 @@ pub mod backends {
         v
     }
 
+    #[cfg(feature = "ucx")]
+    pub use kvxfer_ucx as ucx;
+
+    #[cfg(feature = "fabric")]
+    pub use kvxfer_fabric as fabric;
+
+    #[cfg(feature = "verbs")]
+    pub use kvxfer_verbs as verbs;
+
     /// A failure to build a backend by name.
     #[derive(Debug, thiserror::Error)]
     pub enum CreateError {
