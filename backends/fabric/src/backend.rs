@@ -137,6 +137,7 @@ struct Peer {
     fi_addr: u64,
     addr: Vec<u8>,
     nonce: u32,
+    pid: u32,
     provider: String,
     recv_buf: usize,
     cq_data: bool,
@@ -144,7 +145,30 @@ struct Peer {
     lost: bool,
 }
 
+/// Whether process `pid` exists and is not a zombie (Linux `/proc`).
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            !matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()), Some('Z' | 'X'))
+        }
+        Err(_) => false,
+    }
+}
+
 impl Peer {
+    /// Why posting to this peer must not happen: its endpoint in this process was closed, or (shm, same
+    /// host) its process is gone. libfabric 1.17's shm provider spins forever on the lock of a dead
+    /// peer's queue, so a dead shm peer is never posted to.
+    fn gone(&self) -> Option<String> {
+        if closed_set().as_ref().is_some_and(|c| c.contains(&self.closed_key())) {
+            return Some("its endpoint (in this process) was closed".to_owned());
+        }
+        if self.provider == "shm" && self.pid != 0 && !process_alive(self.pid) {
+            return Some(format!("its process {} is gone", self.pid));
+        }
+        None
+    }
+
     fn closed_key(&self) -> ClosedKey {
         (self.provider.clone(), self.addr.clone(), self.nonce)
     }
@@ -342,14 +366,8 @@ impl State {
 impl State {
     /// Posts a liveness message to every connected peer (best effort: a full queue skips a round).
     fn send_control(&mut self, kind: Kind) -> usize {
-        let targets: Vec<(u64, u32)> = {
-            let closed = closed_set();
-            self.peers
-                .values()
-                .filter(|p| !p.lost && !closed.as_ref().is_some_and(|c| c.contains(&p.closed_key())))
-                .map(|p| (p.fi_addr, p.nonce))
-                .collect()
-        };
+        let targets: Vec<(u64, u32)> =
+            { self.peers.values().filter(|p| !p.lost && p.gone().is_none()).map(|p| (p.fi_addr, p.nonce)).collect() };
         let mut posted = 0;
         for (a, dest) in targets {
             if self.ep.send(a, wire::control(kind, self.nonce, dest, self.identity), USER_CONTROL).is_ok() {
@@ -709,8 +727,7 @@ impl FabricBackend {
             let mut st = self.shared.lock();
             let p = st.peers.get_mut(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
             let (fi_addr, identity) = (p.fi_addr, p.identity);
-            if closed_set().as_ref().is_some_and(|s| s.contains(&p.closed_key())) {
-                let detail = "its endpoint (in this process) was closed".to_owned();
+            if let Some(detail) = p.gone() {
                 if !p.lost {
                     p.lost = true;
                     let _ = self.shared.events.send(BackendEvent::PeerLost { identity, reason: detail.clone() });
@@ -891,6 +908,7 @@ impl KvTransferBackend for FabricBackend {
             recv_buf: st.ep.recv_buf_size() as u32,
             cq_data: self.cq_data_local,
             nonce: self.nonce,
+            pid: std::process::id(),
             regions,
         };
         let payload = serde_json::to_vec(&payload).map_err(|e| BackendError::Io {
@@ -923,42 +941,52 @@ impl KvTransferBackend for FabricBackend {
         if p.addr.is_empty() || (p.recv_buf as usize) < 4 * wire::HEADER {
             return Err(bad(format!("empty address or receive buffers of {} bytes", p.recv_buf)));
         }
-        let mut st = self.shared.lock();
-        let fi_addr = match st.addrs.get(&p.addr) {
-            Some(a) => *a,
-            None => {
-                let a = st.ep.av_insert(&p.addr).map_err(|e| BackendError::Connect {
-                    backend: NAME,
-                    peer: format!("identity {:#x}", peer.identity),
-                    detail: e.to_string(),
-                })?;
-                st.addrs.insert(p.addr.clone(), a);
-                a
-            }
+        let (id, hello) = {
+            let mut st = self.shared.lock();
+            let fi_addr = match st.addrs.get(&p.addr) {
+                Some(a) => *a,
+                None => {
+                    let a = st.ep.av_insert(&p.addr).map_err(|e| BackendError::Connect {
+                        backend: NAME,
+                        peer: format!("identity {:#x}", peer.identity),
+                        detail: e.to_string(),
+                    })?;
+                    st.addrs.insert(p.addr.clone(), a);
+                    a
+                }
+            };
+            let id = PeerId(st.next_peer);
+            st.next_peer += 1;
+            st.peers.insert(
+                id,
+                Peer {
+                    identity: peer.identity,
+                    fi_addr,
+                    addr: p.addr,
+                    nonce: p.nonce,
+                    pid: p.pid,
+                    provider: p.provider,
+                    recv_buf: p.recv_buf as usize,
+                    cq_data: p.cq_data,
+                    regions: p.regions.into_iter().map(|r| (r.id, r)).collect(),
+                    lost: false,
+                },
+            );
+            tracing::debug!(target: "kvxfer_fabric", "connected {}", st.peers[&id].describe(id));
+            let hello = wire::control(Kind::Heartbeat, self.nonce, st.peers[&id].nonce, self.identity);
+            (id, hello)
         };
-        let id = PeerId(st.next_peer);
-        st.next_peer += 1;
-        st.peers.insert(
-            id,
-            Peer {
-                identity: peer.identity,
-                fi_addr,
-                addr: p.addr,
-                nonce: p.nonce,
-                provider: p.provider,
-                recv_buf: p.recv_buf as usize,
-                cq_data: p.cq_data,
-                regions: p.regions.into_iter().map(|r| (r.id, r)).collect(),
-                lost: false,
-            },
-        );
-        tracing::debug!(target: "kvxfer_fabric", "connected {}", st.peers[&id].describe(id));
-        // Introduce ourselves so the peer can report us lost if we go away (best effort; the periodic
-        // heartbeat repeats it).
-        let hello = wire::control(Kind::Heartbeat, self.nonce, st.peers[&id].nonce, self.identity);
-        let _ = st.ep.send(fi_addr, hello, USER_CONTROL);
-        drop(st);
-        self.shared.wake(&self.waker);
+        // Introduce ourselves (the first heartbeat) and wait for it to be delivered: the peer then
+        // knows us and reports us lost if we go away, and an unreachable peer fails here.
+        let deadline = Instant::now() + self.opts.timeout;
+        if let Err(e) = self.run_batch(id, vec![Item::Send(hello)], deadline).await {
+            self.shared.lock().peers.remove(&id);
+            return Err(BackendError::Connect {
+                backend: NAME,
+                peer: format!("identity {:#x}", peer.identity),
+                detail: format!("the first message did not arrive: {e}"),
+            });
+        }
         Ok(id)
     }
 

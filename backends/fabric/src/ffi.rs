@@ -472,9 +472,25 @@ impl Drop for RdmEndpoint {
                 }
                 e.generation += 1;
                 recycled().push(e);
+                AT_EXIT.call_once(|| {
+                    // SAFETY: registers a plain `extern "C" fn` that takes no arguments.
+                    unsafe { sys::kvx_atexit(Some(close_recycled_at_exit)) };
+                });
             }
         }
     }
+}
+
+static AT_EXIT: std::sync::Once = std::sync::Once::new();
+
+/// Closes the recycled endpoints when the process exits, so the provider removes their shared-memory
+/// files (`/dev/shm`). Registered with `atexit` on first recycling.
+extern "C" fn close_recycled_at_exit() {
+    // A panic must not unwind into C.
+    let _ = std::panic::catch_unwind(|| {
+        let pool = std::mem::take(&mut *recycled());
+        drop(pool);
+    });
 }
 
 impl RdmEndpoint {

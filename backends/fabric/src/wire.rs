@@ -38,6 +38,8 @@ pub struct Payload {
     pub cq_data: bool,
     /// The endpoint's nonce (random per backend instance); messages to it carry it.
     pub nonce: u32,
+    /// The endpoint's process id (shm peers, on the same host, check it is alive before posting).
+    pub pid: u32,
     /// Registered regions.
     pub regions: Vec<RegionMeta>,
 }

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -97,3 +98,4 @@ void kvx_poke(int fd) {
     (void)r;
 }
 void kvx_close_fd(int fd) { close(fd); }
+int kvx_atexit(void (*f)(void)) { return atexit(f); }

@@ -58,6 +58,8 @@ int kvx_pipe(int fds[2]);
 void kvx_drain(int fd);
 /* Writes one byte (non-blocking; a full pipe already wakes the reader). */
 void kvx_poke(int fd);
+/* atexit(3). */
+int kvx_atexit(void (*f)(void));
 /* close(2). */
 void kvx_close_fd(int fd);
 
