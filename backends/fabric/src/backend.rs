@@ -98,6 +98,9 @@ impl Options {
             .get("addr")
             .cloned()
             .or_else(|| std::env::var("KVXFER_FABRIC_ADDR").ok().filter(|s| !s.is_empty()));
+        // shm takes the node as the endpoint's name, not as an interface: one name for every endpoint
+        // would collide (fi_enable: EBUSY), so an address is only used by network providers.
+        let addr = if provider.starts_with("shm") { None } else { addr };
         let timeout = Duration::from_millis(config.parse_or(NAME, "timeout_ms", 30_000u64)?);
         let recv_buffers: usize = config.parse_or(NAME, "recv_buffers", 64)?;
         let recv_buf_size: usize = config.parse_or(NAME, "recv_buf_size", 64 * 1024)?;
@@ -220,6 +223,8 @@ struct State {
     identity: u64,
     /// Peers that connected to this endpoint, by their nonce: identity and when last heard.
     live: HashMap<u32, Live>,
+    /// Peers whose heartbeat met a full transmit queue; sent before further writes.
+    heartbeat_due: HashSet<PeerId>,
 }
 
 struct Live {
@@ -234,10 +239,17 @@ const USER_SEND: u64 = 1;
 
 impl State {
     /// Polls the completion queue until it is empty (bounded) and dispatches what it reports.
+    ///
+    /// Returns the completions read, plus one when a poll that read none took long enough to have done
+    /// work: a target of RMA writes sees no completions for them, yet its polls move their data (shm
+    /// copies incoming commands, tcp drains sockets), and that traffic must keep the thread hot.
     fn pump(&mut self, events: &mpsc::UnboundedSender<BackendEvent>) -> usize {
+        const WORKED: Duration = Duration::from_micros(20);
+        self.flush_heartbeats();
         let mut total = 0;
         for _ in 0..16 {
             let mut out = std::mem::take(&mut self.scratch);
+            let t = Instant::now();
             let n = match self.ep.poll(&mut out, 64) {
                 Ok(n) => n,
                 Err(e) => {
@@ -251,6 +263,9 @@ impl State {
             self.scratch = out;
             total += n;
             if n == 0 {
+                if t.elapsed() > WORKED {
+                    total += 1;
+                }
                 break;
             }
         }
@@ -364,17 +379,52 @@ impl State {
 }
 
 impl State {
-    /// Posts a liveness message to every connected peer (best effort: a full queue skips a round).
+    /// Posts a liveness message to every connected peer. A heartbeat that meets a full queue stays
+    /// pending and goes out before any further write to that peer (see [`Self::flush_heartbeats`]), so
+    /// a sender busy filling the queue is not mistaken for a dead one.
     fn send_control(&mut self, kind: Kind) -> usize {
-        let targets: Vec<(u64, u32)> =
-            { self.peers.values().filter(|p| !p.lost && p.gone().is_none()).map(|p| (p.fi_addr, p.nonce)).collect() };
+        let targets: Vec<(PeerId, u64, u32)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.lost && p.gone().is_none())
+            .map(|(id, p)| (*id, p.fi_addr, p.nonce))
+            .collect();
         let mut posted = 0;
-        for (a, dest) in targets {
-            if self.ep.send(a, wire::control(kind, self.nonce, dest, self.identity), USER_CONTROL).is_ok() {
-                posted += 1;
+        for (id, a, dest) in targets {
+            match self.ep.send(a, wire::control(kind, self.nonce, dest, self.identity), USER_CONTROL) {
+                Ok(()) => {
+                    posted += 1;
+                    self.heartbeat_due.remove(&id);
+                }
+                Err(PostError::Again) if kind == Kind::Heartbeat => {
+                    self.heartbeat_due.insert(id);
+                }
+                Err(_) => {}
             }
         }
         posted
+    }
+
+    /// Retries heartbeats that met a full queue; `true` when none is left pending.
+    fn flush_heartbeats(&mut self) -> bool {
+        if self.heartbeat_due.is_empty() {
+            return true;
+        }
+        let due: Vec<PeerId> = self.heartbeat_due.iter().copied().collect();
+        for id in due {
+            let Some(p) = self.peers.get(&id) else {
+                self.heartbeat_due.remove(&id);
+                continue;
+            };
+            let msg = wire::control(Kind::Heartbeat, self.nonce, p.nonce, self.identity);
+            match self.ep.send(p.fi_addr, msg, USER_CONTROL) {
+                Err(PostError::Again) => {}
+                _ => {
+                    self.heartbeat_due.remove(&id);
+                }
+            }
+        }
+        self.heartbeat_due.is_empty()
     }
 
     /// Reports peers not heard from within `timeout` as lost (once).
@@ -593,6 +643,7 @@ impl FabricBackend {
                 nonce,
                 identity: config.identity,
                 live: HashMap::new(),
+                heartbeat_due: HashSet::new(),
             }),
             events: tx,
             stop: AtomicBool::new(false),
@@ -748,7 +799,10 @@ impl FabricBackend {
             loop {
                 let r = {
                     let mut st = self.shared.lock();
+                    // A heartbeat waiting for a queue slot goes first.
+                    let heartbeat_waits = !st.flush_heartbeats();
                     let r = match item.as_ref().expect("item present until posted") {
+                        _ if heartbeat_waits => Err(PostError::Again),
                         Item::Write { local, remote, data } => st.ep.write(fi_addr, local, remote, *data, id << 1),
                         Item::Send(_) => match item.take() {
                             Some(Item::Send(msg)) => {
