@@ -13,15 +13,20 @@
 //! - memory registration follows the provider's `mr_mode` bits (`FI_MR_LOCAL`, `FI_MR_VIRT_ADDR`,
 //!   `FI_MR_PROV_KEY`, `FI_MR_ENDPOINT`, `FI_MR_ALLOCATED`); the endpoint address and each region's key
 //!   (and base address under `FI_MR_VIRT_ADDR`) travel in the endpoint metadata;
-//! - progress: a dedicated thread polls the completion queue; every wait has a deadline.
+//! - progress: a dedicated thread polls the completion queue; every wait has a deadline;
+//! - liveness: hello on connect, heartbeats, "gone" on drop; receivers report silent peers lost.
+//!
+//! See README.md in this crate for the provider findings and the shm workarounds.
 //!
 //! Options (`BackendConfig::options`, env fallback in brackets):
 //!
 //! | option | default | meaning |
 //! |---|---|---|
 //! | `provider` [`FI_PROVIDER`] | `tcp` | libfabric provider; `tcp` means `tcp;ofi_rxm`; `shm` for same-host |
-//! | `addr` [`KVXFER_FABRIC_ADDR`] | provider's first | local address to bind, e.g. `127.0.0.1` |
-//! | `timeout_ms` | 30000 | deadline of each `write` / `notify` |
+//! | `addr` [`KVXFER_FABRIC_ADDR`] | provider's first | local address to bind, e.g. `127.0.0.1` (not for shm) |
+//! | `timeout_ms` | 30000 | deadline of each `write` / `notify` / `connect` |
+//! | `peer_timeout_ms` | 5000 | silence after which a connected peer is reported lost |
+//! | `wait` [`KVXFER_FABRIC_WAIT`] | `fd` (tcp), `poll` (shm) | how the idle progress thread waits |
 //! | `recv_buffers` | 64 | receive buffers kept posted |
 //! | `recv_buf_size` | 65536 | bytes per receive buffer (larger notifications are fragmented) |
 //! | `attached` | `auto` | `auto`, `cq-data` (remote CQ data) or `message` |
