@@ -347,7 +347,7 @@ impl FiError {
     }
 }
 
-/// What [`RdmEndpoint::poll`] reports.
+/// What [`Endpoint::poll`](crate::ffi::Endpoint::poll) reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     /// A write or send posted with `user` completed (with an error, if `error` is set).

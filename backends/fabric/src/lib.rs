@@ -18,15 +18,15 @@
 //!
 //! See README.md in this crate for the provider findings and the shm workarounds.
 //!
-//! Options (`BackendConfig::options`, env fallback in brackets):
+//! Options (`BackendConfig::options`, env fallback in parentheses):
 //!
 //! | option | default | meaning |
 //! |---|---|---|
-//! | `provider` [`FI_PROVIDER`] | `tcp` | libfabric provider; `tcp` means `tcp;ofi_rxm`; `shm` for same-host |
-//! | `addr` [`KVXFER_FABRIC_ADDR`] | provider's first | local address to bind, e.g. `127.0.0.1` (not for shm) |
+//! | `provider` (env `FI_PROVIDER`) | `tcp` | libfabric provider; `tcp` means `tcp;ofi_rxm`; `shm` for same-host |
+//! | `addr` (env `KVXFER_FABRIC_ADDR`) | provider's first | local address to bind, e.g. `127.0.0.1` (not for shm) |
 //! | `timeout_ms` | 30000 | deadline of each `write` / `notify` / `connect` |
 //! | `peer_timeout_ms` | 5000 | silence after which a connected peer is reported lost |
-//! | `wait` [`KVXFER_FABRIC_WAIT`] | `fd` (tcp), `poll` (shm) | how the idle progress thread waits |
+//! | `wait` (env `KVXFER_FABRIC_WAIT`) | `fd` (tcp), `poll` (shm) | how the idle progress thread waits |
 //! | `recv_buffers` | 64 | receive buffers kept posted |
 //! | `recv_buf_size` | 65536 | bytes per receive buffer (larger notifications are fragmented) |
 //! | `attached` | `auto` | `auto`, `cq-data` (remote CQ data) or `message` |
