@@ -2,7 +2,7 @@
 //! same transports, one run.
 //!
 //! ```text
-//! cargo run --release -p kvxfer-ucx --example bench -- [--sizes 65536,1048576] [--tls tcp,posix,sysv,cma,self] [--window 8]
+//! cargo run --release -p kvxfer-ucx --example ucx_bench -- [--sizes 65536,1048576] [--tls tcp,posix,sysv,cma,self] [--window 8]
 //! ```
 //! `--tls` takes `;`-separated transport lists (default `tcp;posix,sysv,cma,self`). For each size
 //! it measures the backend between this process and a receiver process (this binary with
