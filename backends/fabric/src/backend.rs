@@ -20,7 +20,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::backend::METADATA_VERSION;
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend, MemRegion,
     Notification, PeerId, RegionId, WriteOp,
@@ -970,17 +969,12 @@ impl KvTransferBackend for FabricBackend {
             context: "encoding metadata".into(),
             detail: e.to_string(),
         })?;
-        Ok(EndpointMetadata { version: METADATA_VERSION, backend: NAME.to_owned(), identity: self.identity, payload })
+        Ok(EndpointMetadata::new(NAME, self.identity, payload))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
         let bad = |detail: String| BackendError::BadMetadata { backend: NAME, detail };
-        if peer.backend != NAME {
-            return Err(bad(format!("metadata from backend {:?}, expected {NAME:?}", peer.backend)));
-        }
-        if peer.version != METADATA_VERSION {
-            return Err(bad(format!("metadata version {}, this build speaks {METADATA_VERSION}", peer.version)));
-        }
+        peer.check(NAME)?;
         let p: Payload =
             serde_json::from_slice(&peer.payload).map_err(|e| bad(format!("payload does not parse: {e}")))?;
         if p.wire != WIRE_VERSION {

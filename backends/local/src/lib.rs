@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use kvxfer_core::backend::{BackendDescriptor, Capabilities, EndpointMetadata, METADATA_VERSION};
+use kvxfer_core::backend::{BackendDescriptor, Capabilities, EndpointMetadata};
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, KvTransferBackend, MemRegion, Notification, PeerId, RegionId, WriteOp,
 };
@@ -153,19 +153,11 @@ impl KvTransferBackend for LocalBackend {
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
         let payload = serde_json::to_vec(&Payload { endpoint: self.ep.id, token: self.ep.token })
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: e.to_string() })?;
-        Ok(EndpointMetadata { version: METADATA_VERSION, backend: NAME.into(), identity: self.ep.identity, payload })
+        Ok(EndpointMetadata::new(NAME, self.ep.identity, payload))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
-        if peer.backend != NAME || peer.version != METADATA_VERSION {
-            return Err(BackendError::BadMetadata {
-                backend: NAME,
-                detail: format!(
-                    "metadata of backend {:?} version {}, expected {NAME:?} version {METADATA_VERSION}",
-                    peer.backend, peer.version
-                ),
-            });
-        }
+        peer.check(NAME)?;
         let p: Payload = serde_json::from_slice(&peer.payload)
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: format!("payload: {e}") })?;
         let other =

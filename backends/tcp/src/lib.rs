@@ -32,7 +32,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use kvxfer_core::backend::METADATA_VERSION;
 use kvxfer_core::{
     BackendConfig, BackendDescriptor, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend,
     MemRegion, Notification, PeerId, RegionId, WriteOp,
@@ -142,12 +141,7 @@ impl TcpMetadata {
     /// Parses a peer's metadata envelope.
     pub fn from_envelope(meta: &EndpointMetadata) -> Result<Self, BackendError> {
         let bad = |detail: String| BackendError::BadMetadata { backend: NAME, detail };
-        if meta.backend != NAME {
-            return Err(bad(format!("metadata was made by backend {:?}, not {NAME:?}", meta.backend)));
-        }
-        if meta.version != METADATA_VERSION {
-            return Err(bad(format!("metadata version {} (this build speaks {METADATA_VERSION})", meta.version)));
-        }
+        meta.check(NAME)?;
         let m: Self =
             serde_json::from_slice(&meta.payload).map_err(|e| bad(format!("payload is not TCP metadata: {e}")))?;
         if m.protocol != wire::PROTOCOL_VERSION {
@@ -859,12 +853,7 @@ impl KvTransferBackend for TcpBackend {
             token: hex(&self.shared.token),
             regions,
         };
-        Ok(EndpointMetadata {
-            version: METADATA_VERSION,
-            backend: NAME.into(),
-            identity: self.shared.identity,
-            payload: serde_json::to_vec(&m).expect("metadata serializes"),
-        })
+        Ok(EndpointMetadata::new(NAME, self.shared.identity, serde_json::to_vec(&m).expect("metadata serializes")))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {

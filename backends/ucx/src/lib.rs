@@ -72,7 +72,7 @@ use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvxfer_core::backend::{BackendDescriptor, METADATA_VERSION};
+use kvxfer_core::backend::BackendDescriptor;
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend, MemRegion,
     Notification, PeerId, RegionId, WriteOp,
@@ -338,19 +338,11 @@ impl KvTransferBackend for UcxBackend {
         };
         let payload = serde_json::to_vec(&payload)
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: format!("encoding the payload: {e}") })?;
-        Ok(EndpointMetadata { version: METADATA_VERSION, backend: NAME.into(), identity: self.identity, payload })
+        Ok(EndpointMetadata::new(NAME, self.identity, payload))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
-        if peer.backend != NAME || peer.version != METADATA_VERSION {
-            return Err(BackendError::BadMetadata {
-                backend: NAME,
-                detail: format!(
-                    "metadata of backend {:?} version {}, expected {NAME:?} version {METADATA_VERSION}",
-                    peer.backend, peer.version
-                ),
-            });
-        }
+        peer.check(NAME)?;
         let payload: wire::Payload = serde_json::from_slice(&peer.payload)
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: format!("payload: {e}") })?;
         if payload.v != wire::PAYLOAD_VERSION {

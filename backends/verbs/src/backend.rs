@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvxfer_core::backend::METADATA_VERSION;
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, HostBuffer, KvTransferBackend,
     MemRegion, Notification, PeerId, RegionId, WriteOp,
@@ -1261,28 +1260,12 @@ impl KvTransferBackend for VerbsBackend {
 
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
         self.inner.closed()?;
-        Ok(EndpointMetadata {
-            version: METADATA_VERSION,
-            backend: NAME.to_owned(),
-            identity: self.inner.identity,
-            payload: self.inner.address().to_payload(),
-        })
+        Ok(EndpointMetadata::new(NAME, self.inner.identity, self.inner.address().to_payload()))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
         self.inner.closed()?;
-        if peer.backend != NAME {
-            return Err(BackendError::BadMetadata {
-                backend: NAME,
-                detail: format!("metadata is from backend {:?}, not {NAME:?}", peer.backend),
-            });
-        }
-        if peer.version != METADATA_VERSION {
-            return Err(BackendError::BadMetadata {
-                backend: NAME,
-                detail: format!("metadata version {} (this build speaks {METADATA_VERSION})", peer.version),
-            });
-        }
+        peer.check(NAME)?;
         let addr = Address::from_payload(&peer.payload)
             .map_err(|detail| BackendError::BadMetadata { backend: NAME, detail })?;
         if addr.link_layer != self.inner.port.link_layer {

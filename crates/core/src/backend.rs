@@ -149,6 +149,31 @@ pub struct EndpointMetadata {
     pub payload: Vec<u8>,
 }
 
+impl EndpointMetadata {
+    /// An envelope of the current version, made by `backend`.
+    pub fn new(backend: &str, identity: u64, payload: Vec<u8>) -> Self {
+        Self { version: METADATA_VERSION, backend: backend.to_owned(), identity, payload }
+    }
+
+    /// Checks that `backend` made this metadata and that this build speaks its envelope version, so
+    /// every backend rejects foreign or future metadata the same way before reading its payload.
+    pub fn check(&self, backend: &'static str) -> Result<(), BackendError> {
+        if self.backend != backend {
+            return Err(BackendError::BadMetadata {
+                backend,
+                detail: format!("metadata was made by backend {:?}, not {backend:?}", self.backend),
+            });
+        }
+        if self.version != METADATA_VERSION {
+            return Err(BackendError::BadMetadata {
+                backend,
+                detail: format!("metadata version {}, this build speaks {METADATA_VERSION}", self.version),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Something the transport reports to the receiving side.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendEvent {
@@ -459,6 +484,16 @@ mod tests {
         assert!(WriteOp::check_bounds(u64::MAX - 4, 1, 8, 1, u64::MAX).is_err());
         assert!(WriteOp::check_bounds(0, u64::MAX, 1, 3, u64::MAX).is_err());
         assert!(WriteOp::check_bounds(0, 0, 0, 0, 10).is_err());
+    }
+
+    #[test]
+    fn metadata_envelope_checks() {
+        let m = EndpointMetadata::new("tcp", 7, vec![1]);
+        assert!(m.check("tcp").is_ok());
+        let e = m.check("ucx").unwrap_err().to_string();
+        assert!(e.contains("\"tcp\"") && e.contains("\"ucx\""), "{e}");
+        let m = EndpointMetadata { version: METADATA_VERSION + 1, ..m };
+        assert!(m.check("tcp").unwrap_err().to_string().contains("version 2"));
     }
 
     #[test]
