@@ -82,11 +82,21 @@ async fn receiver_killed_mid_transfer_fails_the_writes() {
         let peer = a.connect(&meta).await.unwrap();
         let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, LEN as u64);
         a.write(peer, &[op], None).await.expect("a write to the live peer");
-        // Kill it while writes keep going.
-        let killer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
+        // tcp: kill it while writes keep going. shm: libfabric 1.17's shm provider spins forever inside
+        // a post that is under way when the peer process dies (on the dead process's lock; seen with
+        // gdb, and it hung this test once in ~10 runs), which no caller-side deadline can interrupt.
+        // What the backend guarantees there is that it never posts to a peer whose process is gone,
+        // so on shm the kill happens between writes.
+        let between_writes = prov == "shm";
+        let killer = if between_writes {
             kill(child);
-        });
+            None
+        } else {
+            Some(std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                kill(child);
+            }))
+        };
         let t = Instant::now();
         let mut err = None;
         while t.elapsed() < Duration::from_secs(30) {
@@ -95,7 +105,9 @@ async fn receiver_killed_mid_transfer_fails_the_writes() {
                 break;
             }
         }
-        killer.join().unwrap();
+        if let Some(k) = killer {
+            k.join().unwrap();
+        }
         let e = err.unwrap_or_else(|| panic!("{prov}: writes to a killed peer kept succeeding for 30 s"));
         eprintln!("{prov}: receiver killed -> {e} ({:?} after the writes began)", t.elapsed());
         assert!(
