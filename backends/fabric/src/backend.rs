@@ -711,24 +711,8 @@ impl FabricBackend {
                 region: op.dst,
                 peer: Some(peer_id),
             })?;
-            WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src.mem.len() as u64).map_err(
-                |source| BackendError::OutOfBounds {
-                    backend: NAME,
-                    side: "source",
-                    region: op.src,
-                    peer: None,
-                    source,
-                },
-            )?;
-            WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, dst.len).map_err(|source| {
-                BackendError::OutOfBounds {
-                    backend: NAME,
-                    side: "destination",
-                    region: op.dst,
-                    peer: Some(peer_id),
-                    source,
-                }
-            })?;
+            op.check_src(NAME, None, src.mem.len() as u64)?;
+            op.check_dst(NAME, Some(peer_id), dst.len)?;
             checked.push((op, src, dst));
         }
         let mut items = Vec::new();

@@ -190,18 +190,8 @@ impl KvTransferBackend for LocalBackend {
             for op in ops {
                 let s = region(&mine, op.src, None)?;
                 let d = region(&theirs, op.dst, Some(peer))?;
-                WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, s.len() as u64).map_err(|e| {
-                    BackendError::OutOfBounds { backend: NAME, side: "source", region: op.src, peer: None, source: e }
-                })?;
-                WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, d.len() as u64).map_err(|e| {
-                    BackendError::OutOfBounds {
-                        backend: NAME,
-                        side: "destination",
-                        region: op.dst,
-                        peer: Some(peer),
-                        source: e,
-                    }
-                })?;
+                op.check_src(NAME, None, s.len() as u64)?;
+                op.check_dst(NAME, Some(peer), d.len() as u64)?;
                 resolved.push((s, d, *op));
             }
         }

@@ -915,29 +915,13 @@ impl KvTransferBackend for TcpBackend {
                     region: op.src,
                     peer: None,
                 })?;
-                WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src.len() as u64).map_err(
-                    |source| BackendError::OutOfBounds {
-                        backend: NAME,
-                        side: "source",
-                        region: op.src,
-                        peer: None,
-                        source,
-                    },
-                )?;
+                op.check_src(NAME, None, src.len() as u64)?;
                 let dst_len = *link.regions.get(&op.dst).ok_or(BackendError::UnknownRegion {
                     backend: NAME,
                     region: op.dst,
                     peer: Some(peer),
                 })?;
-                WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, dst_len).map_err(|source| {
-                    BackendError::OutOfBounds {
-                        backend: NAME,
-                        side: "destination",
-                        region: op.dst,
-                        peer: Some(peer),
-                        source,
-                    }
-                })?;
+                op.check_dst(NAME, Some(peer), dst_len)?;
                 if op.len == 0 {
                     continue;
                 }

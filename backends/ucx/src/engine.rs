@@ -1001,19 +1001,7 @@ impl Engine {
                 let e = BackendError::UnknownRegion { backend: NAME, region: op.dst, peer: Some(pid) };
                 return drop(reply.send(Err(e)));
             };
-            if let Err(e) = WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src.len()) {
-                let e =
-                    BackendError::OutOfBounds { backend: NAME, side: "source", region: op.src, peer: None, source: e };
-                return drop(reply.send(Err(e)));
-            }
-            if let Err(e) = WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, dst.len) {
-                let e = BackendError::OutOfBounds {
-                    backend: NAME,
-                    side: "destination",
-                    region: op.dst,
-                    peer: Some(pid),
-                    source: e,
-                };
+            if let Err(e) = op.check_src(NAME, None, src.len()).and_then(|()| op.check_dst(NAME, Some(pid), dst.len)) {
                 return drop(reply.send(Err(e)));
             }
             plan.push((src, dst, *op));

@@ -977,29 +977,13 @@ impl Inner {
                     peer: None,
                 })?;
                 let src_len = mr.as_ref().map_or(0, |m| m.len() as u64);
-                WriteOp::check_bounds(op.src_offset, op.src_stride, op.len, op.count, src_len).map_err(|source| {
-                    BackendError::OutOfBounds {
-                        backend: NAME,
-                        side: "source",
-                        region: op.src,
-                        peer: Some(peer_id),
-                        source,
-                    }
-                })?;
+                op.check_src(NAME, Some(peer_id), src_len)?;
                 let dst = peer.remote_regions.get(&op.dst.0).ok_or(BackendError::UnknownRegion {
                     backend: NAME,
                     region: op.dst,
                     peer: Some(peer_id),
                 })?;
-                WriteOp::check_bounds(op.dst_offset, op.dst_stride, op.len, op.count, dst.len).map_err(|source| {
-                    BackendError::OutOfBounds {
-                        backend: NAME,
-                        side: "destination",
-                        region: op.dst,
-                        peer: Some(peer_id),
-                        source,
-                    }
-                })?;
+                op.check_dst(NAME, Some(peer_id), dst.len)?;
                 srcs.push(mr.clone());
                 dsts.push(*dst);
             }

@@ -74,6 +74,20 @@ impl WriteOp {
             .map(move |i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride, self.len))
     }
 
+    /// Checks every source range against the local source region's length; the error names the
+    /// region (and `peer`, when given) and is what every backend returns before moving a byte.
+    pub fn check_src(&self, backend: &'static str, peer: Option<PeerId>, region_len: u64) -> Result<(), BackendError> {
+        Self::check_bounds(self.src_offset, self.src_stride, self.len, self.count, region_len)
+            .map_err(|source| BackendError::OutOfBounds { backend, side: "source", region: self.src, peer, source })
+    }
+
+    /// Checks every destination range against the length of the peer's destination region.
+    pub fn check_dst(&self, backend: &'static str, peer: Option<PeerId>, region_len: u64) -> Result<(), BackendError> {
+        Self::check_bounds(self.dst_offset, self.dst_stride, self.len, self.count, region_len).map_err(|source| {
+            BackendError::OutOfBounds { backend, side: "destination", region: self.dst, peer, source }
+        })
+    }
+
     /// Checks every range against a region length (source or destination side), with overflow
     /// checks. `Ok` means every byte of every stride step lies inside `[0, region_len)`.
     pub fn check_bounds(offset: u64, stride: u64, len: u64, count: u64, region_len: u64) -> Result<(), MemError> {
