@@ -10,15 +10,19 @@
 //! Families: `matrix` (P and D over {1,2,3,4,6,8}, H over {1,2,4,6,8,12}, both layouts, page sizes 1
 //! and 16, hk != hv on half, shuffled pages, two chunks, both styles), `styles`, `pp`, `mla`,
 //! `chunks`, `concurrent`, `notify` (duplicated, reordered, unknown request, unknown key, failure,
-//! missing sender, lost sender), `bounds` (out-of-range writes, unknown regions, bad metadata), and
-//! `invalid` (every configuration error).
+//! missing sender, lost sender), `bounds` (out-of-range writes, unknown regions, bad metadata),
+//! `invalid` (every configuration error), and the contract families of the backend interface:
+//! `lifetime` (closing a registration while writes land, writing to a closed one, dropping one
+//! without closing), `abort` (abort mid-way then reuse the pages, abort of a finished transfer, abort
+//! on both sides at once), `capabilities` (every claim exercised, every unclaimed feature refused),
+//! `selfconnect` and `bidirectional`.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::session::{Chunk, ExpectOptions, KvPool, ReceiverSession, SenderSession, SessionError};
+use kvxfer::session::{Chunk, ExpectOptions, KvPool, PoolMemory, ReceiverSession, SenderSession, SessionError};
 use kvxfer_core::oracle::{BufferGeom, SENTINEL};
 use kvxfer_core::{
     Attention, BackendError, BufferRef, ConfigError, Failure, HostBuffer, KvSpec, KvTransferBackend, Layout,
@@ -98,8 +102,8 @@ struct Rig {
     pool_pages: u32,
     senders: HashMap<RankId, Arc<SenderSession>>,
     receivers: HashMap<RankId, Arc<ReceiverSession>>,
-    dst_buffers: HashMap<RankId, Vec<(BufferRef, HostBuffer)>>,
-    _src_buffers: Vec<HostBuffer>,
+    dst_buffers: HashMap<RankId, Vec<PoolMemory>>,
+    _src_buffers: Vec<PoolMemory>,
     requests: Vec<RequestPages>,
 }
 
@@ -141,23 +145,22 @@ impl Rig {
         let mut src_buffers = Vec::new();
         for r in topo.ranks(Side::Prefill) {
             let be = f.create(SenderKey::of(r).to_u64()).map_err(err)?;
-            let fill = |b: BufferRef, h: &HostBuffer| {
+            let fill = |b: BufferRef, bytes: &mut [u8]| {
                 let g = BufferGeom::new(&topo, Side::Prefill, r, b.layer, b.kind, pool_pages);
-                let mut v = vec![0u8; h.len()];
-                g.fill(&mut v, &|p| src_tokens.get(&p).copied());
-                h.region().write(0, &v).expect("fits");
+                g.fill(bytes, &|p| src_tokens.get(&p).copied());
             };
             let (pool, bufs) =
-                KvPool::allocate(&topo, Side::Prefill, r, pool_pages, be.as_ref(), &fill).map_err(err)?;
-            src_buffers.extend(bufs.into_iter().map(|(_, h)| h));
+                KvPool::allocate(&topo, Side::Prefill, r, pool_pages, be.as_ref(), &fill).await.map_err(err)?;
+            src_buffers.extend(bufs);
             senders.insert(r, Arc::new(SenderSession::new(be, topo, r, pool, sc.style).map_err(err)?));
         }
         let mut receivers = HashMap::new();
         let mut dst_buffers = HashMap::new();
         for r in topo.ranks(Side::Decode) {
             let be = f.create(decode_identity(r)).map_err(err)?;
-            let fill = |_: BufferRef, h: &HostBuffer| h.region().write(0, &vec![SENTINEL; h.len()]).expect("fits");
-            let (pool, bufs) = KvPool::allocate(&topo, Side::Decode, r, pool_pages, be.as_ref(), &fill).map_err(err)?;
+            let fill = |_: BufferRef, bytes: &mut [u8]| bytes.fill(SENTINEL);
+            let (pool, bufs) =
+                KvPool::allocate(&topo, Side::Decode, r, pool_pages, be.as_ref(), &fill).await.map_err(err)?;
             dst_buffers.insert(r, bufs);
             receivers.insert(r, Arc::new(ReceiverSession::new(be, topo, r, pool).map_err(err)?));
         }
@@ -229,9 +232,10 @@ impl Rig {
     fn verify(&self) -> Result<(), String> {
         let tokens = tokens_of(&self.requests, true, self.topo.kv().page_size);
         for (rank, bufs) in &self.dst_buffers {
-            for (b, h) in bufs {
+            for m in bufs {
+                let b = m.buffer;
                 let g = BufferGeom::new(&self.topo, Side::Decode, *rank, b.layer, b.kind, self.pool_pages);
-                g.verify(0, &h.to_vec(), &|p| tokens.get(&p).copied())
+                g.verify(0, read_all(m)?.as_slice(), &|p| tokens.get(&p).copied())
                     .map_err(|e| format!("decode rank {rank} layer {} {}: {e}", b.layer, b.kind))?;
             }
         }
@@ -240,14 +244,22 @@ impl Rig {
 
     fn all_sentinel(&self) -> Result<(), String> {
         for (rank, bufs) in &self.dst_buffers {
-            for (b, h) in bufs {
-                if let Some(i) = h.to_vec().iter().position(|x| *x != SENTINEL) {
-                    return Err(format!("decode rank {rank} layer {} {} byte {i} changed", b.layer, b.kind));
+            for m in bufs {
+                if let Some(i) = read_all(m)?.as_slice().iter().position(|x| *x != SENTINEL) {
+                    return Err(format!(
+                        "decode rank {rank} layer {} {} byte {i} changed",
+                        m.buffer.layer, m.buffer.kind
+                    ));
                 }
             }
         }
         Ok(())
     }
+}
+
+/// A read view of a whole pool buffer (its requests are complete, so nothing writes it any more).
+fn read_all(m: &PoolMemory) -> Result<kvxfer_core::ReadGuard, String> {
+    m.desc().read_guard(0, m.desc().len() as u64).map_err(|e| format!("reading decode memory: {e}"))
 }
 
 /// Runs one transfer scenario end to end and verifies every decode byte.
@@ -533,12 +545,14 @@ async fn notify_sender_lost(f: Arc<dyn BackendFactory>, style: NotifyStyle) -> R
 async fn bounds_rejected(f: Arc<dyn BackendFactory>, _style: NotifyStyle) -> Result<(), String> {
     let sender = f.create(1).map_err(err)?;
     let receiver = f.create(2).map_err(err)?;
-    let src = HostBuffer::filled(4096, 7);
-    let dst = HostBuffer::filled(4096, SENTINEL);
-    sender.register(RegionId(1), src.region()).map_err(err)?;
-    receiver.register(RegionId(5), dst.region()).map_err(err)?;
-    if sender.register(RegionId(1), src.region()).is_ok() {
-        return Err("registering a region id twice succeeded".into());
+    let mut src = HostBuffer::filled(4096, 7);
+    let mut dst = HostBuffer::filled(4096, SENTINEL);
+    let src_reg = sender.register(RegionId(1), src.desc()).await.map_err(err)?;
+    let dst_view = dst.desc();
+    let dst_reg = receiver.register(RegionId(5), dst_view.clone()).await.map_err(err)?;
+    match sender.register(RegionId(1), src.desc()).await {
+        Err(BackendError::RegionInUse { .. }) => {}
+        other => return Err(format!("registering a region id twice: expected RegionInUse, got {other:?}")),
     }
     let peer = sender.connect(&receiver.metadata().map_err(err)?).await.map_err(err)?;
     let good = WriteOp::contiguous(RegionId(1), 0, RegionId(5), 0, 64);
@@ -552,34 +566,41 @@ async fn bounds_rejected(f: Arc<dyn BackendFactory>, _style: NotifyStyle) -> Res
         ("unknown source region", vec![WriteOp { src: RegionId(77), ..good }]),
         ("a good op then a bad one", vec![good, WriteOp::contiguous(RegionId(1), 0, RegionId(5), 4095, 2)]),
     ];
+    let deadline = || Instant::now() + Duration::from_secs(20);
     for (what, ops) in bad {
-        match sender.write(peer, &ops, None).await {
+        let r = match sender.post(peer, &ops, None) {
+            Ok(t) => t.wait(deadline()).await,
+            Err(e) => Err(e),
+        };
+        match r {
             Ok(()) => return Err(format!("{what}: write succeeded")),
             Err(
                 BackendError::OutOfBounds { .. } | BackendError::UnknownRegion { .. } | BackendError::Protocol { .. },
             ) => {}
             Err(e) => return Err(format!("{what}: unexpected error kind: {e}")),
         }
-        if let Some(i) = dst.to_vec().iter().position(|b| *b != SENTINEL) {
+        let now = dst_view.read_guard(0, 4096).map_err(err)?;
+        if let Some(i) = now.as_slice().iter().position(|b| *b != SENTINEL) {
             return Err(format!("{what}: decode byte {i} changed although the write was rejected"));
         }
     }
     // The connection still works (or reconnects) after rejections; a good write lands exactly.
-    let peer = match sender.write(peer, &[good], None).await {
-        Ok(()) => peer,
-        Err(_) => {
-            let p = sender.connect(&receiver.metadata().map_err(err)?).await.map_err(err)?;
-            sender.write(p, &[good], None).await.map_err(err)?;
-            p
-        }
+    let write = |p| {
+        let s = Arc::clone(&sender);
+        async move { s.post(p, &[good], None)?.wait(deadline()).await }
     };
-    let got = dst.to_vec();
+    if write(peer).await.is_err() {
+        let p = sender.connect(&receiver.metadata().map_err(err)?).await.map_err(err)?;
+        write(p).await.map_err(err)?;
+    }
+    drop(dst_view);
+    dst_reg.close(deadline()).await.map_err(err)?;
+    let got = dst.to_vec().map_err(|e| format!("after close: {e}"))?;
     if got[..64].iter().any(|b| *b != 7) || got[64..].iter().any(|b| *b != SENTINEL) {
         return Err("a good 64-byte write did not land exactly".into());
     }
-    // Deregistered regions are gone.
-    receiver.deregister(RegionId(5)).map_err(err)?;
-    let _ = peer;
+    src_reg.close(deadline()).await.map_err(err)?;
+    src.as_mut_slice().map_err(|e| format!("source after close: {e}"))?;
     Ok(())
 }
 

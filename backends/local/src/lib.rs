@@ -1,40 +1,52 @@
 //! The in-process reference backend: endpoints in one process copy between each other's registered
-//! regions with `memcpy`. It implements the whole [`KvTransferBackend`] contract (bounds checks before
-//! any byte moves, tokens, both notification styles, peer loss when an endpoint is dropped) and is the
+//! regions. It implements the whole [`KvTransferBackend`] contract (bounds checks before anything is
+//! posted, access tokens, both notification styles, transfer handles that abort with a fence,
+//! registrations whose close waits for every copy, peer loss when an endpoint is dropped) and is the
 //! yardstick the other backends are measured against in the conformance suite.
+//!
+//! A posted transfer runs as a task on the caller's tokio runtime (inline when there is none),
+//! copying segment by segment under the descriptors' read and write guards; an abort stops it
+//! between two segments, so once the abort resolves no byte of it lands any more. Only one region
+//! table is locked at a time, so an endpoint connected to itself, or two endpoints writing to each
+//! other at once, cannot deadlock.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use kvxfer_core::backend::{BackendDescriptor, Capabilities, EndpointMetadata};
+use kvxfer_core::backend::EndpointMetadata;
+use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, KvTransferBackend, MemRegion, Notification, PeerId, RegionId, WriteOp,
+    AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration,
+    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Transfer, TransferState,
+    TransferStatus, WriteOp,
 };
 use serde::{Deserialize, Serialize};
 
 /// Registry name.
 pub const NAME: &str = "local";
 
-/// What the local backend supports.
-pub const CAPABILITIES: Capabilities =
-    Capabilities { attached: true, out_of_band: true, cross_process: false, cross_host: false };
+/// Bytes copied per step of a transfer task (an abort takes effect between two steps).
+const STEP: u64 = 1 << 20;
 
-kvxfer_core::inventory::submit! {
-    BackendDescriptor {
-        name: NAME,
-        description: "in-process reference backend (memcpy between registered regions)",
-        capabilities: CAPABILITIES,
-        create,
-    }
-}
+/// What the local backend supports.
+pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, false, false).with_limits(Limits::new(
+    1 << 20,
+    kvxfer_core::notify::MAX_PAYLOAD as u64 + 64,
+    1 << 16,
+));
+
+kvxfer_core::register_backend!(
+    NAME,
+    "in-process reference backend (memcpy between registered regions)",
+    CAPABILITIES,
+    create
+);
 
 /// Creates an endpoint. No options.
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-    if let Some(k) = config.options.keys().next() {
-        return Err(BackendError::Config { backend: NAME, detail: format!("unknown option {k:?} (local takes none)") });
-    }
+    Options::new(NAME, config, &[])?;
     Ok(Arc::new(LocalBackend::new(config.identity)))
 }
 
@@ -57,25 +69,22 @@ struct Endpoint {
     id: u64,
     identity: u64,
     token: u64,
-    regions: Mutex<HashMap<RegionId, MemRegion>>,
-    inbox: Mutex<VecDeque<BackendEvent>>,
-    wake: tokio::sync::Notify,
+    regions: RegionTable,
+    events: EventQueue,
     /// Endpoints that connected to us, or that we connected to: told when we go away.
     linked: Mutex<Vec<Weak<Endpoint>>>,
 }
 
-impl Endpoint {
-    fn deliver(&self, e: BackendEvent) {
-        lock(&self.inbox).push_back(e);
-        self.wake.notify_one();
-    }
+struct Peer {
+    ep: Weak<Endpoint>,
+    /// Transfers to this peer that may not be final yet.
+    inflight: Mutex<Vec<Arc<TransferState>>>,
 }
 
 /// An in-process endpoint.
 pub struct LocalBackend {
     ep: Arc<Endpoint>,
-    peers: Mutex<HashMap<PeerId, Weak<Endpoint>>>,
-    next_peer: AtomicU64,
+    peers: PeerTable<Peer>,
 }
 
 impl LocalBackend {
@@ -86,31 +95,36 @@ impl LocalBackend {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             identity,
             token: rand::random(),
-            regions: Mutex::new(HashMap::new()),
-            inbox: Mutex::new(VecDeque::new()),
-            wake: tokio::sync::Notify::new(),
+            regions: RegionTable::new(NAME, CAPABILITIES.limits.max_regions),
+            events: EventQueue::new(),
             linked: Mutex::new(Vec::new()),
         });
         lock(endpoints()).insert(ep.id, Arc::downgrade(&ep));
-        Self { ep, peers: Mutex::new(HashMap::new()), next_peer: AtomicU64::new(1) }
+        Self { ep, peers: PeerTable::new(NAME) }
     }
 
-    fn peer(&self, peer: PeerId) -> Result<Arc<Endpoint>, BackendError> {
-        let w = lock(&self.peers).get(&peer).cloned().ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
-        w.upgrade().ok_or_else(|| BackendError::PeerLost {
+    fn peer(&self, peer: PeerId) -> Result<(Arc<Peer>, Arc<Endpoint>), BackendError> {
+        let p = self.peers.get(peer)?;
+        let ep = p.ep.upgrade().ok_or_else(|| BackendError::PeerLost {
             backend: NAME,
             peer: peer.to_string(),
             detail: "the peer endpoint was dropped".into(),
-        })
+        })?;
+        Ok((p, ep))
     }
 }
 
 impl Drop for LocalBackend {
     fn drop(&mut self) {
         lock(endpoints()).remove(&self.ep.id);
+        for (_, p) in self.peers.drain() {
+            for s in lock(&p.inflight).drain(..) {
+                s.fail(BackendError::Closed { backend: NAME });
+            }
+        }
         for w in lock(&self.ep.linked).drain(..) {
             if let Some(other) = w.upgrade() {
-                other.deliver(BackendEvent::PeerLost {
+                other.events.push(BackendEvent::PeerLost {
                     identity: self.ep.identity,
                     reason: format!("local endpoint {} was dropped", self.ep.id),
                 });
@@ -119,8 +133,97 @@ impl Drop for LocalBackend {
     }
 }
 
-fn region(map: &HashMap<RegionId, MemRegion>, id: RegionId, peer: Option<PeerId>) -> Result<MemRegion, BackendError> {
-    map.get(&id).cloned().ok_or(BackendError::UnknownRegion { backend: NAME, region: id, peer })
+struct Close {
+    ep: Weak<Endpoint>,
+    id: RegionId,
+}
+
+impl CloseRegistration for Close {
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), BackendError>> {
+        Box::pin(async move {
+            // Every copy into or out of the region holds a RegionRef of this table (remote writers
+            // too: they resolve our regions through it), so the drain is the whole fence.
+            let Some(ep) = self.ep.upgrade() else { return Ok(()) };
+            let drained = ep.regions.remove(self.id)?;
+            drop(ep);
+            drained.wait().await;
+            Ok(())
+        })
+    }
+
+    fn close_detached(self: Box<Self>) {
+        if let Some(ep) = self.ep.upgrade() {
+            // Removing is enough: running copies keep the descriptor (and so the memory of a
+            // HostBuffer) alive until they end.
+            let _ = ep.regions.remove(self.id);
+        }
+    }
+}
+
+/// One resolved op: source and destination regions held until the copy ends.
+struct Resolved {
+    src: RegionRef,
+    dst: RegionRef,
+    op: WriteOp,
+}
+
+struct Abort;
+
+impl AbortTransfer for Abort {
+    fn abort(&self, _state: &Arc<TransferState>) {
+        // The copy task checks `abort_requested` between steps and marks the state itself; a copy
+        // step under way finishes first (it cannot be interrupted), which the fence waits for.
+    }
+}
+
+fn copy_step(from: &MemDesc, so: u64, to: &MemDesc, d: u64, len: u64) -> Result<(), BackendError> {
+    from.copy_to(so, to, d, len).map_err(|e| BackendError::Protocol {
+        backend: NAME,
+        peer: "local peer".into(),
+        detail: format!("copy refused: {e}"),
+    })
+}
+
+/// Runs a transfer to its end: copies, then the attached notification, then the final state.
+async fn run(state: Arc<TransferState>, ops: Vec<Resolved>, to: Weak<Endpoint>, notify: Option<Notification>) {
+    let plain: Vec<WriteOp> = ops.iter().map(|r| r.op).collect();
+    let mut since_yield = 0;
+    for seg in segments(&plain, STEP) {
+        if state.abort_requested() {
+            state.aborted();
+            return;
+        }
+        let r = &ops[seg.op];
+        if let Err(e) = copy_step(r.src.desc(), seg.src_offset, r.dst.desc(), seg.dst_offset, seg.len) {
+            state.fail(e);
+            return;
+        }
+        since_yield += seg.len;
+        if since_yield >= 8 * STEP {
+            since_yield = 0;
+            tokio::task::yield_now().await;
+        }
+    }
+    drop(ops);
+    if state.abort_requested() && notify.is_some() {
+        // Every byte landed, but the notification is not sent: the transfer ends as aborted.
+        state.aborted();
+        return;
+    }
+    if let Some(n) = notify {
+        match to.upgrade() {
+            Some(ep) => ep.events.push(BackendEvent::Notification(n)),
+            None => {
+                state.fail(BackendError::PeerLost {
+                    backend: NAME,
+                    peer: "local peer".into(),
+                    detail: "dropped before the notification".into(),
+                });
+                return;
+            }
+        }
+    }
+    state.complete();
 }
 
 #[async_trait::async_trait]
@@ -133,21 +236,10 @@ impl KvTransferBackend for LocalBackend {
         CAPABILITIES
     }
 
-    fn register(&self, id: RegionId, mem: MemRegion) -> Result<(), BackendError> {
-        let mut r = lock(&self.ep.regions);
-        if r.contains_key(&id) {
-            return Err(BackendError::RegionInUse { backend: NAME, region: id });
-        }
-        r.insert(id, mem);
-        Ok(())
-    }
-
-    fn deregister(&self, id: RegionId) -> Result<(), BackendError> {
-        lock(&self.ep.regions).remove(&id).map(|_| ()).ok_or(BackendError::UnknownRegion {
-            backend: NAME,
-            region: id,
-            peer: None,
-        })
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        CAPABILITIES.check_memory(NAME, &mem.kind())?;
+        self.ep.regions.insert(id, mem.clone())?;
+        Ok(Registration::new(NAME, id, &mem, Box::new(Close { ep: Arc::downgrade(&self.ep), id })))
     }
 
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
@@ -173,61 +265,74 @@ impl KvTransferBackend for LocalBackend {
                 detail: "access token does not match the endpoint's".into(),
             });
         }
-        lock(&other.linked).push(Arc::downgrade(&self.ep));
-        lock(&self.ep.linked).push(Arc::downgrade(&other));
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        lock(&self.peers).insert(id, Arc::downgrade(&other));
-        Ok(id)
+        if !Arc::ptr_eq(&other, &self.ep) {
+            lock(&other.linked).push(Arc::downgrade(&self.ep));
+            lock(&self.ep.linked).push(Arc::downgrade(&other));
+        }
+        Ok(self.peers.insert(Peer { ep: Arc::downgrade(&other), inflight: Mutex::new(Vec::new()) }))
     }
 
-    async fn write(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<(), BackendError> {
-        let other = self.peer(peer)?;
-        // Resolve and check every op before moving a byte.
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        let (p, other) = self.peer(peer)?;
+        let note_len = match notify {
+            Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),
+            None => 0,
+        };
+        CAPABILITIES.check_post(NAME, ops.len(), note_len)?;
+        // Resolve and check every op before anything is posted; one table locked at a time.
         let mut resolved = Vec::with_capacity(ops.len());
+        let mut bytes = 0u64;
+        for op in ops {
+            let src = self.ep.regions.get(op.src, None)?;
+            op.check_src(NAME, None, src.len())?;
+            let dst = other.regions.get(op.dst, Some(peer))?;
+            op.check_dst(NAME, Some(peer), dst.len())?;
+            bytes += op.bytes();
+            resolved.push(Resolved { src, dst, op: *op });
+        }
+        let state = TransferState::new(NAME, peer);
         {
-            let mine = lock(&self.ep.regions);
-            let theirs = lock(&other.regions);
-            for op in ops {
-                let s = region(&mine, op.src, None)?;
-                let d = region(&theirs, op.dst, Some(peer))?;
-                op.check_src(NAME, None, s.len() as u64)?;
-                op.check_dst(NAME, Some(peer), d.len() as u64)?;
-                resolved.push((s, d, *op));
-            }
+            let mut inflight = lock(&p.inflight);
+            inflight.retain(|s| !s.status().is_final());
+            inflight.push(state.clone());
         }
-        for (s, d, op) in &resolved {
-            for (so, dso, len) in op.ranges() {
-                s.copy_to(so, d, dso, len).expect("bounds checked above");
-            }
+        let task = run(state.clone(), resolved, Arc::downgrade(&other), notify.cloned());
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn(task)),
+            Err(_) => futures::executor::block_on(task),
         }
-        if let Some(n) = notify {
-            other.deliver(BackendEvent::Notification(n.clone()));
-        }
-        Ok(())
+        Ok(Transfer::new(state, Arc::new(Abort), bytes))
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
-        self.peer(peer)?.deliver(BackendEvent::Notification(notification.clone()));
+        let (_, ep) = self.peer(peer)?;
+        let len = notification.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len();
+        CAPABILITIES.check_post(NAME, 0, len)?;
+        ep.events.push(BackendEvent::Notification(notification.clone()));
         Ok(())
     }
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
-        let deadline = tokio::time::Instant::now() + max_wait;
-        loop {
-            let notified = self.ep.wake.notified();
-            {
-                let mut q = lock(&self.ep.inbox);
-                if !q.is_empty() {
-                    return Ok(q.drain(..).collect());
-                }
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Ok(Vec::new());
-            }
-        }
+        Ok(self.ep.events.recv(max_wait).await)
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
-        lock(&self.peers).remove(&peer).map(|_| ()).ok_or(BackendError::UnknownPeer { backend: NAME, peer })
+        let p = self.peers.remove(peer)?;
+        let pending: Vec<_> = lock(&p.inflight).drain(..).collect();
+        for s in pending {
+            // A copy task ends within one step once asked to; nothing here can wait long.
+            if !s.status().is_final() {
+                let t = Transfer::new(s, Arc::new(Abort), 0);
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                if let Ok(TransferStatus::InFlight) | Err(_) = t.abort(deadline).await {
+                    return Err(BackendError::Timeout {
+                        backend: NAME,
+                        what: format!("fencing transfers to {peer}"),
+                        after: Duration::from_secs(30),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -6,14 +6,19 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::CodecError;
-use crate::mem::{MemError, MemRegion};
+use crate::mem::{MemDesc, MemError, MemKind, MemKinds};
 use crate::notify::Notification;
+
+/// A boxed, sendable future (what the object-safe contract types return).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A caller-chosen id of a registered memory region, unique per endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -91,7 +96,7 @@ impl WriteOp {
     /// Checks every range against a region length (source or destination side), with overflow
     /// checks. `Ok` means every byte of every stride step lies inside `[0, region_len)`.
     pub fn check_bounds(offset: u64, stride: u64, len: u64, count: u64, region_len: u64) -> Result<(), MemError> {
-        let err = MemError { offset, len: len.saturating_mul(count), region_len };
+        let err = MemError::out_of_bounds(offset, len.saturating_mul(count), region_len);
         if count == 0 {
             return Err(err);
         }
@@ -123,26 +128,146 @@ impl fmt::Display for NotifyStyle {
     }
 }
 
-/// What a backend can do; tests and sessions consult it.
+/// What a finished transfer guarantees (see [`Capabilities::completion`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Completion {
+    /// [`TransferStatus::Done`] means every byte is visible in the peer's memory (remote
+    /// completion). Needed for the out-of-band style: its notification is sent after `Done`.
+    Remote,
+    /// `Done` means only that the bytes left this endpoint (local completion); they may still be in
+    /// flight or be retried by the transport. Such a backend cannot offer the out-of-band style.
+    Local,
+}
+
+/// Limits of one endpoint. `u64::MAX` means no limit of the backend's own.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Most [`WriteOp`]s one [`KvTransferBackend::post`] takes (more: [`BackendError::Limit`]).
+    pub max_ops_per_post: u64,
+    /// Largest encoded notification [`KvTransferBackend::notify`] and an attached notification carry.
+    pub max_notification_bytes: u64,
+    /// Most regions registered at once.
+    pub max_regions: u64,
+}
+
+impl Limits {
+    /// No limits.
+    pub const UNLIMITED: Limits =
+        Limits { max_ops_per_post: u64::MAX, max_notification_bytes: u64::MAX, max_regions: u64::MAX };
+
+    /// Limits with every field given.
+    pub const fn new(max_ops_per_post: u64, max_notification_bytes: u64, max_regions: u64) -> Self {
+        Limits { max_ops_per_post, max_notification_bytes, max_regions }
+    }
+}
+
+/// What one backend endpoint can do, reported per instance (the configured transport decides: a
+/// UCX endpoint on tcp and one on shared memory may differ). Tests and sessions consult it; the
+/// conformance suite exercises every claim and checks that every unclaimed feature is refused with
+/// a typed error ([`BackendError::Unsupported`]).
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capabilities {
     /// Supports [`NotifyStyle::Attached`].
     pub attached: bool,
-    /// Supports [`NotifyStyle::OutOfBand`].
+    /// Supports [`NotifyStyle::OutOfBand`] (only with [`Completion::Remote`]).
     pub out_of_band: bool,
     /// Endpoints in different processes can talk (false for the in-process backend).
     pub cross_process: bool,
     /// Endpoints on different hosts can talk.
     pub cross_host: bool,
+    /// Memory kinds [`KvTransferBackend::register`] accepts.
+    pub memory: MemKinds,
+    /// Limits.
+    pub limits: Limits,
+    /// What [`TransferStatus::Done`] guarantees.
+    pub completion: Completion,
 }
 
 impl Capabilities {
+    /// Capabilities with the given styles and reach, host memory, no limits and remote completion.
+    pub const fn new(attached: bool, out_of_band: bool, cross_process: bool, cross_host: bool) -> Self {
+        Capabilities {
+            attached,
+            out_of_band,
+            cross_process,
+            cross_host,
+            memory: MemKinds::HOST,
+            limits: Limits::UNLIMITED,
+            completion: Completion::Remote,
+        }
+    }
+
+    /// With these memory kinds.
+    pub const fn with_memory(mut self, memory: MemKinds) -> Self {
+        self.memory = memory;
+        self
+    }
+
+    /// With these limits.
+    pub const fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// With this completion guarantee; [`Completion::Local`] also withdraws the out-of-band style.
+    pub const fn with_completion(mut self, completion: Completion) -> Self {
+        self.completion = completion;
+        if matches!(completion, Completion::Local) {
+            self.out_of_band = false;
+        }
+        self
+    }
+
     /// Whether `style` is supported.
     pub fn supports(&self, style: NotifyStyle) -> bool {
         match style {
             NotifyStyle::Attached => self.attached,
-            NotifyStyle::OutOfBand => self.out_of_band,
+            NotifyStyle::OutOfBand => self.out_of_band && self.completion == Completion::Remote,
         }
+    }
+
+    /// [`BackendError::Unsupported`] unless `style` is supported.
+    pub fn check_style(&self, backend: &'static str, style: NotifyStyle) -> Result<(), BackendError> {
+        if self.supports(style) {
+            return Ok(());
+        }
+        Err(BackendError::Unsupported { backend, what: format!("{style} notifications") })
+    }
+
+    /// [`BackendError::Unsupported`] unless memory of `kind` can be registered.
+    pub fn check_memory(&self, backend: &'static str, kind: &MemKind) -> Result<(), BackendError> {
+        if self.memory.contains(kind) {
+            return Ok(());
+        }
+        Err(BackendError::Unsupported {
+            backend,
+            what: format!("registering {kind} (this endpoint takes: {})", self.memory.names().join(", ")),
+        })
+    }
+
+    /// [`BackendError::Limit`] when `ops` or an encoded notification of `notification_bytes` exceed
+    /// the limits.
+    pub fn check_post(&self, backend: &'static str, ops: usize, notification_bytes: usize) -> Result<(), BackendError> {
+        if ops as u64 > self.limits.max_ops_per_post {
+            return Err(BackendError::Limit {
+                backend,
+                what: "ops per post",
+                asked: ops as u64,
+                limit: self.limits.max_ops_per_post,
+            });
+        }
+        if notification_bytes as u64 > self.limits.max_notification_bytes {
+            return Err(BackendError::Limit {
+                backend,
+                what: "notification bytes",
+                asked: notification_bytes as u64,
+                limit: self.limits.max_notification_bytes,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -391,17 +516,332 @@ pub enum BackendError {
         /// Backend.
         backend: &'static str,
     },
+    /// A request over one of the endpoint's [`Limits`]; nothing was posted. Split the request.
+    #[error("{backend}: {asked} {what} is over this endpoint's limit of {limit}; split the request")]
+    Limit {
+        /// Backend.
+        backend: &'static str,
+        /// Which limit.
+        what: &'static str,
+        /// What was asked for.
+        asked: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The transfer was aborted (what [`Transfer::wait`] answers for an aborted transfer).
+    #[error("{backend}: transfer to {peer} was aborted")]
+    Aborted {
+        /// Backend.
+        backend: &'static str,
+        /// The peer.
+        peer: PeerId,
+    },
+}
+
+/// Where a posted transfer stands. Only [`TransferStatus::InFlight`] is not final.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferStatus {
+    /// Bytes may still move (and, after an abort was asked for, may still land).
+    InFlight,
+    /// Every byte was placed (at the peer, for [`Completion::Remote`]), and the attached
+    /// notification, if any, was delivered after them.
+    Done,
+    /// The transfer will not complete. This endpoint reads no more of its source. The peer may still
+    /// place bytes that were already on the wire until it reports the connection lost
+    /// ([`BackendEvent::PeerLost`] comes only after its reader stopped placing bytes).
+    Failed(BackendError),
+    /// Aborted and fenced: no byte of it can land at the peer any more, and no source byte is read.
+    Aborted,
+}
+
+impl TransferStatus {
+    /// Whether nothing of the transfer moves any more on this side (source pages may be changed).
+    pub fn is_final(&self) -> bool {
+        !matches!(self, TransferStatus::InFlight)
+    }
+}
+
+#[derive(Debug)]
+struct StateInner {
+    status: TransferStatus,
+    abort_requested: bool,
+}
+
+/// The completion state of one posted transfer, shared between the [`Transfer`] handle and the
+/// backend that moves it. Backends set it final exactly once (later calls are ignored).
+#[derive(Debug)]
+pub struct TransferState {
+    backend: &'static str,
+    peer: PeerId,
+    inner: Mutex<StateInner>,
+    changed: tokio::sync::Notify,
+}
+
+impl TransferState {
+    /// A new in-flight state.
+    pub fn new(backend: &'static str, peer: PeerId) -> Arc<Self> {
+        Arc::new(Self {
+            backend,
+            peer,
+            inner: Mutex::new(StateInner { status: TransferStatus::InFlight, abort_requested: false }),
+            changed: tokio::sync::Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, StateInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn finish(&self, status: TransferStatus) -> bool {
+        let mut i = self.lock();
+        if i.status.is_final() {
+            return false;
+        }
+        i.status = status;
+        drop(i);
+        self.changed.notify_waiters();
+        true
+    }
+
+    /// Every byte placed (and the attached notification delivered). Returns whether this call made
+    /// the state final.
+    pub fn complete(&self) -> bool {
+        self.finish(TransferStatus::Done)
+    }
+
+    /// The transfer failed with `error`.
+    pub fn fail(&self, error: BackendError) -> bool {
+        self.finish(TransferStatus::Failed(error))
+    }
+
+    /// The abort is fenced: no byte can land any more.
+    pub fn aborted(&self) -> bool {
+        self.finish(TransferStatus::Aborted)
+    }
+
+    /// Whether [`Transfer::abort`] was called: post nothing more of this transfer.
+    pub fn abort_requested(&self) -> bool {
+        self.lock().abort_requested
+    }
+
+    /// The status now.
+    pub fn status(&self) -> TransferStatus {
+        self.lock().status.clone()
+    }
+
+    fn request_abort(&self) -> bool {
+        let mut i = self.lock();
+        let first = !i.abort_requested && !i.status.is_final();
+        i.abort_requested = true;
+        first
+    }
+
+    /// Waits until the status is final or `deadline` passes; returns the status then.
+    pub async fn settled(&self, deadline: Instant) -> TransferStatus {
+        loop {
+            let mut changed = std::pin::pin!(self.changed.notified());
+            changed.as_mut().enable();
+            let s = self.status();
+            if s.is_final() {
+                return s;
+            }
+            if tokio::time::timeout_at(deadline.into(), changed).await.is_err() {
+                return self.status();
+            }
+        }
+    }
+}
+
+/// What a backend does when a transfer is aborted: stop posting its remaining pieces and start
+/// fencing (cancel, drain or flush). The backend marks the state [`TransferState::aborted`] (or
+/// `complete`/`fail`, whichever happened first) once no byte can land any more.
+pub trait AbortTransfer: Send + Sync + 'static {
+    /// Starts the abort of `state`'s transfer; must not block.
+    fn abort(&self, state: &Arc<TransferState>);
+}
+
+/// A posted transfer: await it ([`Transfer::wait`]), poll it ([`Transfer::status`]), or abort it
+/// ([`Transfer::abort`]).
+///
+/// Dropping the handle neither waits for nor aborts the transfer: it runs to its end. Source pages
+/// must not change, and the destination pages not be reused, until the status is final.
+pub struct Transfer {
+    state: Arc<TransferState>,
+    aborter: Option<Arc<dyn AbortTransfer>>,
+    bytes: u64,
+}
+
+impl fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Transfer({} -> {}, {} bytes, {:?})", self.state.backend, self.state.peer, self.bytes, self.status())
+    }
+}
+
+impl Transfer {
+    /// A handle on `state`, aborted through `aborter` (backends call this from `post`).
+    pub fn new(state: Arc<TransferState>, aborter: Arc<dyn AbortTransfer>, bytes: u64) -> Self {
+        Self { state, aborter: Some(aborter), bytes }
+    }
+
+    /// A transfer that is already final (nothing to move, or everything moved inside `post`).
+    pub fn finished(backend: &'static str, peer: PeerId, status: TransferStatus, bytes: u64) -> Self {
+        let state = TransferState::new(backend, peer);
+        state.finish(status);
+        Self { state, aborter: None, bytes }
+    }
+
+    /// The peer it writes to.
+    pub fn peer(&self) -> PeerId {
+        self.state.peer
+    }
+
+    /// Bytes it moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The status now, without blocking.
+    pub fn status(&self) -> TransferStatus {
+        self.state.status()
+    }
+
+    /// Waits until the transfer is final or `deadline` passes. `Ok` when every byte was placed;
+    /// the failure, [`BackendError::Aborted`], or [`BackendError::Timeout`] otherwise. After a
+    /// timeout the transfer is still in flight: abort it before reusing its memory.
+    pub async fn wait(&self, deadline: Instant) -> Result<(), BackendError> {
+        match self.state.settled(deadline).await {
+            TransferStatus::Done => Ok(()),
+            TransferStatus::Failed(e) => Err(e),
+            TransferStatus::Aborted => {
+                Err(BackendError::Aborted { backend: self.state.backend, peer: self.state.peer })
+            }
+            TransferStatus::InFlight => Err(BackendError::Timeout {
+                backend: self.state.backend,
+                what: format!("transfer of {} bytes to {}", self.bytes, self.state.peer),
+                after: deadline.saturating_duration_since(Instant::now()),
+            }),
+        }
+    }
+
+    /// Aborts the transfer and waits for the fence: when this returns `Ok(status)`, no byte of the
+    /// transfer can land at the peer any more and no source byte is read; `status` is how it ended
+    /// ([`TransferStatus::Done`] if it finished first: abort of a finished transfer is a no-op).
+    /// [`BackendError::Timeout`] when the fence did not come by `deadline`: the memory is still in
+    /// use; disconnect the peer (which fences every transfer to it) before reusing it.
+    pub async fn abort(&self, deadline: Instant) -> Result<TransferStatus, BackendError> {
+        if self.state.request_abort() {
+            if let Some(a) = &self.aborter {
+                a.abort(&self.state);
+            }
+        }
+        match self.state.settled(deadline).await {
+            TransferStatus::InFlight => Err(BackendError::Timeout {
+                backend: self.state.backend,
+                what: format!("abort of a transfer to {}", self.state.peer),
+                after: deadline.saturating_duration_since(Instant::now()),
+            }),
+            s => Ok(s),
+        }
+    }
+}
+
+/// What a backend does to close a registration (see [`Registration`]).
+pub trait CloseRegistration: Send + 'static {
+    /// Makes the region unknown to new operations, then resolves once no local operation and no
+    /// connected peer can touch the memory any more.
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), BackendError>>;
+
+    /// The same, in the background (the registration was dropped without `close`). Must not block.
+    fn close_detached(self: Box<Self>);
+}
+
+/// A registered memory region, owned by the caller of [`KvTransferBackend::register`].
+///
+/// While it lives, the backend may read and write the memory for transfers. [`Registration::close`]
+/// resolves when no local operation can touch the memory and every connected peer can no longer
+/// write into it (the backend's revoke was acknowledged, or the transport guarantees it); only then
+/// may the engine free or repurpose memory it described with [`MemDesc::from_raw_parts`]. Dropping a
+/// registration without closing it starts the same close in the background: the memory must then
+/// stay valid until the endpoint is dropped. See the [`crate::mem`] module for the whole lifetime.
+pub struct Registration {
+    id: RegionId,
+    backend: &'static str,
+    len: u64,
+    kind: MemKind,
+    /// Only touched through `&mut self` (close, drop); the mutex makes the handle `Sync` without
+    /// asking closers to be.
+    closer: Mutex<Option<Box<dyn CloseRegistration>>>,
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Registration({} {}, {} bytes of {})", self.backend, self.id, self.len, self.kind)
+    }
+}
+
+impl Registration {
+    /// A registration of `mem` under `id`, closed through `closer` (backends call this).
+    pub fn new(backend: &'static str, id: RegionId, mem: &MemDesc, closer: Box<dyn CloseRegistration>) -> Self {
+        Self { id, backend, len: mem.len() as u64, kind: mem.kind(), closer: Mutex::new(Some(closer)) }
+    }
+
+    /// The region id.
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    /// Bytes registered.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the registered range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// Closes the registration; see the type's docs for what `Ok` guarantees.
+    /// [`BackendError::Timeout`] when it did not finish by `deadline`: the region takes no new
+    /// operations, but something may still touch the memory, so do not free it.
+    pub async fn close(mut self, deadline: Instant) -> Result<(), BackendError> {
+        let Some(c) = self.closer.get_mut().unwrap_or_else(|p| p.into_inner()).take() else { return Ok(()) };
+        match tokio::time::timeout_at(deadline.into(), c.close()).await {
+            Ok(r) => r,
+            Err(_) => Err(BackendError::Timeout {
+                backend: self.backend,
+                what: format!("closing {}", self.id),
+                after: deadline.saturating_duration_since(Instant::now()),
+            }),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(c) = self.closer.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            c.close_detached();
+        }
+    }
 }
 
 /// A transport between KV pools.
 ///
 /// Contract, checked by the conformance suite (`kvxfer-conformance`) for every backend:
-/// - Regions are registered before they are written or read; ids are unique per endpoint.
-/// - `write` moves exactly the bytes of its ops, nothing else; ops outside a registered region
-///   (source or peer destination, any stride step) fail before any byte of the batch moves.
-/// - Ordering: bytes of a `write` are visible in the peer's memory before its attached notification
-///   is delivered there, and before `write` returns (remote completion), so an out-of-band
-///   notification sent after `write` returns is never early.
+/// - Memory is registered before it is written or read; ids are unique per endpoint; a kind the
+///   endpoint's [`Capabilities::memory`] lacks is refused with [`BackendError::Unsupported`].
+/// - [`post`](Self::post) checks every op (source and peer destination, every stride step) and the
+///   [`Limits`] before anything moves: a bad op is an error and nothing is posted. It returns a
+///   [`Transfer`] at once; the bytes move in the background.
+/// - Ordering: the bytes of a transfer are placed before its attached notification is delivered,
+///   and (for [`Completion::Remote`]) before its status becomes [`TransferStatus::Done`], so an
+///   out-of-band notification sent after `Done` is never early.
+/// - Abort: [`Transfer::abort`] resolves only when no byte of the transfer can land any more.
+/// - [`Registration::close`] resolves only when nothing local or remote can touch the memory.
 /// - Notifications are delivered at most once per send, in the order sent on one connection
 ///   (duplicates and reordering across connections are the tracker's job).
 /// - Every call that waits honours a deadline or returns promptly; nothing blocks forever.
@@ -410,15 +850,14 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// The registry name ("local", "tcp", "ucx", "verbs", "fabric").
     fn name(&self) -> &'static str;
 
-    /// What this backend supports.
+    /// What this endpoint supports (per instance: the configured transport decides).
     fn capabilities(&self) -> Capabilities;
 
-    /// Registers memory under `id`. Errors if `id` is in use. Peers connected before this call may
+    /// Registers `mem` under `id` (pinning it with the NIC where the transport needs that, which may
+    /// take a while: this is async so it does not block the runtime). Errors if `id` is in use, the
+    /// kind is not supported, or the region limit is reached. Peers connected before this call may
     /// need to reconnect to see the region (metadata is a snapshot).
-    fn register(&self, id: RegionId, mem: MemRegion) -> Result<(), BackendError>;
-
-    /// Deregisters `id`; later writes naming it fail with [`BackendError::UnknownRegion`].
-    fn deregister(&self, id: RegionId) -> Result<(), BackendError>;
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError>;
 
     /// This endpoint's metadata: address, registered regions (with remote keys), access token.
     fn metadata(&self) -> Result<EndpointMetadata, BackendError>;
@@ -427,11 +866,12 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// not speak with [`BackendError::BadMetadata`].
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError>;
 
-    /// Posts `ops` to `peer` and returns when every byte is placed in the peer's memory. With
-    /// `notify`, the notification is delivered to the peer after those bytes (attached style).
-    /// An empty `ops` with a notification just delivers the notification, ordered after earlier
-    /// writes to the same peer.
-    async fn write(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<(), BackendError>;
+    /// Posts `ops` to `peer` and returns a handle at once. With `notify`, the notification is
+    /// delivered to the peer after those bytes (attached style). An empty `ops` with a notification
+    /// just delivers the notification, ordered after earlier transfers to the same peer that are
+    /// done. Errors (bounds, unknown region or peer, limits, unsupported style) mean nothing was
+    /// posted.
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError>;
 
     /// Sends a notification on the out-of-band channel (Mooncake-like).
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError>;
@@ -439,7 +879,8 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// Waits up to `max_wait` for events and returns those available (possibly none).
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError>;
 
-    /// Closes the connection to `peer`; its id becomes unknown.
+    /// Closes the connection to `peer`; its id becomes unknown. Resolves after every transfer to
+    /// the peer is final.
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError>;
 }
 
@@ -453,13 +894,30 @@ pub struct BackendDescriptor {
     pub name: &'static str,
     /// One line for listings.
     pub description: &'static str,
-    /// Capabilities (the same the instances report).
+    /// Capabilities of an endpoint with default options (instances report their own, which the
+    /// configured transport decides).
     pub capabilities: Capabilities,
     /// Constructor.
     pub create: Constructor,
 }
 
 inventory::collect!(BackendDescriptor);
+
+/// Registers a backend with the link-time registry:
+/// `kvxfer_core::register_backend!(NAME, "one line", CAPABILITIES, create);`
+#[macro_export]
+macro_rules! register_backend {
+    ($name:expr, $description:expr, $capabilities:expr, $create:expr $(,)?) => {
+        $crate::inventory::submit! {
+            $crate::backend::BackendDescriptor {
+                name: $name,
+                description: $description,
+                capabilities: $capabilities,
+                create: $create,
+            }
+        }
+    };
+}
 
 /// Every backend linked into this binary, sorted by name.
 pub fn registered() -> Vec<&'static BackendDescriptor> {

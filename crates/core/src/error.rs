@@ -175,6 +175,9 @@ pub enum CodecError {
         /// Limit.
         max: usize,
     },
+    /// A notification fragment that does not fit the message it claims to belong to.
+    #[error("bad notification fragment: {0}")]
+    Fragment(String),
 }
 
 /// The tracker refused a call.

@@ -6,9 +6,13 @@
 //! - [`tracker`]: the sans-IO completion tracker (SEMANTICS §5).
 //! - [`notify`]: typed notifications and their binary codec.
 //! - [`backend`]: the [`KvTransferBackend`] trait, capabilities, and the `inventory` registry.
-//! - [`mem`]: memory regions (the crate's only `unsafe`, behind [`MemRegion::from_raw_parts`]).
+//! - [`mem`]: memory descriptors with a kind, and the memory-lifetime rules (the crate's only
+//!   `unsafe`, behind [`MemDesc::from_raw_parts`]).
+//! - [`toolkit`]: what every backend needs (region and peer tables, event queue, options,
+//!   op segmentation, notification fragments), written once.
 //!
-//! No IO, no runtime, no FFI: time is passed in, and every function returns its result.
+//! No IO, no runtime, no FFI: time is passed in, and every function returns its result. The
+//! contract types and the toolkit wait with tokio's sync and time types inside the caller's runtime.
 
 pub mod backend;
 pub mod error;
@@ -18,14 +22,16 @@ pub mod model;
 pub mod notify;
 pub mod oracle;
 pub mod plan;
+pub mod toolkit;
 pub mod tracker;
 
 pub use backend::{
-    BackendConfig, BackendDescriptor, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend,
-    NotifyStyle, PeerId, RegionId, WriteOp,
+    AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture, Capabilities,
+    CloseRegistration, Completion, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, PeerId, RegionId,
+    Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
-pub use mem::{HostBuffer, MemError, MemRegion};
+pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, WriteGuard};
 pub use model::{Attention, KvKind, KvSpec, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology};
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};

@@ -1,182 +1,424 @@
 //! Memory that backends read from and write into: the engine's KV pool, described once.
 //!
-//! This module holds kvxfer-core's only `unsafe` code: the raw-memory constructor
-//! [`MemRegion::from_raw_parts`], the owned page-aligned allocation [`HostBuffer`], and the
-//! bounds-checked accessors whose soundness rests on the constructor's contract. Everything outside
-//! this module (and every backend that uses the safe accessors) is safe code.
+//! # Memory lifetime, in one place
+//!
+//! - A [`MemDesc`] describes memory: (address, length, [`MemKind`]). It is made either by the one
+//!   `unsafe` constructor [`MemDesc::from_raw_parts`] (an engine's own pool: host memory, a CUDA
+//!   allocation, a dmabuf) or by [`HostBuffer::desc`] (memory kvxfer allocated and keeps alive).
+//! - [`crate::KvTransferBackend::register`] takes the descriptor and returns a
+//!   [`crate::Registration`]. From then on the memory belongs to the transfer layer: the engine must
+//!   not free or unmap it, and safe code cannot read or write it (a [`HostBuffer`]'s accessors
+//!   refuse while any descriptor of it is alive).
+//! - Source pages of a posted transfer must not change until the transfer's status is final
+//!   ([`crate::TransferStatus::is_final`]); destination pages of a request must not be reused until
+//!   the request completed, or its transfers were aborted (the abort resolved) or failed.
+//! - [`crate::Registration::close`] resolves when no local operation can touch the memory and no
+//!   connected peer can write into it any more. Only then may the engine free raw memory. Dropping a
+//!   registration without closing it does the same in the background; memory described by
+//!   `from_raw_parts` must then stay valid until the backend endpoint itself is dropped.
+//!
+//! # Access from backends
+//!
+//! In-process data paths (the local and TCP backends) touch host memory only through
+//! [`MemDesc::read_guard`] and [`MemDesc::write_guard`]: bounds-checked views that exclude each
+//! other. A write guard is refused while any guard overlaps it, and a read guard while a write guard
+//! overlaps it, so two frames on two streams can never alias one byte, whatever a peer sends.
+//! One-sided transports (RDMA, cma) write without guards; their ordering is the registration and
+//! transfer protocol above.
+//!
+//! This module holds kvxfer-core's only `unsafe` code: the raw-memory constructor, the owned
+//! allocation behind [`HostBuffer`], and the guarded views whose soundness rests on the
+//! constructor's contract and on the guard table.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout as AllocLayout;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-/// An access outside a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("access of {len} bytes at offset {offset} is outside the region of {region_len} bytes")]
-pub struct MemError {
-    /// Offset asked for.
-    pub offset: u64,
-    /// Length asked for.
-    pub len: u64,
-    /// The region's length.
-    pub region_len: u64,
+use serde::{Deserialize, Serialize};
+
+/// Where memory lives. Host memory is all backends take today; device kinds are described so that
+/// backends that can register them (UCX with CUDA, verbs with dmabuf) can say so in their
+/// capabilities without a breaking change.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemKind {
+    /// Ordinary (pageable or pinned) host memory of this process.
+    Host,
+    /// CUDA device memory on device `device` (the address is a device pointer).
+    Cuda {
+        /// CUDA device ordinal.
+        device: u32,
+    },
+    /// Memory exported as a dmabuf file descriptor (GPU memory for RDMA NICs); the address is the
+    /// virtual address the registration uses, `offset` the offset into the dmabuf.
+    DmaBuf {
+        /// The dmabuf fd (owned by the engine; valid while registered).
+        fd: i32,
+        /// Offset of the described range inside the dmabuf.
+        offset: u64,
+    },
 }
 
-/// A described range of memory: a pointer, a length, and (for owned memory) what keeps it alive.
-///
-/// Cloning is cheap and shares the memory. Concurrent transfers into disjoint byte ranges are the
-/// normal case; the planner and the tracker guarantee that a decode byte is written exactly once and
-/// read only after its request completes.
-#[derive(Clone)]
-pub struct MemRegion {
-    ptr: NonNull<u8>,
-    len: usize,
-    _owner: Option<Arc<HostBufferInner>>,
-}
-
-// SAFETY: a MemRegion is a description of memory whose validity the constructor's caller promised
-// (or that HostBuffer owns); all access goes through bounds-checked copies or `unsafe` accessors
-// whose callers uphold the no-conflicting-access contract.
-unsafe impl Send for MemRegion {}
-// SAFETY: as for Send: shared references only hand out raw pointers or perform bounded copies.
-unsafe impl Sync for MemRegion {}
-
-impl fmt::Debug for MemRegion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "MemRegion({:p}, {} bytes)", self.ptr, self.len)
-    }
-}
-
-impl MemRegion {
-    /// Describes memory the caller owns (an engine's KV pool, a GPU-mapped host buffer).
-    ///
-    /// # Safety
-    /// The caller promises that, for as long as this region or any clone of it (including the copy a
-    /// backend keeps after registration) exists:
-    /// - `ptr` is valid for reads and writes of `len` bytes and is not freed or unmapped;
-    /// - bytes a transfer may write (destination pages of a pending request) are not read or written
-    ///   by anyone else until the request completes, fails, or is aborted and its writes drained;
-    /// - bytes a transfer reads (source pages) are not written until the send returns.
-    pub unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize) -> Self {
-        Self { ptr, len, _owner: None }
-    }
-
-    /// The start of the region (for FFI registration).
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the region is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Checks that `[offset, offset + len)` lies inside the region.
-    pub fn check(&self, offset: u64, len: u64) -> Result<(), MemError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(MemError { offset, len, region_len: self.len as u64 }),
+impl MemKind {
+    /// The bit of this kind in a [`MemKinds`] set.
+    pub const fn bit(&self) -> MemKinds {
+        match self {
+            MemKind::Host => MemKinds::HOST,
+            MemKind::Cuda { .. } => MemKinds::CUDA,
+            MemKind::DmaBuf { .. } => MemKinds::DMABUF,
         }
     }
+}
 
-    /// Copies `out.len()` bytes at `offset` into `out`.
-    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
-        self.check(offset, out.len() as u64)?;
-        // SAFETY: the range is inside the region (checked above), valid per the constructor's
-        // contract; `out` is a distinct Rust allocation, so the ranges do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
-        Ok(())
-    }
-
-    /// Copies `data` into the region at `offset`.
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
-        self.check(offset, data.len() as u64)?;
-        // SAFETY: bounds checked above; `data` is a Rust slice that cannot alias registered memory
-        // that the contract reserves for transfers.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset as usize), data.len()) };
-        Ok(())
-    }
-
-    /// Copies `len` bytes from `self[src_offset..]` to `dst[dst_offset..]` (memmove semantics, so
-    /// the two may be the same region).
-    pub fn copy_to(&self, src_offset: u64, dst: &MemRegion, dst_offset: u64, len: u64) -> Result<(), MemError> {
-        self.check(src_offset, len)?;
-        dst.check(dst_offset, len)?;
-        // SAFETY: both ranges are inside their regions (checked above) and valid per the
-        // constructor's contract; `copy` tolerates overlap.
-        unsafe {
-            std::ptr::copy(
-                self.ptr.as_ptr().add(src_offset as usize),
-                dst.ptr.as_ptr().add(dst_offset as usize),
-                len as usize,
-            )
-        };
-        Ok(())
-    }
-
-    /// A shared view of `[offset, offset + len)`, for sending it without a copy.
-    ///
-    /// # Safety
-    /// Nobody may write these bytes while the returned slice lives (the constructor's contract for
-    /// source pages during a send).
-    pub unsafe fn slice(&self, offset: u64, len: u64) -> Result<&[u8], MemError> {
-        self.check(offset, len)?;
-        // SAFETY: bounds checked; the caller promises no concurrent writer.
-        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize) })
-    }
-
-    /// An exclusive view of `[offset, offset + len)`, for receiving into it without a copy.
-    ///
-    /// # Safety
-    /// Nobody else may read or write these bytes while the returned slice lives (the constructor's
-    /// contract for destination pages of a pending request), and the caller must not create two
-    /// overlapping views.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], MemError> {
-        self.check(offset, len)?;
-        // SAFETY: bounds checked; the caller promises exclusivity.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len as usize) })
+impl fmt::Display for MemKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemKind::Host => f.write_str("host memory"),
+            MemKind::Cuda { device } => write!(f, "CUDA memory of device {device}"),
+            MemKind::DmaBuf { fd, offset } => write!(f, "dmabuf fd {fd} at offset {offset}"),
+        }
     }
 }
 
-struct HostBufferInner {
+/// A set of memory kinds (what a backend can register).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemKinds(u32);
+
+impl MemKinds {
+    /// No kind.
+    pub const NONE: MemKinds = MemKinds(0);
+    /// [`MemKind::Host`].
+    pub const HOST: MemKinds = MemKinds(1);
+    /// [`MemKind::Cuda`].
+    pub const CUDA: MemKinds = MemKinds(2);
+    /// [`MemKind::DmaBuf`].
+    pub const DMABUF: MemKinds = MemKinds(4);
+
+    /// Both sets.
+    pub const fn union(self, other: MemKinds) -> MemKinds {
+        MemKinds(self.0 | other.0)
+    }
+
+    /// Whether `kind` is in the set.
+    pub const fn contains(&self, kind: &MemKind) -> bool {
+        self.0 & kind.bit().0 != 0
+    }
+
+    /// The names of the kinds in the set.
+    pub fn names(&self) -> Vec<&'static str> {
+        [(Self::HOST, "host"), (Self::CUDA, "cuda"), (Self::DMABUF, "dmabuf")]
+            .into_iter()
+            .filter(|(k, _)| self.0 & k.0 != 0)
+            .map(|(_, n)| n)
+            .collect()
+    }
+}
+
+impl fmt::Debug for MemKinds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MemKinds({})", self.names().join("|"))
+    }
+}
+
+/// An access that memory does not allow: out of bounds, conflicting with a transfer in progress,
+/// of a kind that cannot be read from the host, or of a buffer that is registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MemError {
+    /// Outside the region.
+    #[error("access of {len} bytes at offset {offset} is outside the region of {region_len} bytes")]
+    OutOfBounds {
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// Overlaps bytes another guard holds (a write in progress, or a read while writing).
+    #[error("access of {len} bytes at offset {offset} overlaps a {} in progress", if *other_write { "write" } else { "read" })]
+    Busy {
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// Whether the conflicting guard writes.
+        other_write: bool,
+    },
+    /// Not host memory: the CPU cannot read or write it.
+    #[error("{kind} cannot be accessed from the host")]
+    NotHost {
+        /// The kind.
+        kind: MemKind,
+    },
+    /// The buffer is described by a live descriptor (registered, or about to be): close the
+    /// registration (and drop every descriptor) first.
+    #[error("the buffer is registered ({descs} live descriptor(s)); close its registrations before touching it")]
+    Registered {
+        /// Live descriptors.
+        descs: usize,
+    },
+}
+
+impl MemError {
+    /// The out-of-bounds error for `[offset, offset+len)` in a region of `region_len` bytes.
+    pub fn out_of_bounds(offset: u64, len: u64, region_len: u64) -> Self {
+        MemError::OutOfBounds { offset, len, region_len }
+    }
+}
+
+#[derive(Default)]
+struct Busy {
+    /// (start, guard id) -> (end, write)
+    ranges: BTreeMap<(u64, u64), (u64, bool)>,
+    /// Longest range held since the table was last empty (bounds the overlap scan).
+    max_len: u64,
+}
+
+impl Busy {
+    fn conflict(&self, start: u64, end: u64, write: bool) -> Option<bool> {
+        let lo = start.saturating_sub(self.max_len);
+        for (_, &(e, w)) in self.ranges.range((lo, 0)..(end, 0)) {
+            if e > start && (write || w) {
+                return Some(w);
+            }
+        }
+        None
+    }
+}
+
+struct MemInner {
     ptr: NonNull<u8>,
     len: usize,
+    kind: MemKind,
+    /// Whether the allocation is ours (HostBuffer) and freed on drop.
+    owned: bool,
+    busy: Mutex<Busy>,
+    /// The buffer a labelled descriptor describes (kept alive and counted as described).
+    #[allow(dead_code)] // held for its Drop and its reference count only
+    parent: Option<Arc<MemInner>>,
 }
 
-// SAFETY: the inner type only owns the allocation; access goes through MemRegion.
-unsafe impl Send for HostBufferInner {}
-// SAFETY: as above.
-unsafe impl Sync for HostBufferInner {}
+// SAFETY: the inner type is a description plus a guard table; all access to the bytes goes through
+// guards (which exclude conflicting local access) or through FFI registration under the
+// constructor's contract.
+unsafe impl Send for MemInner {}
+// SAFETY: as for Send; shared references only hand out guarded views or raw addresses.
+unsafe impl Sync for MemInner {}
 
 const ALIGN: usize = 4096;
 
-impl Drop for HostBufferInner {
+impl Drop for MemInner {
     fn drop(&mut self) {
-        if self.len > 0 {
+        if self.owned && self.len > 0 {
             // SAFETY: allocated in HostBuffer::zeroed with exactly this layout; dropped once, when the
-            // last MemRegion referring to it is gone.
+            // last descriptor and the HostBuffer are gone.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), AllocLayout::from_size_align_unchecked(self.len, ALIGN)) }
         }
     }
 }
 
-/// An owned, zeroed, page-aligned host allocation (for tests, the demo, and engines without their own
-/// pool). Its [`region`](HostBuffer::region) keeps it alive.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A description of memory: address, length and kind. Cloning is cheap and shares the description
+/// (and, for a [`HostBuffer`], keeps the allocation alive).
 #[derive(Clone)]
+pub struct MemDesc {
+    inner: Arc<MemInner>,
+}
+
+impl fmt::Debug for MemDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MemDesc({:p}, {} bytes, {})", self.inner.ptr, self.inner.len, self.inner.kind)
+    }
+}
+
+impl MemDesc {
+    /// Describes memory the caller owns (an engine's KV pool, a CUDA allocation, a dmabuf mapping).
+    ///
+    /// # Safety
+    /// The caller promises that, from this call until the registration made from this descriptor
+    /// (or any clone of it) is closed, or, when it is dropped without closing, until the backend
+    /// endpoint it was registered with is dropped:
+    /// - `ptr` is valid for `len` bytes of `kind` memory (for [`MemKind::Host`]: readable and
+    ///   writable by this process) and is not freed or unmapped;
+    /// - destination bytes of a pending request are not read or written by anyone else until the
+    ///   request completed, or its transfers finished, failed or were aborted;
+    /// - source bytes of a transfer are not written until the transfer's status is final;
+    /// - no other descriptor of overlapping memory is used at the same time (the guard table that
+    ///   keeps local accesses apart lives in the descriptor).
+    pub unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, kind: MemKind) -> Self {
+        Self {
+            inner: Arc::new(MemInner { ptr, len, kind, owned: false, busy: Mutex::new(Busy::default()), parent: None }),
+        }
+    }
+
+    /// The start address (for FFI registration: a host or device virtual address).
+    pub fn addr(&self) -> *mut u8 {
+        self.inner.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the described range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.inner.kind
+    }
+
+    /// Whether two descriptors share one description (clones of each other).
+    pub fn same(&self, other: &MemDesc) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Checks that `[offset, offset + len)` lies inside the region.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(), MemError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.inner.len as u64 => Ok(()),
+            _ => Err(MemError::out_of_bounds(offset, len, self.inner.len as u64)),
+        }
+    }
+
+    fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<u64, MemError> {
+        if self.inner.kind != MemKind::Host {
+            return Err(MemError::NotHost { kind: self.inner.kind });
+        }
+        self.check(offset, len)?;
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        if len == 0 {
+            return Ok(id);
+        }
+        let end = offset + len;
+        let mut b = lock(&self.inner.busy);
+        if let Some(other_write) = b.conflict(offset, end, write) {
+            return Err(MemError::Busy { offset, len, other_write });
+        }
+        b.max_len = b.max_len.max(len);
+        b.ranges.insert((offset, id), (end, write));
+        Ok(id)
+    }
+
+    fn release(&self, offset: u64, len: u64, id: u64) {
+        if len == 0 {
+            return;
+        }
+        let mut b = lock(&self.inner.busy);
+        b.ranges.remove(&(offset, id));
+        if b.ranges.is_empty() {
+            b.max_len = 0;
+        }
+    }
+
+    /// A shared view of `[offset, offset + len)` of host memory, for sending it without a copy.
+    /// Refused while a write guard overlaps it.
+    pub fn read_guard(&self, offset: u64, len: u64) -> Result<ReadGuard, MemError> {
+        let id = self.acquire(offset, len, false)?;
+        Ok(ReadGuard { mem: self.clone(), offset, len, id })
+    }
+
+    /// An exclusive view of `[offset, offset + len)` of host memory, for receiving into it without a
+    /// copy. Refused while any guard overlaps it.
+    pub fn write_guard(&self, offset: u64, len: u64) -> Result<WriteGuard, MemError> {
+        let id = self.acquire(offset, len, true)?;
+        Ok(WriteGuard { mem: self.clone(), offset, len, id })
+    }
+
+    /// Copies `len` bytes from `self[src_offset..]` into `dst[dst_offset..]` under a read guard and
+    /// a write guard (an in-process transfer). The two may be the same descriptor when the ranges do
+    /// not overlap.
+    pub fn copy_to(&self, src_offset: u64, dst: &MemDesc, dst_offset: u64, len: u64) -> Result<(), MemError> {
+        let s = self.read_guard(src_offset, len)?;
+        let mut d = dst.write_guard(dst_offset, len)?;
+        d.as_mut_slice().copy_from_slice(s.as_slice());
+        Ok(())
+    }
+}
+
+/// A shared, bounds-checked view of host memory; the bytes cannot be written through any guard
+/// while it lives.
+pub struct ReadGuard {
+    mem: MemDesc,
+    offset: u64,
+    len: u64,
+    id: u64,
+}
+
+impl ReadGuard {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: host memory, in bounds (checked at acquisition), valid per the descriptor's
+        // contract; no write guard overlaps while this guard lives.
+        unsafe { std::slice::from_raw_parts(self.mem.inner.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
+    }
+}
+
+impl Drop for ReadGuard {
+    fn drop(&mut self) {
+        self.mem.release(self.offset, self.len, self.id);
+    }
+}
+
+/// An exclusive, bounds-checked view of host memory; no other guard overlaps it while it lives.
+pub struct WriteGuard {
+    mem: MemDesc,
+    offset: u64,
+    len: u64,
+    id: u64,
+}
+
+impl WriteGuard {
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: host memory, in bounds (checked at acquisition), valid per the descriptor's
+        // contract; no other guard overlaps while this one lives, and `&mut self` makes the slice
+        // unique.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.mem.inner.ptr.as_ptr().add(self.offset as usize), self.len as usize)
+        }
+    }
+}
+
+impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        self.mem.release(self.offset, self.len, self.id);
+    }
+}
+
+/// An owned, zeroed, page-aligned host allocation (for tests, the demo, and engines without their
+/// own pool).
+///
+/// Its bytes are readable and writable through the buffer only while no descriptor of it is alive:
+/// [`HostBuffer::desc`] hands one out (to register), and the accessors answer
+/// [`MemError::Registered`] until every registration made from it is closed and every descriptor
+/// dropped. The allocation lives until the buffer and every descriptor are gone, so a backend that
+/// still holds a descriptor never touches freed memory.
 pub struct HostBuffer {
-    region: MemRegion,
+    inner: Arc<MemInner>,
 }
 
 impl fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HostBuffer({} bytes)", self.region.len)
+        write!(f, "HostBuffer({} bytes)", self.inner.len)
     }
 }
 
@@ -191,40 +433,101 @@ impl HostBuffer {
             let p = unsafe { std::alloc::alloc_zeroed(layout) };
             NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
         };
-        let inner = Arc::new(HostBufferInner { ptr, len });
-        Self { region: MemRegion { ptr, len, _owner: Some(inner) } }
+        Self {
+            inner: Arc::new(MemInner {
+                ptr,
+                len,
+                kind: MemKind::Host,
+                owned: true,
+                busy: Mutex::new(Busy::default()),
+                parent: None,
+            }),
+        }
     }
 
     /// Allocates and fills with `byte`.
     pub fn filled(len: usize, byte: u8) -> Self {
-        let b = Self::zeroed(len);
-        if byte != 0 && len > 0 {
-            // SAFETY: freshly allocated, nobody else has seen it.
-            unsafe { std::ptr::write_bytes(b.region.ptr.as_ptr(), byte, len) };
-        }
+        let mut b = Self::zeroed(len);
+        b.as_mut_slice().expect("fresh buffer has no descriptor").fill(byte);
         b
     }
 
-    /// The region describing this buffer (shares ownership).
-    pub fn region(&self) -> MemRegion {
-        self.region.clone()
+    /// Allocates and copies `data` in.
+    pub fn from_slice(data: &[u8]) -> Self {
+        let mut b = Self::zeroed(data.len());
+        b.as_mut_slice().expect("fresh buffer has no descriptor").copy_from_slice(data);
+        b
+    }
+
+    /// A descriptor of the whole buffer, to register. While it (or a clone, or a registration made
+    /// from it) lives, the buffer's accessors refuse.
+    pub fn desc(&mut self) -> MemDesc {
+        MemDesc { inner: self.inner.clone() }
+    }
+
+    /// A descriptor of this host buffer labelled as memory of `kind`, for tests of the kind checks:
+    /// a backend whose capabilities lack `kind` must refuse to register it. The memory stays valid
+    /// host memory, so this is safe, but a backend that does take `kind` would treat host memory
+    /// as device memory: register it only where `kind` is not claimed.
+    pub fn desc_labelled(&mut self, kind: MemKind) -> MemDesc {
+        MemDesc {
+            inner: Arc::new(MemInner {
+                ptr: self.inner.ptr,
+                len: self.inner.len,
+                kind,
+                owned: false,
+                busy: Mutex::new(Busy::default()),
+                parent: Some(self.inner.clone()),
+            }),
+        }
+    }
+
+    /// Live descriptors of this buffer.
+    pub fn descriptors(&self) -> usize {
+        Arc::strong_count(&self.inner) - 1
+    }
+
+    fn unshared(&self) -> Result<(), MemError> {
+        match self.descriptors() {
+            0 => Ok(()),
+            descs => Err(MemError::Registered { descs }),
+        }
+    }
+
+    /// The bytes, while no descriptor is alive.
+    pub fn as_slice(&self) -> Result<&[u8], MemError> {
+        self.unshared()?;
+        if self.inner.len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: we own the allocation and no descriptor exists; new descriptors need `&mut self`,
+        // which cannot coexist with the returned borrow.
+        Ok(unsafe { std::slice::from_raw_parts(self.inner.ptr.as_ptr(), self.inner.len) })
+    }
+
+    /// The bytes, writable, while no descriptor is alive.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8], MemError> {
+        self.unshared()?;
+        if self.inner.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.inner.ptr.as_ptr(), self.inner.len) })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.region.len
+        self.inner.len
     }
 
     /// Whether empty.
     pub fn is_empty(&self) -> bool {
-        self.region.len == 0
+        self.inner.len == 0
     }
 
-    /// A copy of the whole content.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0u8; self.len()];
-        self.region.read(0, &mut v).expect("whole buffer is in bounds");
-        v
+    /// A copy of the whole content, while no descriptor is alive.
+    pub fn to_vec(&self) -> Result<Vec<u8>, MemError> {
+        self.as_slice().map(<[u8]>::to_vec)
     }
 }
 
@@ -233,20 +536,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bounds_are_checked_and_nothing_changes_on_error() {
-        let b = HostBuffer::filled(64, 7);
-        let r = b.region();
-        assert!(r.write(60, &[1; 8]).is_err());
-        assert!(r.write(u64::MAX, &[1]).is_err());
-        assert_eq!(b.to_vec(), vec![7; 64]);
-        r.write(8, &[1, 2, 3]).unwrap();
-        let mut out = [0u8; 4];
-        r.read(7, &mut out).unwrap();
-        assert_eq!(out, [7, 1, 2, 3]);
-        let c = HostBuffer::zeroed(16);
-        r.copy_to(8, &c.region(), 4, 3).unwrap();
-        assert_eq!(&c.to_vec()[3..8], &[0, 1, 2, 3, 0]);
-        assert!(r.copy_to(0, &c.region(), 10, 8).is_err());
-        assert_eq!(b.region().as_ptr() as usize % ALIGN, 0);
+    fn guards_check_bounds_and_exclude_each_other() {
+        let mut b = HostBuffer::filled(64, 7);
+        let d = b.desc();
+        assert!(matches!(b.as_slice(), Err(MemError::Registered { descs: 1 })));
+        assert!(matches!(d.write_guard(60, 8), Err(MemError::OutOfBounds { .. })));
+        assert!(matches!(d.write_guard(u64::MAX, 1), Err(MemError::OutOfBounds { .. })));
+        let w = d.write_guard(8, 8).unwrap();
+        assert!(matches!(d.read_guard(15, 1), Err(MemError::Busy { other_write: true, .. })));
+        assert!(matches!(d.write_guard(0, 9), Err(MemError::Busy { .. })));
+        let r = d.read_guard(16, 8).unwrap();
+        let r2 = d.read_guard(20, 8).unwrap();
+        assert!(matches!(d.write_guard(23, 1), Err(MemError::Busy { other_write: false, .. })));
+        drop((w, r, r2));
+        d.write_guard(0, 64).unwrap().as_mut_slice()[8..11].copy_from_slice(&[1, 2, 3]);
+        d.copy_to(8, &d, 40, 3).unwrap();
+        assert!(d.copy_to(0, &d, 4, 8).is_err(), "overlapping self-copy is refused");
+        drop(d);
+        let v = b.to_vec().unwrap();
+        assert_eq!(&v[7..12], &[7, 1, 2, 3, 7]);
+        assert_eq!(&v[39..44], &[7, 1, 2, 3, 7]);
+        assert_eq!(b.inner.ptr.as_ptr() as usize % ALIGN, 0);
+    }
+
+    #[test]
+    fn device_memory_is_described_not_touched() {
+        let mut b = HostBuffer::zeroed(16);
+        let dev = b.desc_labelled(MemKind::Cuda { device: 1 });
+        assert_eq!(b.descriptors(), 1);
+        assert!(matches!(dev.read_guard(0, 1), Err(MemError::NotHost { .. })));
+        assert!(MemKinds::HOST.union(MemKinds::CUDA).contains(&dev.kind()));
+        assert!(!MemKinds::HOST.contains(&dev.kind()));
+        drop(dev);
+        assert!(b.as_slice().is_ok());
     }
 }

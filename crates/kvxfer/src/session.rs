@@ -8,7 +8,7 @@
 //! session's [`NotifyStyle`] says. The decode rank polls [`ReceiverSession::status`] or awaits
 //! [`ReceiverSession::wait`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,13 +16,33 @@ use futures::future::join_all;
 use kvxfer_core::plan::{check_pages, plan_sender, PairPlan};
 use kvxfer_core::{
     BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure,
-    HostBuffer, KvTransferBackend, Notification, NotificationBody, NotifyStyle, PeerId, PlanError, RankId, RegionId,
-    RequestId, SenderKey, Side, Status, Topology, TrackerError, TrackerStats, WriteOp,
+    HostBuffer, KvTransferBackend, MemDesc, Notification, NotificationBody, NotifyStyle, PeerId, PlanError, RankId,
+    RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerError, TrackerStats, Transfer,
+    WriteOp,
 };
 use serde::{Deserialize, Serialize};
 
-/// Ops handed to the backend per `write` call (bounds memory; a plan is never materialised whole).
+/// Most ops handed to the backend per `post` (fewer when the backend's limit is lower); a plan is
+/// never materialised whole.
 pub const WRITE_BATCH: usize = 1024;
+
+/// How much of one (prefill, decode) pair's traffic may be in flight at once: posted batches whose
+/// transfers are not final yet. The session waits for the oldest batch before posting past either
+/// bound, so memory held by the backend stays bounded while the transport is kept busy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Window {
+    /// Bytes in flight per pair.
+    pub bytes: u64,
+    /// Ops in flight per pair.
+    pub ops: u64,
+}
+
+impl Default for Window {
+    /// 64 MiB and 16 batches' worth of ops per pair.
+    fn default() -> Self {
+        Self { bytes: 64 << 20, ops: 16 * WRITE_BATCH as u64 }
+    }
+}
 
 /// A session-level failure, naming the request, the rank and the peer rank where it applies.
 #[derive(Debug, thiserror::Error)]
@@ -178,37 +198,74 @@ impl KvPool {
     }
 
     /// Allocates one host buffer per (layer, kind) of `rank`, lets `init` fill it, and registers each
-    /// with `backend` under [`region_id`]. Returns the pool and the buffers (keep them alive).
-    pub fn allocate(
+    /// with `backend` under [`region_id`]. Returns the pool and its memory (keep it alive while the
+    /// pool is in use; [`PoolMemory::close`] gives a buffer back).
+    pub async fn allocate(
         topo: &Topology,
         side: Side,
         rank: RankId,
         pages: u32,
         backend: &dyn KvTransferBackend,
-        init: &dyn Fn(BufferRef, &HostBuffer),
-    ) -> Result<(KvPool, Vec<(BufferRef, HostBuffer)>), SessionError> {
+        init: &(dyn Fn(BufferRef, &mut [u8]) + Sync),
+    ) -> Result<(KvPool, Vec<PoolMemory>), SessionError> {
         topo.check_rank(side, rank)?;
-        let mut buffers = Vec::new();
+        let mut memory = Vec::new();
         let mut pool = KvPool { pages, buffers: Vec::new() };
         for layer in 0..topo.stage_layers(side) {
             for &kind in topo.kv().kinds() {
                 let b = BufferRef { layer, kind };
                 let len = topo.buffer_bytes(side, kind, pages);
-                let host = HostBuffer::zeroed(len as usize);
-                init(b, &host);
+                let mut host = HostBuffer::zeroed(len as usize);
+                init(b, host.as_mut_slice().expect("a fresh buffer has no descriptor"));
                 let region = region_id(b);
-                backend.register(region, host.region()).map_err(|source| SessionError::Backend {
-                    request: None,
-                    side,
-                    rank,
-                    peer: None,
-                    source,
-                })?;
+                let desc = host.desc();
+                let registration = backend
+                    .register(region, desc.clone())
+                    .await
+                    .map_err(|source| SessionError::Backend { request: None, side, rank, peer: None, source })?;
                 pool.buffers.push(PoolBuffer { buffer: b, region, offset: 0, len });
-                buffers.push((b, host));
+                memory.push(PoolMemory { buffer: b, host, desc, registration });
             }
         }
-        Ok((pool, buffers))
+        Ok((pool, memory))
+    }
+}
+
+/// One registered buffer of a pool made by [`KvPool::allocate`].
+pub struct PoolMemory {
+    /// Which (layer, kind) it holds.
+    pub buffer: BufferRef,
+    host: HostBuffer,
+    desc: MemDesc,
+    registration: Registration,
+}
+
+impl std::fmt::Debug for PoolMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PoolMemory(layer {} {}, {:?})", self.buffer.layer, self.buffer.kind, self.registration)
+    }
+}
+
+impl PoolMemory {
+    /// The registered memory, for reading pages in place through [`MemDesc::read_guard`]. Read only
+    /// pages no transfer writes any more: those of a completed request, or of one whose transfers
+    /// all ended.
+    pub fn desc(&self) -> &MemDesc {
+        &self.desc
+    }
+
+    /// The registration.
+    pub fn registration(&self) -> &Registration {
+        &self.registration
+    }
+
+    /// Closes the registration (waiting, up to `deadline`, until nothing local or remote can touch
+    /// the buffer) and gives the buffer back, readable and writable again.
+    pub async fn close(self, deadline: Instant) -> Result<HostBuffer, BackendError> {
+        let PoolMemory { host, desc, registration, .. } = self;
+        drop(desc);
+        registration.close(deadline).await?;
+        Ok(host)
     }
 }
 
@@ -249,6 +306,7 @@ pub struct SenderSession {
     key: SenderKey,
     pool: KvPool,
     style: NotifyStyle,
+    window: Window,
     peers: Mutex<HashMap<RankId, Arc<Receiver>>>,
 }
 
@@ -266,16 +324,29 @@ impl SenderSession {
         style: NotifyStyle,
     ) -> Result<Self, SessionError> {
         pool.validate(&topo, Side::Prefill, rank)?;
-        if !backend.capabilities().supports(style) {
-            return Err(SessionError::Backend {
-                request: None,
-                side: Side::Prefill,
-                rank,
-                peer: None,
-                source: BackendError::Unsupported { backend: backend.name(), what: format!("{style} notifications") },
-            });
-        }
-        Ok(Self { backend, topo, rank, key: SenderKey::of(rank), pool, style, peers: Mutex::new(HashMap::new()) })
+        backend.capabilities().check_style(backend.name(), style).map_err(|source| SessionError::Backend {
+            request: None,
+            side: Side::Prefill,
+            rank,
+            peer: None,
+            source,
+        })?;
+        Ok(Self {
+            backend,
+            topo,
+            rank,
+            key: SenderKey::of(rank),
+            pool,
+            style,
+            window: Window::default(),
+            peers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The same session with another in-flight window per pair.
+    pub fn with_window(mut self, window: Window) -> Self {
+        self.window = Window { bytes: window.bytes.max(1), ops: window.ops.max(1) };
+        self
     }
 
     /// The key this rank notifies with.
@@ -362,57 +433,90 @@ impl SenderSession {
         note: &Notification,
         deadline: Instant,
     ) -> Result<SendStats, SessionError> {
-        let fut = async {
-            let err = |source| SessionError::Backend {
+        let mut inflight = Inflight::default();
+        let r = self.pipeline(request, pair, rx, note, deadline, &mut inflight).await;
+        if r.is_err() {
+            // Fence before reporting: nothing of this pair may still read the source or land at
+            // the peer once the caller hears of the failure (bounded: a transfer that does not
+            // fence in time is the backend's peer failure, reported by the backend).
+            inflight.abort_all(Instant::now() + ABORT_FENCE).await;
+        }
+        r
+    }
+
+    /// Posts a pair's batches, keeping up to the window in flight; the attached notification rides
+    /// on the last batch, posted only after every earlier batch completed.
+    async fn pipeline(
+        &self,
+        request: RequestId,
+        pair: &PairPlan,
+        rx: &Receiver,
+        note: &Notification,
+        deadline: Instant,
+        inflight: &mut Inflight,
+    ) -> Result<SendStats, SessionError> {
+        let err = |source| match source {
+            BackendError::Timeout { .. } => SessionError::SendTimeout { request, rank: self.rank, dst: pair.dst },
+            source => SessionError::Backend {
                 request: Some(request),
                 side: Side::Prefill,
                 rank: self.rank,
                 peer: Some(pair.dst),
                 source,
-            };
-            let mut stats = SendStats::default();
-            let mut batch = Vec::with_capacity(WRITE_BATCH.min(pair.op_count() as usize));
-            let mut ops = pair.ops().peekable();
-            while let Some(op) = ops.next() {
-                let s = self
-                    .pool
-                    .get(op.src_region)
-                    .ok_or_else(|| self.missing(Side::Prefill, self.rank, op.src_region))?;
-                let d =
-                    rx.pool.get(op.dst_region).ok_or_else(|| self.missing(Side::Decode, pair.dst, op.dst_region))?;
-                batch.push(WriteOp {
-                    src: s.region,
-                    src_offset: s.offset + op.src_offset,
-                    dst: d.region,
-                    dst_offset: d.offset + op.dst_offset,
-                    len: op.len,
-                    count: op.count,
-                    src_stride: op.src_stride,
-                    dst_stride: op.dst_stride,
-                });
-                stats.bytes += op.bytes();
-                stats.ops += 1;
-                let last = ops.peek().is_none();
-                if batch.len() == WRITE_BATCH || last {
-                    let attach = (last && self.style == NotifyStyle::Attached).then_some(note);
-                    self.backend.write(rx.peer, &batch, attach).await.map_err(err)?;
-                    batch.clear();
-                }
-            }
-            match self.style {
-                // No ops: the notification alone, ordered after earlier writes.
-                NotifyStyle::Attached if stats.ops == 0 => {
-                    self.backend.write(rx.peer, &[], Some(note)).await.map_err(err)?
-                }
-                NotifyStyle::Attached => {}
-                NotifyStyle::OutOfBand => self.backend.notify(rx.peer, note).await.map_err(err)?,
-            }
-            Ok(stats)
+            },
         };
-        match tokio::time::timeout_at(deadline.into(), fut).await {
-            Ok(r) => r,
-            Err(_) => Err(SessionError::SendTimeout { request, rank: self.rank, dst: pair.dst }),
+        let per_post = (WRITE_BATCH as u64).min(self.backend.capabilities().limits.max_ops_per_post).max(1) as usize;
+        let mut stats = SendStats::default();
+        let mut batch = Vec::with_capacity(per_post.min(pair.op_count() as usize));
+        let mut batch_bytes = 0u64;
+        let mut ops = pair.ops().peekable();
+        while let Some(op) = ops.next() {
+            let s =
+                self.pool.get(op.src_region).ok_or_else(|| self.missing(Side::Prefill, self.rank, op.src_region))?;
+            let d = rx.pool.get(op.dst_region).ok_or_else(|| self.missing(Side::Decode, pair.dst, op.dst_region))?;
+            batch.push(WriteOp {
+                src: s.region,
+                src_offset: s.offset + op.src_offset,
+                dst: d.region,
+                dst_offset: d.offset + op.dst_offset,
+                len: op.len,
+                count: op.count,
+                src_stride: op.src_stride,
+                dst_stride: op.dst_stride,
+            });
+            batch_bytes += op.bytes();
+            stats.bytes += op.bytes();
+            stats.ops += 1;
+            let last = ops.peek().is_none();
+            if batch.len() < per_post && !last {
+                continue;
+            }
+            let attach = last && self.style == NotifyStyle::Attached;
+            if attach {
+                inflight.drain(deadline).await.map_err(err)?;
+            } else {
+                inflight.make_room(batch_bytes, batch.len() as u64, self.window, deadline).await.map_err(err)?;
+            }
+            let t = self.backend.post(rx.peer, &batch, attach.then_some(note)).map_err(err)?;
+            inflight.push(t, batch_bytes, batch.len() as u64);
+            batch.clear();
+            batch_bytes = 0;
         }
+        inflight.drain(deadline).await.map_err(err)?;
+        match self.style {
+            // No ops: the notification alone, ordered after the (completed) earlier writes.
+            NotifyStyle::Attached if stats.ops == 0 => {
+                let t = self.backend.post(rx.peer, &[], Some(note)).map_err(err)?;
+                inflight.push(t, 0, 0);
+                inflight.drain(deadline).await.map_err(err)?;
+            }
+            NotifyStyle::Attached => {}
+            NotifyStyle::OutOfBand => tokio::time::timeout_at(deadline.into(), self.backend.notify(rx.peer, note))
+                .await
+                .map_err(|_| SessionError::SendTimeout { request, rank: self.rank, dst: pair.dst })?
+                .map_err(err)?,
+        }
+        Ok(stats)
     }
 
     fn missing(&self, side: Side, rank: RankId, b: BufferRef) -> SessionError {
@@ -466,6 +570,63 @@ impl SenderSession {
                 tracing::warn!(%request, rank = %self.rank, error = %e, "could not deliver failure notification");
             }
         }
+    }
+}
+
+/// How long a failed send waits for its in-flight transfers to fence before it reports.
+const ABORT_FENCE: Duration = Duration::from_secs(10);
+
+/// One pair's transfers in flight, oldest first.
+#[derive(Default)]
+struct Inflight {
+    queue: VecDeque<(Transfer, u64, u64)>,
+    bytes: u64,
+    ops: u64,
+}
+
+impl Inflight {
+    fn push(&mut self, t: Transfer, bytes: u64, ops: u64) {
+        self.bytes += bytes;
+        self.ops += ops;
+        self.queue.push_back((t, bytes, ops));
+    }
+
+    async fn pop_wait(&mut self, deadline: Instant) -> Result<(), BackendError> {
+        if let Some((t, bytes, ops)) = self.queue.front() {
+            t.wait(deadline).await?;
+            self.bytes -= bytes;
+            self.ops -= ops;
+            self.queue.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest transfers until `bytes` and `ops` more fit the window.
+    async fn make_room(&mut self, bytes: u64, ops: u64, w: Window, deadline: Instant) -> Result<(), BackendError> {
+        while !self.queue.is_empty() && (self.bytes + bytes > w.bytes || self.ops + ops > w.ops) {
+            self.pop_wait(deadline).await?;
+        }
+        Ok(())
+    }
+
+    async fn drain(&mut self, deadline: Instant) -> Result<(), BackendError> {
+        while !self.queue.is_empty() {
+            self.pop_wait(deadline).await?;
+        }
+        Ok(())
+    }
+
+    /// Aborts every transfer still in flight and waits for their fences.
+    async fn abort_all(&mut self, deadline: Instant) {
+        let aborts = self.queue.iter().map(|(t, _, _)| t.abort(deadline));
+        for r in join_all(aborts).await {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "a transfer did not fence after a failed send");
+            }
+        }
+        self.queue.clear();
+        self.bytes = 0;
+        self.ops = 0;
     }
 }
 
