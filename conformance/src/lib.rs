@@ -31,6 +31,8 @@ use kvxfer_core::{
 };
 use libtest_mimic::{Arguments, Failed, Trial};
 
+mod contract;
+
 /// The oracle's pattern and buffer geometry (re-exported from `kvxfer_core::oracle`).
 pub use kvxfer_core::oracle as pattern;
 
@@ -801,6 +803,21 @@ pub fn trials(factory: Arc<dyn BackendFactory>) -> (Vec<Trial>, Vec<(String, usi
         Box::new(move || block(bad_metadata(f, NotifyStyle::Attached))),
     );
     add("invalid::configurations".into(), None, Box::new(invalid_configs));
+    let contract: Vec<(&str, CaseFn)> = vec![
+        ("lifetime::close_waits_for_writes", |f, s| Box::pin(contract::lifetime_close_waits(f, s))),
+        ("lifetime::closed_region_refused", |f, s| Box::pin(contract::lifetime_closed_refused(f, s))),
+        ("lifetime::drop_without_close", |f, s| Box::pin(contract::lifetime_drop_without_close(f, s))),
+        ("abort::mid_transfer_then_reuse", |f, s| Box::pin(contract::abort_then_reuse(f, s))),
+        ("abort::finished_is_noop", |f, s| Box::pin(contract::abort_finished_noop(f, s))),
+        ("abort::both_sides_at_once", |f, s| Box::pin(contract::abort_both_sides(f, s))),
+        ("capabilities::claims_exercised", |f, s| Box::pin(contract::capabilities(f, s))),
+        ("selfconnect::write_and_notify", |f, s| Box::pin(contract::self_connect(f, s))),
+        ("bidirectional::ten_rounds", |f, s| Box::pin(contract::bidirectional(f, s))),
+    ];
+    for (name, case) in contract {
+        let f = Arc::clone(&factory);
+        add(name.into(), global_skip.clone(), Box::new(move || block(case(f, NotifyStyle::Attached))));
+    }
     let mut skips: Vec<(String, usize)> = skips.into_iter().collect();
     skips.sort();
     (trials, skips)
