@@ -16,8 +16,8 @@ use futures::future::join_all;
 use kvxfer_core::plan::{check_pages, plan_sender, PairPlan};
 use kvxfer_core::{
     BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure,
-    HostBuffer, KvTransferBackend, MemDesc, Notification, NotificationBody, NotifyStyle, PeerId, PlanError, RankId,
-    RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerError, TrackerStats, Transfer,
+    HostBuffer, KvTransferBackend, MemDesc, MemError, Notification, NotificationBody, NotifyStyle, PeerId, PlanError,
+    RankId, RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerError, TrackerStats, Transfer,
     WriteOp,
 };
 use serde::{Deserialize, Serialize};
@@ -252,6 +252,32 @@ impl PoolMemory {
     /// all ended.
     pub fn desc(&self) -> &MemDesc {
         &self.desc
+    }
+
+    /// Copies `out.len()` bytes at `offset` out of the registered buffer: the engine reading its
+    /// own pool (decode pages of a completed request). Refused while an in-process transfer writes
+    /// an overlapping range; pages that a peer may still write one-sidedly must not be read.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
+        out.copy_from_slice(self.desc.read_guard(offset, out.len() as u64)?.as_slice());
+        Ok(())
+    }
+
+    /// Copies `data` into the registered buffer at `offset`: the engine writing its own pool (the
+    /// KV cache prefill computes, pages decode frees). Refused while an in-process transfer touches
+    /// an overlapping range; never write pages a transfer may still read or write.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        self.desc.write_guard(offset, data.len() as u64)?.as_mut_slice().copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.desc.len() as u64
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.desc.is_empty()
     }
 
     /// The registration.
