@@ -362,14 +362,15 @@ async fn expect_notification(be: &dyn KvTransferBackend, want: &Notification, un
         if left.is_zero() {
             return Err(format!("notification {want} not delivered"));
         }
-        for e in be.recv(left.min(Duration::from_millis(200))).await.map_err(err)? {
-            match e {
-                BackendEvent::Notification(n) if &n == want => return Ok(()),
-                BackendEvent::Notification(n) => return Err(format!("unexpected notification {n}")),
+        // The first event decides: the wanted notification, or what came instead.
+        if let Some(e) = be.recv(left.min(Duration::from_millis(200))).await.map_err(err)?.into_iter().next() {
+            return match e {
+                BackendEvent::Notification(n) if &n == want => Ok(()),
+                BackendEvent::Notification(n) => Err(format!("unexpected notification {n}")),
                 BackendEvent::PeerLost { identity, reason } => {
-                    return Err(format!("peer {identity:#x} lost while waiting: {reason}"))
+                    Err(format!("peer {identity:#x} lost while waiting: {reason}"))
                 }
-            }
+            };
         }
     }
 }

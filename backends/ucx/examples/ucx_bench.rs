@@ -6,8 +6,8 @@
 //! ```
 //! `--tls` takes `;`-separated transport lists (default `tcp;posix,sysv,cma,self`). For each size
 //! it measures the backend between this process and a receiver process (this binary with
-//! `--serve`, which verifies the bytes it received): `write` calls one at a time (each returns
-//! after a flush, i.e. remote completion) and `--window` writes in flight from concurrent tasks;
+//! `--serve`, which verifies the bytes it received): one transfer at a time (each done after a
+//! flush, i.e. remote completion) and `--window` writes in flight from concurrent tasks;
 //! then it runs `ucx_perftest` (server and client processes on loopback) and prints the ratios.
 
 use std::sync::Arc;
@@ -36,8 +36,9 @@ fn endpoint(tls: &str, identity: u64) -> Arc<dyn KvTransferBackend> {
 /// line, and serves until its stdin closes (bounded by ten minutes).
 fn serve(tls: &str, bytes: usize) {
     let rx = endpoint(tls, 2);
-    let dst = HostBuffer::zeroed(bytes);
-    rx.register(RegionId(2), dst.region()).unwrap();
+    let mut dst = HostBuffer::zeroed(bytes);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let reg = rt.block_on(rx.register(RegionId(2), dst.desc())).unwrap();
     println!("{}", serde_json::to_string(&rx.metadata().unwrap()).unwrap());
     let (tx, done) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -46,7 +47,8 @@ fn serve(tls: &str, bytes: usize) {
         let _ = tx.send(());
     });
     let _ = done.recv_timeout(Duration::from_secs(600));
-    let ok = dst.to_vec().iter().all(|&b| b == 7);
+    rt.block_on(reg.close(Instant::now() + Duration::from_secs(30))).unwrap();
+    let ok = dst.to_vec().unwrap().iter().all(|&b| b == 7);
     eprintln!("receiver: destination {}", if ok { "verified" } else { "NOT all source bytes" });
     drop(rx);
     std::process::exit(if ok { 0 } else { 3 });
@@ -86,8 +88,8 @@ async fn backend_bw(tls: &str, size: usize, iters: usize, window: usize) -> f64 
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.0.stdout.take().unwrap()), &mut line).unwrap();
     let meta: kvxfer_core::EndpointMetadata = serde_json::from_str(&line).expect("receiver metadata");
     let tx = endpoint(tls, 1);
-    let src = HostBuffer::filled(size * slots, 7);
-    tx.register(RegionId(1), src.region()).unwrap();
+    let mut src = HostBuffer::filled(size * slots, 7);
+    let _reg = tx.register(RegionId(1), src.desc()).await.unwrap();
     let peer = tx.connect(&meta).await.unwrap();
     let run = |n: usize| {
         let tx = tx.clone();
@@ -99,8 +101,9 @@ async fn backend_bw(tls: &str, size: usize, iters: usize, window: usize) -> f64 
                 tasks.push(tokio::spawn(async move {
                     let off = (s * size) as u64;
                     let op = WriteOp::contiguous(RegionId(1), off, RegionId(2), off, size as u64);
+                    let deadline = || Instant::now() + Duration::from_secs(60);
                     for _ in 0..per {
-                        tx.write(peer, &[op], None).await.unwrap();
+                        tx.post(peer, &[op], None).unwrap().wait(deadline()).await.unwrap();
                     }
                 }));
             }

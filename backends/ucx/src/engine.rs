@@ -1,86 +1,109 @@
 //! The progress thread: it owns the UCX context and worker (a `UCS_THREAD_MODE_SINGLE` worker is
 //! only ever touched by this thread), receives commands over a channel, answers through oneshot
-//! channels, and drives `ucp_worker_progress`. Every wait it performs has a deadline.
+//! channels or transfer states, and drives `ucp_worker_progress`. Every wait has a deadline.
 //!
 //! Idle strategy: the thread spins on `ucp_worker_progress` (yielding the CPU) for [`SPIN`] after
 //! the last event; then, while anything is in flight or for [`HOT`] after the last event, it naps
 //! on the command channel for [`NAP`] between progress calls, and after that for [`COLD`]. A
-//! command always wakes it at once. On a busy host this keeps the thread from burning a core.
+//! command always wakes it at once.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer_core::{BackendError, BackendEvent, MemRegion, Notification, PeerId, RegionId, WriteOp};
-use tokio::sync::{mpsc::UnboundedSender, oneshot};
+use kvxfer_core::toolkit::{Drained, EventQueue, RegionRef, RegionTable, Segment};
+use kvxfer_core::{BackendError, BackendEvent, MemDesc, Notification, PeerId, RegionId, TransferState};
+use tokio::sync::oneshot;
 
 use crate::liveness::ProcId;
-use crate::ucp::{self, Context, Endpoint, MemHandle, Posted, RemoteKey, Request, UcxError, Worker};
-use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, GOODBYE_SHUTDOWN};
+use crate::ucp::{self, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker};
+use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
 use crate::NAME;
 
-/// How long the thread keeps spinning after the last activity.
 const HOT: Duration = Duration::from_millis(20);
-/// How long the thread spins (yielding) after the last event before it starts napping.
 const SPIN: Duration = Duration::from_micros(200);
-/// The nap between progress calls while something is in flight or shortly after activity.
 const NAP: Duration = Duration::from_micros(50);
-/// Longest sleep between progress calls when idle.
 const COLD: Duration = Duration::from_millis(1);
-/// How long shutdown waits for in-flight writes, then for goodbyes to be flushed.
+/// How long shutdown waits for in-flight transfers and region closes, then for goodbyes.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
+/// Most requests (puts or data messages) one transfer has in flight; the rest wait, so an abort
+/// stops them.
+const WINDOW: usize = 16;
+/// Most pieces one transfer posts per turn of the progress loop.
+const BURST: usize = 2;
 
 /// Settings the thread starts with.
 pub(crate) struct Settings {
-    /// UCX configuration overrides (`TLS`, `NET_DEVICES`, ...).
     pub ucx: Vec<(String, String)>,
-    /// Deadline of every operation.
     pub op_timeout: Duration,
-    /// This endpoint's identity.
     pub identity: u64,
-    /// This endpoint instance's random id.
     pub instance: u64,
-    /// Which UCX error handling mode endpoints use.
     pub err_mode: ErrMode,
-    /// How often peers UCX cannot watch are checked for liveness.
     pub keepalive: Duration,
-    /// This process.
     pub proc: ProcId,
-    /// Whether the transports are all shared-memory ones (no peer error handling in UCX 1.13).
+    /// Only shared-memory transports (no peer error handling in UCX 1.13).
     pub shm_only: bool,
-    /// Whether writes go as active messages (the receiver places the bytes) instead of puts.
+    /// Transfers go as active messages (the receiver places the bytes) instead of puts.
     pub am_data: bool,
 }
 
 /// Which UCX error handling mode endpoints use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ErrMode {
-    /// Peer error handling, falling back to none when no transport supports it (shared memory).
     Auto,
-    /// Always `UCP_ERR_HANDLING_MODE_PEER` (fails to connect over shared memory with UCX 1.13).
     Peer,
-    /// Always `UCP_ERR_HANDLING_MODE_NONE` (liveness is then watched through `/proc` only).
     None,
 }
 
-/// What the thread publishes for `metadata()`.
-pub(crate) struct LocalMeta {
-    /// Worker address.
-    pub worker: Vec<u8>,
-    /// Registered regions.
-    pub regions: BTreeMap<RegionId, RegionMeta>,
+/// What the API side and the progress thread share.
+pub(crate) struct Shared {
+    pub regions: RegionTable,
+    pub events: EventQueue,
+    pub worker: Mutex<Vec<u8>>,
+    pub meta: Mutex<BTreeMap<RegionId, RegionMeta>>,
+    pub cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
+    /// Set once the progress thread has shut down (every region was closed then).
+    pub closed: AtomicBool,
 }
+
+impl Shared {
+    pub fn send(&self, cmd: Cmd) -> Result<(), BackendError> {
+        lock(&self.cmds).send(cmd).map_err(|_| BackendError::Closed { backend: NAME })
+    }
+}
+
+/// A connected peer as the API side sees it.
+pub(crate) struct PeerShared {
+    pub identity: u64,
+    /// The peer's regions and their lengths (a revoked region disappears).
+    pub regions: Mutex<HashMap<RegionId, u64>>,
+    pub lost: Mutex<Option<String>>,
+}
+
+/// A transfer, validated by `post`.
+pub(crate) struct Post {
+    pub peer: PeerId,
+    pub job: u64,
+    pub segs: Vec<Segment>,
+    pub srcs: Vec<RegionRef>,
+    pub notify: Option<Vec<u8>>,
+    pub state: Arc<TransferState>,
+}
+
+type Reply<T = ()> = oneshot::Sender<Result<T, BackendError>>;
 
 /// A command for the progress thread.
 pub(crate) enum Cmd {
-    Register { id: RegionId, mem: MemRegion, reply: SyncSender<Result<(), BackendError>> },
-    Deregister { id: RegionId, reply: SyncSender<Result<(), BackendError>> },
-    Connect { identity: u64, payload: Payload, reply: oneshot::Sender<Result<PeerId, BackendError>> },
-    Write { peer: PeerId, ops: Vec<WriteOp>, notify: Option<Vec<u8>>, reply: oneshot::Sender<Result<(), BackendError>> },
-    Notify { peer: PeerId, bytes: Vec<u8>, reply: oneshot::Sender<Result<(), BackendError>> },
-    Disconnect { peer: PeerId, reply: oneshot::Sender<Result<(), BackendError>> },
+    Register { id: RegionId, desc: MemDesc, reply: Reply },
+    Close { id: RegionId, drained: Drained, reply: Option<Reply> },
+    Connect { pid: PeerId, shared: Arc<PeerShared>, identity: u64, payload: Payload, reply: Reply },
+    Post(Box<Post>),
+    Abort { peer: PeerId, job: u64 },
+    Notify { peer: PeerId, bytes: Vec<u8>, reply: Reply },
+    Disconnect { peer: PeerId, reply: Reply },
     Shutdown,
 }
 
@@ -93,229 +116,347 @@ fn ffi(e: UcxError, peer: &str) -> BackendError {
     }
 }
 
-/// A registered local region: its UCX registration (which keeps the memory alive), or for a
-/// zero-length region just its description.
-enum Local {
-    Mapped(Rc<MemHandle>),
-    Empty,
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Local {
-    fn len(&self) -> u64 {
-        match self {
-            Local::Mapped(m) => m.region().len() as u64,
-            Local::Empty => 0,
-        }
-    }
-}
+/// A registered local region: its UCX registration, or nothing for a zero-length region.
+type Local = Option<Rc<MemHandle>>;
 
 /// A peer's region, as we can write it.
 struct Remote {
     addr: u64,
-    len: u64,
     rkey: Option<Rc<RemoteKey>>,
 }
 
-enum Reply {
-    Unit(oneshot::Sender<Result<(), BackendError>>),
-    Peer(oneshot::Sender<Result<PeerId, BackendError>>, PeerId),
+/// Who is told when a job is final.
+enum Done {
+    State(Arc<TransferState>),
+    Reply(Reply),
 }
 
-impl Reply {
-    fn send(self, r: Result<(), BackendError>) {
-        match self {
-            Reply::Unit(tx) => {
-                let _ = tx.send(r);
-            }
-            Reply::Peer(tx, id) => {
-                let _ = tx.send(r.map(|()| id));
-            }
-        }
-    }
+/// How a job ended.
+enum Outcome {
+    Done,
+    Aborted,
+    Failed(BackendError),
 }
 
-/// One write (or connect, or out-of-band notification) in flight on a peer.
+/// One transfer or out-of-band notification on a peer's endpoint.
 ///
-/// Order of events: requests posted at creation (`reqs`: puts are released at once, the hello of a
-/// connect is kept), then `flush` (remote completion of everything before it on the endpoint),
-/// then the active message `am`, posted only after the flush completed and after every earlier
-/// job's message of the same peer was posted, so notifications keep their order and never
-/// overtake the data they cover.
+/// A job starts posting once every earlier job of its peer has posted all its pieces, posts at
+/// most [`WINDOW`] requests at a time, then seals: the put path posts a flush (remote completion)
+/// and, after it, the attached notification (in job order per peer); the active-message path
+/// posts a commit and waits for the receiver's acknowledgement. Abort stops the posting, cancels
+/// what UCX can cancel, and waits for that flush or acknowledgement: the fence.
 struct Job {
-    reqs: Vec<(&'static str, Request)>,
+    id: u64,
+    done: Option<Done>,
+    segs: VecDeque<Segment>,
+    srcs: HashMap<RegionId, RegionRef>,
+    maps: HashMap<RegionId, Rc<MemHandle>>,
+    dsts: HashMap<RegionId, Rc<Remote>>,
+    reqs: Vec<Request>,
+    started: bool,
+    posted: bool,
     flush: Option<Request>,
     flushed: bool,
     am: Option<(Vec<u8>, Vec<u8>)>,
+    am_sent: bool,
     am_req: Option<Request>,
+    /// Active-message path: the sequence number of this job's commit.
+    seq: Option<u64>,
+    /// Active-message path: the receiver's answer (`Ok(aborted)` or the refusal).
+    acked: Option<Result<bool, String>>,
+    notify: Option<Vec<u8>>,
+    abort: bool,
     error: Option<BackendError>,
-    reply: Option<Reply>,
-    deadline: Instant,
-    what: &'static str,
-    /// Whether the caller was answered with success (a connect that failed removes its peer).
-    ok: Option<bool>,
-    /// Active-message data path: the sequence number whose acknowledgement completes the job.
-    awaiting_ack: Option<u64>,
-    /// Source registrations and remote keys the posted puts use, kept until the flush completes.
-    sources: Vec<Rc<MemHandle>>,
-    rkeys: Vec<Rc<RemoteKey>>,
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let in_flight = self.flush.as_ref().is_some_and(|f| f.poll("ucp_ep_flush_nbx").is_none());
-        if in_flight {
-            // UCX may still read the sources: never release them (a leak, only on a give-up path).
-            for m in self.sources.drain(..) {
-                std::mem::forget(m);
-            }
-        }
-        if let Some(r) = self.reply.take() {
-            r.send(Err(BackendError::Closed { backend: NAME }));
-        }
-    }
+    deadline: Option<Instant>,
 }
 
 impl Job {
-    fn new(what: &'static str, reply: Reply, deadline: Instant) -> Self {
+    fn new(id: u64, done: Done) -> Self {
         Self {
+            id,
+            done: Some(done),
+            segs: VecDeque::new(),
+            srcs: HashMap::new(),
+            maps: HashMap::new(),
+            dsts: HashMap::new(),
             reqs: Vec::new(),
+            started: false,
+            posted: false,
             flush: None,
             flushed: false,
             am: None,
+            am_sent: false,
             am_req: None,
+            seq: None,
+            acked: None,
+            notify: None,
+            abort: false,
             error: None,
-            reply: Some(reply),
-            deadline,
-            what,
-            ok: None,
-            awaiting_ack: None,
-            sources: Vec::new(),
-            rkeys: Vec::new(),
+            deadline: None,
         }
     }
 
     fn fail(&mut self, e: BackendError) {
-        if self.error.is_none() {
-            self.error = Some(e);
-        }
+        self.error.get_or_insert(e);
     }
 
-    fn post_flush(&mut self, ep: &Endpoint, desc: &str) {
-        match ep.flush() {
-            Ok(Posted::Done) => self.flushed = true,
-            Ok(Posted::Pending(r)) => self.flush = Some(r),
-            Err(e) => {
-                self.flushed = true;
-                self.fail(ffi(e, desc))
-            }
-        }
+    fn quiet(&self) -> bool {
+        self.reqs.is_empty() && self.flush.is_none() && self.am_req.is_none()
     }
 
-    /// Whether the job's message is still to be posted (later messages must wait for it).
+    /// Whether this job's notification is still to be posted (later ones wait for it).
     fn am_waiting(&self) -> bool {
-        self.am.is_some() && self.error.is_none()
+        self.am.is_some() && self.done.is_some() && !self.abort && self.error.is_none()
     }
 
-    /// Whether the job holds no request any more and its caller has an answer.
-    fn finished(&self) -> bool {
-        self.reply.is_none() && self.reqs.is_empty() && self.flush.is_none() && self.am_req.is_none()
-    }
-
-    /// Advances the job.
-    fn poll(
-        &mut self,
-        ep: &Endpoint,
-        may_post_am: bool,
-        lost: Option<&str>,
-        desc: &str,
-        timeout: Duration,
-        now: Instant,
-    ) {
-        let err = |e: UcxError| match lost {
-            Some(reason) => BackendError::PeerLost {
-                backend: NAME,
-                peer: desc.to_owned(),
-                detail: format!("{reason}; {} failed: {}", e.call, e.text()),
-            },
-            None => ffi(e, desc),
-        };
-        let mut i = 0;
-        while i < self.reqs.len() {
-            match self.reqs[i].1.poll(self.reqs[i].0) {
-                None => i += 1,
-                Some(r) => {
-                    if let Err(e) = r {
-                        let e = err(e);
-                        self.fail(e);
-                    }
-                    self.reqs.swap_remove(i);
-                }
+    fn finish(&mut self, o: Outcome) {
+        self.segs.clear();
+        self.am = None;
+        match self.done.take() {
+            Some(Done::State(s)) => {
+                match o {
+                    Outcome::Done => s.complete(),
+                    Outcome::Aborted => s.aborted(),
+                    Outcome::Failed(e) => s.fail(e),
+                };
             }
+            Some(Done::Reply(r)) => {
+                let _ = r.send(match o {
+                    Outcome::Done => Ok(()),
+                    Outcome::Aborted => Err(BackendError::Closed { backend: NAME }),
+                    Outcome::Failed(e) => Err(e),
+                });
+            }
+            None => {}
         }
+    }
+}
+
+/// What one job poll needs from its peer.
+struct Ctx<'a> {
+    ep: &'a Endpoint,
+    desc: &'a str,
+    am_data: bool,
+    may_start: bool,
+    may_post_am: bool,
+    headers: &'a Headers,
+}
+
+/// The headers this endpoint sends.
+struct Headers {
+    data: Vec<u8>,
+    commit: Vec<u8>,
+    commit_aborted: Vec<u8>,
+}
+
+impl Job {
+    fn poll(&mut self, c: &Ctx<'_>) {
+        let mut errs = Vec::new();
+        self.reqs.retain(|r| match r.poll("ucp_put_nbx/ucp_am_send_nbx") {
+            None => true,
+            Some(Ok(())) => false,
+            Some(Err(e)) => {
+                errs.push(e);
+                false
+            }
+        });
         if let Some(r) = self.flush.as_ref().and_then(|f| f.poll("ucp_ep_flush_nbx")) {
             self.flush = None;
             self.flushed = true;
-            // The puts are complete: their sources may go.
-            self.sources.clear();
-            self.rkeys.clear();
             if let Err(e) = r {
-                let e = err(e);
-                self.fail(e);
-            }
-        }
-        if self.flushed && self.reqs.is_empty() && self.error.is_none() && may_post_am {
-            if let Some((h, d)) = self.am.take() {
-                match ep.am_send(h, d) {
-                    Ok(Posted::Done) => {}
-                    Ok(Posted::Pending(r)) => self.am_req = Some(r),
-                    Err(e) => {
-                        let e = err(e);
-                        self.fail(e)
-                    }
-                }
+                errs.push(e);
             }
         }
         if let Some(r) = self.am_req.as_ref().and_then(|a| a.poll("ucp_am_send_nbx")) {
             self.am_req = None;
             if let Err(e) = r {
-                let e = err(e);
-                self.fail(e);
+                errs.push(e);
             }
         }
-        let idle = self.reqs.is_empty() && self.flush.is_none() && self.am_req.is_none();
-        let complete =
-            self.error.is_some() || (idle && self.flushed && self.am.is_none() && self.awaiting_ack.is_none());
-        if complete || now >= self.deadline {
-            if let Some(reply) = self.reply.take() {
-                let r = match self.error.take() {
-                    Some(e) => Err(e),
-                    None if complete => Ok(()),
-                    None => Err(BackendError::Timeout {
-                        backend: NAME,
-                        what: format!("{} to {desc}", self.what),
-                        after: timeout,
-                    }),
-                };
-                self.ok = Some(r.is_ok());
-                reply.send(r);
+        for e in errs {
+            self.fail(ffi(e, c.desc));
+        }
+        if self.done.is_none() {
+            return;
+        }
+        if !self.started && c.may_start {
+            self.started = true;
+        }
+        if self.started && !self.posted {
+            self.post_pieces(c);
+        }
+        // The put path's attached notification (or an out-of-band one): after the flush, in order.
+        if self.posted && self.flushed && self.reqs.is_empty() && c.may_post_am && self.am_waiting() {
+            if let Some((h, d)) = self.am.take() {
+                self.am_sent = true;
+                match c.ep.am_send(h, d) {
+                    Ok(Posted::Done) => {}
+                    Ok(Posted::Pending(r)) => self.am_req = Some(r),
+                    Err(e) => self.fail(ffi(e, c.desc)),
+                }
             }
         }
-        if self.reply.is_none() && !complete {
-            // The caller gave up (deadline): a message not yet posted is not sent late.
-            self.am = None;
+        if self.deadline.is_some_and(|d| Instant::now() >= d) && self.error.is_none() {
+            self.fail(BackendError::Timeout {
+                backend: NAME,
+                what: format!("notification to {}", c.desc),
+                after: Duration::ZERO,
+            });
         }
+        if !(self.posted && self.quiet()) {
+            return;
+        }
+        if c.am_data && self.seq.is_some() {
+            // Active-message path: final on the receiver's acknowledgement (the fence).
+            match self.acked.take() {
+                None => {}
+                Some(Ok(aborted)) => self.finish(match (&self.error, aborted) {
+                    (Some(e), _) => Outcome::Failed(e.clone()),
+                    (None, true) => Outcome::Aborted,
+                    (None, false) => Outcome::Done,
+                }),
+                Some(Err(reason)) => self.finish(Outcome::Failed(BackendError::Protocol {
+                    backend: NAME,
+                    peer: c.desc.to_owned(),
+                    detail: reason,
+                })),
+            }
+            return;
+        }
+        if !self.flushed {
+            return;
+        }
+        if let Some(e) = self.error.clone() {
+            self.finish(if self.abort { Outcome::Aborted } else { Outcome::Failed(e) });
+        } else if self.abort && !self.am_sent {
+            self.finish(Outcome::Aborted);
+        } else if self.am.is_none() {
+            self.finish(Outcome::Done);
+        }
+    }
+
+    /// Posts pieces within the window; seals the job when none is left (or it stopped).
+    fn post_pieces(&mut self, c: &Ctx<'_>) {
+        let mut burst = 0;
+        while !self.segs.is_empty() && self.reqs.len() < WINDOW && !self.abort && self.error.is_none() {
+            if burst == BURST {
+                // Let the loop see incoming messages (revokes) and commands (aborts) in between.
+                return;
+            }
+            burst += 1;
+            let r = if c.am_data { self.post_data(c) } else { self.post_put(c) };
+            match r {
+                Ok(Posted::Done) => {}
+                Ok(Posted::Pending(r)) => self.reqs.push(r),
+                Err(e) => self.fail(e),
+            }
+        }
+        if !(self.segs.is_empty() || self.abort || self.error.is_some()) {
+            return;
+        }
+        self.posted = true;
+        self.segs.clear();
+        if self.abort {
+            for r in &self.reqs {
+                r.cancel();
+            }
+        }
+        if c.am_data && self.seq.is_some() {
+            let seq = self.seq.expect("checked");
+            let stop = self.abort || self.error.is_some();
+            let mut body = seq.to_le_bytes().to_vec();
+            let header = if stop { c.headers.commit_aborted.clone() } else { c.headers.commit.clone() };
+            if !stop {
+                body.extend_from_slice(&self.notify.take().unwrap_or_default());
+            }
+            match c.ep.am_send(header, body) {
+                Ok(Posted::Done) => {}
+                Ok(Posted::Pending(r)) => self.reqs.push(r),
+                Err(e) => {
+                    // No acknowledgement will come: the job ends when its requests do.
+                    self.seq = None;
+                    self.flushed = true;
+                    self.fail(ffi(e, c.desc));
+                }
+            }
+        } else if !self.flushed {
+            match c.ep.flush() {
+                Ok(Posted::Done) => self.flushed = true,
+                Ok(Posted::Pending(r)) => self.flush = Some(r),
+                Err(e) => {
+                    self.flushed = true;
+                    self.fail(ffi(e, c.desc));
+                }
+            }
+        }
+    }
+
+    fn post_put(&mut self, c: &Ctx<'_>) -> Result<Posted, BackendError> {
+        let s = self.segs.pop_front().expect("checked");
+        let (Some(memh), Some(dst)) = (self.maps.get(&s.src), self.dsts.get(&s.dst)) else {
+            return Ok(Posted::Done);
+        };
+        let Some(rkey) = &dst.rkey else { return Ok(Posted::Done) };
+        // SAFETY (of the call below, see `Endpoint::put`): the job holds the source registration
+        // and its RegionRef until it is final, which is after the flush posted when it seals;
+        // the destination range was checked against the region the peer published, and the peer
+        // keeps it mapped until we acknowledged its revoke, which we do only after a flush of
+        // this endpoint completed.
+        #[allow(unsafe_code)]
+        let r = unsafe { c.ep.put(memh, s.src_offset, s.len, dst.addr + s.dst_offset, rkey) };
+        r.map_err(|e| ffi(e, c.desc))
+    }
+
+    fn post_data(&mut self, c: &Ctx<'_>) -> Result<Posted, BackendError> {
+        let mut m = wire::DataMsg::new(self.seq.expect("active-message jobs have a seq"));
+        while let Some(s) = self.segs.front_mut() {
+            let n = (s.len as usize).min(m.room());
+            if n == 0 {
+                break;
+            }
+            let src = self.srcs.get(&s.src).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: s.src,
+                peer: None,
+            })?;
+            m.push(s.dst.0, s.dst_offset, n, |out| {
+                let g = src.desc().read_guard(s.src_offset, n as u64)?;
+                out.copy_from_slice(g.as_slice());
+                Ok::<(), kvxfer_core::MemError>(())
+            })
+            .map_err(|e| BackendError::Io {
+                backend: NAME,
+                context: format!("reading {} for {}", s.src, c.desc),
+                detail: e.to_string(),
+            })?;
+            s.len -= n as u64;
+            s.src_offset += n as u64;
+            s.dst_offset += n as u64;
+            if s.len == 0 {
+                self.segs.pop_front();
+            }
+        }
+        c.ep.am_send(c.headers.data.clone(), m.finish()).map_err(|e| ffi(e, c.desc))
     }
 }
 
+/// A peer we connected to.
 struct Peer {
     identity: u64,
     instance: u64,
     proc: ProcId,
-    regions: HashMap<RegionId, Remote>,
+    shared: Arc<PeerShared>,
+    remote: HashMap<RegionId, Rc<Remote>>,
     lost: Option<String>,
     jobs: VecDeque<Job>,
-    /// Set once the connect job succeeded; a failed connect removes the peer.
-    connected: bool,
+    /// Waiting for the welcome: (nonce, reply, deadline).
+    connecting: Option<(u64, Reply, Instant)>,
+    /// The disconnect waiting for this peer's jobs: (reply, deadline, goodbye flush).
+    closing: Option<(Reply, Instant, Option<Request>, bool)>,
     ep: Rc<Endpoint>,
 }
 
@@ -324,47 +465,64 @@ fn desc(id: PeerId, identity: u64) -> String {
 }
 
 impl Peer {
-    /// Advances the peer's jobs in order; returns whether any is in flight.
-    fn poll(&mut self, pid: PeerId, timeout: Duration, now: Instant) -> bool {
+    fn set_lost(&mut self, reason: String) {
+        self.ep.mark_failed();
+        *lock(&self.shared.lost) = Some(reason.clone());
+        self.lost.get_or_insert(reason);
+    }
+
+    /// Advances the jobs in order; returns whether any is in flight.
+    fn poll(&mut self, pid: PeerId, am_data: bool, headers: &Headers) -> bool {
         let d = desc(pid, self.identity);
-        let mut may_post = true;
-        let lost = self.lost.clone();
-        if let Some(reason) = &lost {
-            // Nothing in flight to a lost peer can still succeed (an acknowledgement will not come;
-            // with error mode none UCX may never complete a request): answer the callers now.
-            for j in self.jobs.iter_mut().filter(|j| j.reply.is_some()) {
-                j.fail(BackendError::PeerLost { backend: NAME, peer: d.clone(), detail: reason.clone() });
+        if let Some(reason) = self.lost.clone() {
+            // Nothing can land at a lost peer any more; UCX may never complete its requests
+            // (error mode none). Answer every job now; requests are freed when the job goes.
+            for j in self.jobs.iter_mut() {
+                let e = BackendError::PeerLost { backend: NAME, peer: d.clone(), detail: reason.clone() };
+                j.finish(if j.abort { Outcome::Aborted } else { Outcome::Failed(e) });
             }
+            self.jobs.clear();
+            return false;
         }
+        let mut may_start = true;
+        let mut may_post_am = true;
         for j in self.jobs.iter_mut() {
-            j.poll(&self.ep, may_post, lost.as_deref(), &d, timeout, now);
-            if j.what == "connect" {
-                match j.ok {
-                    Some(true) => self.connected = true,
-                    Some(false) => {
-                        self.lost.get_or_insert_with(|| "connecting failed".into());
-                    }
-                    None => {}
-                }
-            }
-            if j.am_waiting() {
-                may_post = false;
-            }
+            let c = Ctx { ep: &self.ep, desc: &d, am_data, may_start, may_post_am, headers };
+            j.poll(&c);
+            may_start &= j.posted || j.done.is_none();
+            may_post_am &= !j.am_waiting();
         }
-        // A lost peer's jobs go once their callers have an answer: UCX may never complete their
-        // requests (error mode none); dropping a job with requests in flight leaks, never frees,
-        // what they use.
-        let lost = self.lost.is_some();
-        self.jobs.retain(|j| !(j.finished() || (lost && j.reply.is_none())));
+        self.jobs.retain(|j| !(j.done.is_none() && j.quiet()));
         !self.jobs.is_empty()
     }
 }
 
-/// An endpoint back to a peer that connected to us (from its hello): how we notice it going away.
+/// An endpoint back to a peer that connected to us (from its hello): how we answer it, revoke
+/// regions at it, and notice it going away. `refs` counts its connections to us.
 struct Reverse {
     identity: u64,
     proc: ProcId,
     ep: Rc<Endpoint>,
+    refs: u32,
+}
+
+/// A local region being closed.
+struct Closing {
+    id: RegionId,
+    drained: Option<Drained>,
+    seq: u64,
+    /// Instances that must acknowledge the revoke (`None`: not sent yet).
+    waiting: Option<HashSet<u64>>,
+    reply: Option<Reply>,
+    deadline: Instant,
+}
+
+/// A revoke we received: acknowledged once these flushes completed.
+struct PendingAck {
+    instance: u64,
+    seq: u64,
+    flushes: Vec<Request>,
+    ep: Option<Rc<Endpoint>>,
 }
 
 enum Token {
@@ -376,69 +534,71 @@ enum Token {
 /// then registrations, the worker, the context.
 struct Engine {
     peers: BTreeMap<PeerId, Peer>,
-    closing: Vec<(PeerId, Peer, Instant)>,
     reverse: HashMap<u64, Reverse>,
-    regions: HashMap<RegionId, Local>,
+    acks: Vec<PendingAck>,
+    loose: Vec<Request>,
+    closes: Vec<Closing>,
+    locals: HashMap<RegionId, Local>,
     worker: Rc<Worker>,
     ctx: Rc<Context>,
     tokens: HashMap<u64, Token>,
     next_token: u64,
-    next_peer: u64,
+    next_seq: u64,
     lost_instances: HashSet<u64>,
     last_liveness: Instant,
-    next_seq: u64,
-    /// Active-message data path, receiving side: writes that could not be placed, by (instance, seq).
+    /// Active-message path, receiving side: transfers that could not be placed, by (instance, seq).
     refused: HashMap<(u64, u64), String>,
-    /// Requests nobody waits for (acknowledgements), kept until UCX is done with their buffers.
-    loose: Vec<Request>,
+    headers: Headers,
     settings: Settings,
-    events: UnboundedSender<BackendEvent>,
-    meta: Arc<Mutex<LocalMeta>>,
+    shared: Arc<Shared>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Starts the progress thread; returns once the worker exists (or failed to start).
+/// Starts the progress thread; returns once the worker exists, with whether the context can
+/// register CUDA memory.
 pub(crate) fn start(
     settings: Settings,
     rx: Receiver<Cmd>,
-    events: UnboundedSender<BackendEvent>,
-    meta: Arc<Mutex<LocalMeta>>,
-) -> Result<std::thread::JoinHandle<()>, BackendError> {
-    let (init_tx, init_rx) = std::sync::mpsc::sync_channel::<Result<(), BackendError>>(1);
+    shared: Arc<Shared>,
+) -> Result<(std::thread::JoinHandle<()>, bool), BackendError> {
+    let (init_tx, init_rx) = std::sync::mpsc::sync_channel::<Result<bool, BackendError>>(1);
     let handle = std::thread::Builder::new()
         .name(format!("kvxfer-ucx-{:x}", settings.identity))
         .spawn(move || {
             let built = (|| -> Result<Engine, BackendError> {
                 let ctx = Context::new(&settings.ucx).map_err(|e| ffi(e, "creating the local context"))?;
                 let worker = Worker::new(&ctx).map_err(|e| ffi(e, "creating the local worker"))?;
-                let addr = worker.address().map_err(|e| ffi(e, "local worker"))?;
-                lock(&meta).worker = addr;
+                *lock(&shared.worker) = worker.address().map_err(|e| ffi(e, "local worker"))?;
+                let h = |kind, flags| {
+                    Header { kind, flags, instance: settings.instance, identity: settings.identity }.encode()
+                };
+                let headers = Headers {
+                    data: h(Kind::Data, 0),
+                    commit: h(Kind::Commit, 0),
+                    commit_aborted: h(Kind::Commit, COMMIT_ABORTED),
+                };
                 Ok(Engine {
                     peers: BTreeMap::new(),
-                    closing: Vec::new(),
                     reverse: HashMap::new(),
-                    regions: HashMap::new(),
+                    acks: Vec::new(),
+                    loose: Vec::new(),
+                    closes: Vec::new(),
+                    locals: HashMap::new(),
                     worker,
                     ctx,
                     tokens: HashMap::new(),
                     next_token: 1,
-                    next_peer: 1,
+                    next_seq: 1,
                     lost_instances: HashSet::new(),
                     last_liveness: Instant::now(),
-                    next_seq: 1,
                     refused: HashMap::new(),
-                    loose: Vec::new(),
+                    headers,
                     settings,
-                    events,
-                    meta,
+                    shared,
                 })
             })();
             match built {
                 Ok(mut engine) => {
-                    let _ = init_tx.send(Ok(()));
+                    let _ = init_tx.send(Ok(engine.ctx.supports_cuda()));
                     engine.run(&rx);
                     engine.shutdown(&rx);
                 }
@@ -454,7 +614,7 @@ pub(crate) fn start(
         })?;
     let wait = Duration::from_secs(30);
     match init_rx.recv_timeout(wait) {
-        Ok(Ok(())) => Ok(handle),
+        Ok(Ok(cuda)) => Ok((handle, cuda)),
         Ok(Err(e)) => {
             let _ = handle.join();
             Err(e)
@@ -482,7 +642,7 @@ impl Engine {
                     Err(TryRecvError::Empty) => break,
                 }
             }
-            let in_flight = self.poll_jobs();
+            let in_flight = self.poll_all();
             let now = Instant::now();
             if now.duration_since(self.last_liveness) >= self.settings.keepalive {
                 self.last_liveness = now;
@@ -497,7 +657,6 @@ impl Engine {
                 std::thread::yield_now();
                 continue;
             }
-            // Napping on the channel: a command wakes the thread at once.
             let nap = if in_flight || quiet < HOT { NAP } else { COLD };
             match rx.recv_timeout(nap) {
                 Ok(Cmd::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
@@ -510,8 +669,8 @@ impl Engine {
         }
     }
 
-    /// Progresses the worker until it has nothing more to do (bounded), then handles what the
-    /// callbacks left. Returns whether anything happened.
+    /// Progresses the worker until it has nothing more to do (bounded), then handles every event
+    /// the callbacks queued. Returns whether anything happened.
     fn progress_all(&mut self) -> bool {
         let mut any = false;
         for _ in 0..1024 {
@@ -520,32 +679,22 @@ impl Engine {
             }
             any = true;
         }
-        let inbox = self.worker.take_inbox();
-        if inbox.dropped_rndv > 0 {
+        for e in self.worker.take_events() {
             any = true;
-            tracing::warn!(
-                count = inbox.dropped_rndv,
-                "ucx: dropped rendezvous active messages (kvxfer peers send eager)"
-            );
-        }
-        for (token, status) in inbox.ep_errors {
-            any = true;
-            self.on_ep_error(token, status);
-        }
-        for m in inbox.messages {
-            any = true;
-            self.on_message(m);
+            match e {
+                Event::Message(m) => self.on_message(m),
+                Event::EpError(token, status) => self.on_ep_error(token, status),
+                Event::DroppedRndv => {
+                    tracing::warn!("ucx: dropped a rendezvous active message (kvxfer peers send eager)")
+                }
+            }
         }
         any
     }
 
-    fn emit(&self, e: BackendEvent) {
-        let _ = self.events.send(e);
-    }
-
     fn emit_lost(&mut self, instance: u64, identity: u64, reason: String) {
         if self.lost_instances.insert(instance) {
-            self.emit(BackendEvent::PeerLost { identity, reason });
+            self.shared.events.push(BackendEvent::PeerLost { identity, reason });
         }
     }
 
@@ -555,15 +704,18 @@ impl Engine {
             Some(Token::Forward(pid)) => {
                 let pid = *pid;
                 if let Some(p) = self.peers.get_mut(&pid) {
-                    p.ep.mark_failed();
                     let reason = format!("UCX reported the endpoint failed: {text}");
-                    p.lost.get_or_insert(reason.clone());
-                    let (inst, ident, connected) = (p.instance, p.identity, p.connected);
-                    if connected {
+                    p.set_lost(reason.clone());
+                    if let Some((_, reply, _)) = p.connecting.take() {
+                        let _ = reply.send(Err(BackendError::Connect {
+                            backend: NAME,
+                            peer: format!("identity {:#x}", p.identity),
+                            detail: reason,
+                        }));
+                    } else if p.closing.is_none() {
+                        let (inst, ident) = (p.instance, p.identity);
                         self.emit_lost(inst, ident, format!("{}: {reason}", desc(pid, ident)));
                     }
-                } else if let Some((_, p, _)) = self.closing.iter().find(|(id, _, _)| *id == pid) {
-                    p.ep.mark_failed();
                 }
             }
             Some(Token::Reverse(instance)) => {
@@ -575,142 +727,166 @@ impl Engine {
                     self.emit_lost(instance, r.identity, reason);
                 }
             }
-            None => {}
+            None => tracing::debug!("ucx: error {text} on an endpoint that is already gone"),
         }
     }
 
     fn on_message(&mut self, m: ucp::AmMessage) {
         let h = match Header::decode(&m.header) {
             Ok(h) => h,
-            Err(e) => {
-                tracing::warn!("ucx: dropping active message: {e}");
-                return;
-            }
+            Err(e) => return tracing::warn!("ucx: dropping an active message: {e}"),
         };
+        let bad = |what: &str| tracing::warn!(identity = h.identity, "ucx: dropping a malformed {what}");
         match h.kind {
-            Kind::Attached | Kind::OutOfBand => match Notification::decode(&m.data) {
-                Ok(n) => self.emit(BackendEvent::Notification(n)),
-                Err(e) => tracing::warn!(identity = h.identity, "ucx: dropping undecodable notification: {e}"),
+            Kind::Attached | Kind::OutOfBand => self.deliver(h, &m.data),
+            Kind::Hello => self.on_hello(h, &m.data),
+            Kind::Welcome => match wire::u64_at(&m.data, 0) {
+                Some(nonce) => self.on_welcome(h, nonce, &m.data[8..]),
+                None => bad("welcome"),
             },
-            Kind::Hello => {
-                if self.reverse.contains_key(&h.instance) || h.instance == self.settings.instance {
-                    return;
-                }
-                let hello = match serde_json::from_slice::<Hello>(&m.data)
-                    .map_err(|e| e.to_string())
-                    .and_then(|h| Ok((wire::unhex(&h.worker)?, h.proc)))
-                {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(identity = h.identity, "ucx: dropping a malformed hello: {e}");
-                        return;
-                    }
-                };
-                self.lost_instances.remove(&h.instance);
-                let token = self.token(Token::Reverse(h.instance));
-                match self.open_ep(&hello.0, token) {
-                    Ok(ep) => {
-                        self.reverse.insert(h.instance, Reverse { identity: h.identity, proc: hello.1, ep });
-                    }
-                    Err(e) => {
-                        self.tokens.remove(&token);
-                        tracing::warn!(
-                            identity = h.identity,
-                            "ucx: cannot watch a connecting peer: {} failed: {}",
-                            e.call,
-                            e.text()
-                        );
-                    }
-                }
-            }
             Kind::Data => self.on_data(h, &m.data),
             Kind::Commit => self.on_commit(h, &m.data),
             Kind::Ack => self.on_ack(h, &m.data),
-            Kind::Revoke => {
-                let Ok(id) = <[u8; 4]>::try_from(&m.data[..]).map(u32::from_le_bytes) else {
-                    tracing::warn!(identity = h.identity, "ucx: dropping a malformed revoke");
-                    return;
-                };
-                for p in self.peers.values_mut().filter(|p| p.instance == h.instance) {
-                    p.regions.remove(&RegionId(id));
-                }
-            }
-            Kind::Goodbye => {
-                if let Some(r) = self.reverse.remove(&h.instance) {
-                    // The peer is going away: no close handshake with it.
-                    r.ep.mark_failed();
-                }
-                if h.flags & GOODBYE_SHUTDOWN != 0 {
-                    for p in self.peers.values_mut() {
-                        if p.instance == h.instance && p.lost.is_none() {
-                            p.lost = Some("the peer endpoint shut down".into());
-                            p.ep.mark_failed();
-                        }
-                    }
-                    let reason = format!("peer with identity {:#x} shut down its UCX endpoint", h.identity);
-                    self.emit_lost(h.instance, h.identity, reason);
-                }
-            }
+            Kind::Revoke => match (wire::u64_at(&m.data, 0), wire::u32_at(&m.data, 8)) {
+                (Some(seq), Some(id)) => self.on_revoke(h.instance, seq, RegionId(id)),
+                _ => bad("revoke"),
+            },
+            Kind::RevokeAck => match wire::u64_at(&m.data, 0) {
+                Some(seq) => self.on_revoke_ack(h.instance, seq),
+                None => bad("revoke acknowledgement"),
+            },
+            Kind::Goodbye => self.on_goodbye(h),
         }
     }
 
-    /// Tells every peer that knows this endpoint (connected either way) to forget a deregistered
-    /// region's remote key, so their later writes naming it fail with `UnknownRegion` instead of
-    /// landing in memory that may be freed. Best effort: a write already posted is not recalled.
-    fn revoke(&mut self, id: RegionId) {
-        let header = self.header(Kind::Revoke, 0);
-        let mut told = HashSet::new();
-        let eps: Vec<(u64, Rc<Endpoint>)> = self
-            .reverse
-            .iter()
-            .map(|(i, r)| (*i, r.ep.clone()))
-            .chain(self.peers.values().filter(|p| p.lost.is_none()).map(|p| (p.instance, p.ep.clone())))
-            .collect();
-        for (instance, ep) in eps {
-            if instance == self.settings.instance {
-                // Connected to ourselves: forget it directly.
-                for p in self.peers.values_mut().filter(|p| p.instance == instance) {
-                    p.regions.remove(&id);
-                }
-                continue;
-            }
-            if !told.insert(instance) {
-                continue;
-            }
-            if let Ok(Posted::Pending(r)) = ep.am_send(header.clone(), id.0.to_le_bytes().to_vec()) {
-                self.loose.push(r);
-            }
+    fn deliver(&self, h: Header, body: &[u8]) {
+        match Notification::decode(body) {
+            Ok(n) => self.shared.events.push(BackendEvent::Notification(n)),
+            Err(e) => tracing::warn!(identity = h.identity, "ucx: dropping an undecodable notification: {e}"),
         }
     }
 
-    /// Active-message data path: places the bytes of a data message into registered memory,
-    /// checking every segment against the region (a write outside it is refused, never placed).
-    fn on_data(&mut self, h: Header, body: &[u8]) {
-        let (seq, region, segs) = match wire::decode_data(body) {
+    fn on_hello(&mut self, h: Header, body: &[u8]) {
+        let hello = match serde_json::from_slice::<Hello>(body)
+            .map_err(|e| e.to_string())
+            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc)))
+        {
             Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(identity = h.identity, "ucx: dropping a malformed data message: {e}");
-                return;
+            Err(e) => return tracing::warn!(identity = h.identity, "ucx: dropping a malformed hello: {e}"),
+        };
+        let (nonce, addr, proc) = hello;
+        self.lost_instances.remove(&h.instance);
+        if let Some(r) = self.reverse.get_mut(&h.instance) {
+            r.refs += 1;
+        } else {
+            let token = self.token(Token::Reverse(h.instance));
+            match self.open_ep(&addr, token) {
+                Ok(ep) => {
+                    self.reverse.insert(h.instance, Reverse { identity: h.identity, proc, ep, refs: 1 });
+                }
+                Err(e) => {
+                    self.tokens.remove(&token);
+                    return tracing::warn!(
+                        identity = h.identity,
+                        "ucx: cannot answer a connecting peer: {} failed: {}",
+                        e.call,
+                        e.text()
+                    );
+                }
             }
+        }
+        // The welcome lists the regions registered now; it goes on the endpoint later revokes
+        // take, so the peer never holds a key we closed without telling it.
+        let mut body = nonce.to_le_bytes().to_vec();
+        for (id, _) in self.shared.regions.snapshot() {
+            body.extend_from_slice(&id.0.to_le_bytes());
+        }
+        let ep = self.reverse[&h.instance].ep.clone();
+        self.send_loose(&ep, self.header(Kind::Welcome, 0), body);
+    }
+
+    fn on_welcome(&mut self, h: Header, nonce: u64, ids: &[u8]) {
+        let keep: HashSet<RegionId> =
+            ids.chunks_exact(4).map(|c| RegionId(u32::from_le_bytes(c.try_into().expect("4 bytes")))).collect();
+        for p in self.peers.values_mut().filter(|p| p.instance == h.instance) {
+            if p.connecting.as_ref().is_some_and(|(n, _, _)| *n == nonce) {
+                let (_, reply, _) = p.connecting.take().expect("checked");
+                p.remote.retain(|id, _| keep.contains(id));
+                lock(&p.shared.regions).retain(|id, _| keep.contains(id));
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    fn on_goodbye(&mut self, h: Header) {
+        let shutdown = h.flags & GOODBYE_SHUTDOWN != 0;
+        if let Some(r) = self.reverse.get_mut(&h.instance) {
+            r.refs = r.refs.saturating_sub(1);
+            if shutdown || r.refs == 0 {
+                // The peer closes its side: no close handshake with it.
+                r.ep.mark_failed();
+                self.reverse.remove(&h.instance);
+            }
+        }
+        if shutdown {
+            for p in self.peers.values_mut().filter(|p| p.instance == h.instance && p.lost.is_none()) {
+                p.set_lost("the peer endpoint shut down".into());
+            }
+            let reason = format!("peer with identity {:#x} shut down its UCX endpoint", h.identity);
+            self.emit_lost(h.instance, h.identity, reason);
+        }
+    }
+
+    /// A peer closes one of its regions: forget the key, stop posting into it, flush every
+    /// endpoint to it, and acknowledge once those flushes completed (no put into the region is
+    /// then in flight, and none will follow).
+    fn on_revoke(&mut self, instance: u64, seq: u64, id: RegionId) {
+        let mut flushes = Vec::new();
+        let mut ep = None;
+        for (pid, p) in self.peers.iter_mut().filter(|(_, p)| p.instance == instance) {
+            p.remote.remove(&id);
+            lock(&p.shared.regions).remove(&id);
+            for j in p.jobs.iter_mut().filter(|j| j.started && !j.posted && j.dsts.contains_key(&id)) {
+                j.fail(BackendError::UnknownRegion { backend: NAME, region: id, peer: Some(*pid) });
+            }
+            if p.lost.is_none() {
+                match p.ep.flush() {
+                    Ok(Posted::Pending(r)) => flushes.push(r),
+                    Ok(Posted::Done) => {}
+                    Err(e) => tracing::debug!("ucx: flush for a revoke failed: {}", e.text()),
+                }
+                ep.get_or_insert_with(|| p.ep.clone());
+            }
+        }
+        let ep = ep.or_else(|| self.reverse.get(&instance).map(|r| r.ep.clone()));
+        self.acks.push(PendingAck { instance, seq, flushes, ep });
+    }
+
+    fn on_revoke_ack(&mut self, instance: u64, seq: u64) {
+        for c in self.closes.iter_mut().filter(|c| c.seq == seq) {
+            if let Some(w) = &mut c.waiting {
+                w.remove(&instance);
+            }
+        }
+    }
+
+    /// Active-message path: places the bytes of a data message into registered memory, checking
+    /// every segment against the region registered now (anything else is refused, never placed).
+    fn on_data(&mut self, h: Header, body: &[u8]) {
+        let (seq, segs) = match wire::decode_data(body) {
+            Ok(x) => x,
+            Err(e) => return tracing::warn!(identity = h.identity, "ucx: dropping a malformed data message: {e}"),
         };
         if self.refused.contains_key(&(h.instance, seq)) {
             return;
         }
-        let id = RegionId(region);
-        let mem = match self.regions.get(&id) {
-            Some(Local::Mapped(m)) => Some(m.region().clone()),
-            Some(Local::Empty) => None,
-            None => {
-                self.refused.insert((h.instance, seq), format!("{id} is not registered at the receiver"));
-                return;
-            }
-        };
-        for (off, bytes) in segs {
-            let r = match &mem {
-                Some(m) => m.write(off, bytes),
-                None if bytes.is_empty() => Ok(()),
-                None => Err(kvxfer_core::MemError { offset: off, len: bytes.len() as u64, region_len: 0 }),
-            };
+        for (region, off, bytes) in segs {
+            let id = RegionId(region);
+            let r = self.shared.regions.get(id, None).map_err(|e| e.to_string()).and_then(|r| {
+                let mut g = r.desc().write_guard(off, bytes.len() as u64).map_err(|e| e.to_string())?;
+                g.as_mut_slice().copy_from_slice(bytes);
+                Ok(())
+            });
             if let Err(e) = r {
                 self.refused.insert((h.instance, seq), format!("write into {id} refused by the receiver: {e}"));
                 return;
@@ -718,76 +894,67 @@ impl Engine {
         }
     }
 
-    /// Active-message data path: a write is complete; deliver its notification and acknowledge.
+    /// Active-message path: a transfer ended; deliver its notification and acknowledge on the
+    /// endpoint back to the sender (the acknowledgement of an aborted commit is the abort fence).
     fn on_commit(&mut self, h: Header, body: &[u8]) {
-        if body.len() < 8 {
-            tracing::warn!(identity = h.identity, "ucx: dropping a malformed commit");
-            return;
-        }
-        let seq = u64::from_le_bytes(body[..8].try_into().expect("8"));
+        let Some(seq) = wire::u64_at(body, 0) else {
+            return tracing::warn!(identity = h.identity, "ucx: dropping a malformed commit");
+        };
+        let aborted = h.flags & COMMIT_ABORTED != 0;
         let refused = self.refused.remove(&(h.instance, seq));
-        if refused.is_none() && body.len() > 8 {
-            match Notification::decode(&body[8..]) {
-                Ok(n) => self.emit(BackendEvent::Notification(n)),
-                Err(e) => tracing::warn!(identity = h.identity, "ucx: dropping undecodable notification: {e}"),
-            }
+        if refused.is_none() && !aborted && body.len() > 8 {
+            self.deliver(h, &body[8..]);
         }
         let mut ack = seq.to_le_bytes().to_vec();
         match &refused {
-            None => ack.push(1),
+            None => ack.push(if aborted { 2 } else { 1 }),
             Some(reason) => {
                 ack.push(0);
                 ack.extend_from_slice(reason.as_bytes());
             }
         }
-        let ep = self
-            .reverse
-            .get(&h.instance)
-            .map(|r| r.ep.clone())
-            .or_else(|| self.peers.values().find(|p| p.instance == h.instance).map(|p| p.ep.clone()));
-        let Some(ep) = ep else {
-            tracing::warn!(identity = h.identity, "ucx: cannot acknowledge a write: no endpoint back to the sender");
-            return;
+        let ep = self.ep_to(h.instance);
+        match ep {
+            Some(ep) => self.send_loose(&ep, self.header(Kind::Ack, 0), ack),
+            None => {
+                tracing::warn!(identity = h.identity, "ucx: cannot acknowledge a transfer: no endpoint to the sender")
+            }
+        }
+    }
+
+    /// Active-message path, sending side: the receiver placed (or refused) transfer `seq`.
+    fn on_ack(&mut self, h: Header, body: &[u8]) {
+        let (Some(seq), Some(&status)) = (wire::u64_at(body, 0), body.get(8)) else {
+            return tracing::warn!(identity = h.identity, "ucx: dropping a malformed acknowledgement");
         };
-        match ep.am_send(self.header(Kind::Ack, 0), ack) {
+        let reason = String::from_utf8_lossy(&body[9..]).into_owned();
+        for p in self.peers.values_mut().filter(|p| p.instance == h.instance) {
+            for j in p.jobs.iter_mut().filter(|j| j.seq == Some(seq)) {
+                j.acked = Some(if status == 0 { Err(reason.clone()) } else { Ok(status == 2) });
+            }
+        }
+    }
+
+    /// An endpoint to `instance`: one we connected with, else the one back from its hello.
+    fn ep_to(&self, instance: u64) -> Option<Rc<Endpoint>> {
+        self.reverse
+            .get(&instance)
+            .map(|r| r.ep.clone())
+            .or_else(|| self.peers.values().find(|p| p.instance == instance && p.lost.is_none()).map(|p| p.ep.clone()))
+    }
+
+    fn send_loose(&mut self, ep: &Endpoint, header: Vec<u8>, body: Vec<u8>) {
+        match ep.am_send(header, body) {
             Ok(Posted::Pending(r)) => self.loose.push(r),
             Ok(Posted::Done) => {}
-            Err(e) => tracing::debug!("ucx: acknowledging a write failed: {} {}", e.call, e.text()),
+            Err(e) => tracing::debug!("ucx: sending a control message failed: {} {}", e.call, e.text()),
         }
     }
 
-    /// Active-message data path, sending side: the receiver placed (or refused) write `seq`.
-    fn on_ack(&mut self, h: Header, body: &[u8]) {
-        if body.len() < 9 {
-            tracing::warn!(identity = h.identity, "ucx: dropping a malformed acknowledgement");
-            return;
-        }
-        let seq = u64::from_le_bytes(body[..8].try_into().expect("8"));
-        let ok = body[8] == 1;
-        let reason = String::from_utf8_lossy(&body[9..]).into_owned();
-        for (pid, p) in self.peers.iter_mut().chain(self.closing.iter_mut().map(|(i, p, _)| (&*i, p))) {
-            if p.instance != h.instance {
-                continue;
-            }
-            for j in p.jobs.iter_mut().filter(|j| j.awaiting_ack == Some(seq)) {
-                j.awaiting_ack = None;
-                if !ok {
-                    j.fail(BackendError::Protocol {
-                        backend: NAME,
-                        peer: desc(*pid, p.identity),
-                        detail: reason.clone(),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Opens an endpoint to a worker address in the configured error mode (see [`ErrMode`]).
     fn open_ep(&mut self, addr: &[u8], token: u64) -> Result<Rc<Endpoint>, UcxError> {
         match self.settings.err_mode {
             ErrMode::Peer => Endpoint::connect(&self.worker, addr, token, true),
             ErrMode::None => Endpoint::connect(&self.worker, addr, token, false),
-            // Shared memory only: UCX 1.13 has no peer error handling there; do not even ask.
             ErrMode::Auto if self.settings.shm_only => Endpoint::connect(&self.worker, addr, token, false),
             ErrMode::Auto => match Endpoint::connect(&self.worker, addr, token, true) {
                 Err(e) if e.status == ucp::ERR_UNREACHABLE => Endpoint::connect(&self.worker, addr, token, false),
@@ -801,22 +968,12 @@ impl Engine {
         let me = self.settings.proc.clone();
         let mut lost = Vec::new();
         for (pid, p) in self.peers.iter_mut() {
-            if !p.ep.peer_errors() && p.lost.is_none() && p.connected && p.proc.alive(&me) == Some(false) {
-                let reason = format!("peer process {} exited", p.proc.pid);
-                // UCX will not fail what is in flight to it (error mode none): fail it here.
-                for j in p.jobs.iter_mut().filter(|j| j.reply.is_some()) {
-                    j.fail(BackendError::PeerLost {
-                        backend: NAME,
-                        peer: desc(*pid, p.identity),
-                        detail: reason.clone(),
-                    });
+            if !p.ep.peer_errors() && p.lost.is_none() && p.proc.alive(&me) == Some(false) {
+                p.set_lost(format!("peer process {} exited", p.proc.pid));
+                if p.connecting.is_none() && p.closing.is_none() {
+                    let reason = format!("{}: its process {} exited", desc(*pid, p.identity), p.proc.pid);
+                    lost.push((p.instance, p.identity, reason));
                 }
-                p.lost = Some(reason);
-                lost.push((
-                    p.instance,
-                    p.identity,
-                    format!("{}: its process {} exited", desc(*pid, p.identity), p.proc.pid),
-                ));
             }
         }
         let dead: Vec<u64> = self
@@ -827,8 +984,12 @@ impl Engine {
             .collect();
         for i in dead {
             if let Some(r) = self.reverse.remove(&i) {
-                let reason = format!("peer with identity {:#x}: its process {} exited", r.identity, r.proc.pid);
-                lost.push((i, r.identity, reason));
+                r.ep.mark_failed();
+                lost.push((
+                    i,
+                    r.identity,
+                    format!("peer with identity {:#x}: its process {} exited", r.identity, r.proc.pid),
+                ));
             }
         }
         for (instance, identity, reason) in lost {
@@ -843,68 +1004,74 @@ impl Engine {
         id
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.settings.op_timeout
-    }
-
     fn header(&self, kind: Kind, flags: u8) -> Vec<u8> {
         Header { kind, flags, instance: self.settings.instance, identity: self.settings.identity }.encode()
     }
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Register { id, mem, reply } => {
-                let _ = reply.send(self.register(id, mem));
+            Cmd::Register { id, desc, reply } => {
+                let _ = reply.send(self.register(id, desc));
             }
-            Cmd::Deregister { id, reply } => {
-                let r = match self.regions.remove(&id) {
-                    Some(_) => {
-                        lock(&self.meta).regions.remove(&id);
-                        self.revoke(id);
-                        Ok(())
+            Cmd::Close { id, drained, reply } => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                let deadline = Instant::now() + self.settings.op_timeout;
+                self.closes.push(Closing { id, drained: Some(drained), seq, waiting: None, reply, deadline });
+            }
+            Cmd::Connect { pid, shared, identity, payload, reply } => {
+                self.connect(pid, shared, identity, payload, reply)
+            }
+            Cmd::Post(p) => self.post(*p),
+            Cmd::Abort { peer, job } => {
+                if let Some(j) = self.peers.get_mut(&peer).and_then(|p| p.jobs.iter_mut().find(|j| j.id == job)) {
+                    j.abort = true;
+                }
+            }
+            Cmd::Notify { peer, bytes, reply } => {
+                let header = self.header(Kind::OutOfBand, 0);
+                let deadline = Instant::now() + self.settings.op_timeout;
+                match self.peers.get_mut(&peer) {
+                    Some(p) if p.closing.is_none() => {
+                        let mut j = Job::new(0, Done::Reply(reply));
+                        j.flushed = true;
+                        j.am = Some((header, bytes));
+                        j.deadline = Some(deadline);
+                        p.jobs.push_back(j);
                     }
-                    None => Err(BackendError::UnknownRegion { backend: NAME, region: id, peer: None }),
-                };
-                let _ = reply.send(r);
+                    _ => drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer }))),
+                }
             }
-            Cmd::Connect { identity, payload, reply } => self.connect(identity, payload, reply),
-            Cmd::Write { peer, ops, notify, reply } => self.write(peer, &ops, notify, reply),
-            Cmd::Notify { peer, bytes, reply } => self.notify(peer, bytes, reply),
-            Cmd::Disconnect { peer, reply } => {
-                let r = match self.peers.remove(&peer) {
-                    Some(p) => {
-                        let d = self.deadline();
-                        self.closing.push((peer, p, d));
-                        Ok(())
-                    }
-                    None => Err(BackendError::UnknownPeer { backend: NAME, peer }),
-                };
-                let _ = reply.send(r);
-            }
+            Cmd::Disconnect { peer, reply } => match self.peers.get_mut(&peer) {
+                Some(p) if p.closing.is_none() => {
+                    p.closing = Some((reply, Instant::now() + self.settings.op_timeout, None, false));
+                }
+                _ => drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer }))),
+            },
             Cmd::Shutdown => {}
         }
     }
 
-    fn register(&mut self, id: RegionId, mem: MemRegion) -> Result<(), BackendError> {
-        if self.regions.contains_key(&id) {
+    fn register(&mut self, id: RegionId, desc: MemDesc) -> Result<(), BackendError> {
+        if self.locals.contains_key(&id) || self.closes.iter().any(|c| c.id == id) {
             return Err(BackendError::RegionInUse { backend: NAME, region: id });
         }
-        let (local, rkey) = if mem.is_empty() {
-            (Local::Empty, String::new())
+        let (local, rkey) = if desc.is_empty() {
+            (None, String::new())
         } else {
-            let m = MemHandle::map(&self.ctx, &mem).map_err(|e| ffi(e, &format!("registering {id}")))?;
+            let m = MemHandle::map(&self.ctx, &desc).map_err(|e| ffi(e, &format!("registering {id}")))?;
             let rkey = wire::hex(m.packed_rkey());
-            (Local::Mapped(Rc::new(m)), rkey)
+            (Some(Rc::new(m)), rkey)
         };
-        let meta = RegionMeta { id: id.0, addr: mem.as_ptr() as u64, len: mem.len() as u64, rkey };
-        lock(&self.meta).regions.insert(id, meta);
-        self.regions.insert(id, local);
+        // The table refuses a duplicate id or one over the limit; the mapping is undone then.
+        self.shared.regions.insert(id, desc.clone())?;
+        let meta = RegionMeta { id: id.0, addr: desc.addr() as u64, len: desc.len() as u64, rkey };
+        lock(&self.shared.meta).insert(id, meta);
+        self.locals.insert(id, local);
         Ok(())
     }
 
-    fn connect(&mut self, identity: u64, payload: Payload, reply: oneshot::Sender<Result<PeerId, BackendError>>) {
-        let pid = PeerId(self.next_peer);
-        self.next_peer += 1;
+    fn connect(&mut self, pid: PeerId, shared: Arc<PeerShared>, identity: u64, payload: Payload, reply: Reply) {
         let d = desc(pid, identity);
         let fail =
             |detail: String| BackendError::Connect { backend: NAME, peer: format!("identity {identity:#x}"), detail };
@@ -922,8 +1089,13 @@ impl Engine {
                 return drop(reply.send(Err(fail(format!("{} failed: {}", e.call, e.text())))));
             }
         };
-        let mut regions = HashMap::new();
+        let own = payload.instance == self.settings.instance;
+        let mut remote = HashMap::new();
+        let mut lens = HashMap::new();
         for r in &payload.regions {
+            if own && !self.locals.contains_key(&RegionId(r.id)) {
+                continue;
+            }
             let rkey = if r.len == 0 {
                 None
             } else {
@@ -937,170 +1109,255 @@ impl Engine {
                     Err(e) => return drop(reply.send(Err(ffi(e, &format!("{d}, region {}", r.id))))),
                 }
             };
-            regions.insert(RegionId(r.id), Remote { addr: r.addr, len: r.len, rkey });
+            remote.insert(RegionId(r.id), Rc::new(Remote { addr: r.addr, rkey }));
+            lens.insert(RegionId(r.id), r.len);
         }
-        let mut job = Job::new("connect", Reply::Peer(reply, pid), self.deadline());
-        // Introduce ourselves so the peer can watch us (and report us lost), then flush: the
-        // connection is up when the flush completes.
-        let hello = self.header(Kind::Hello, 0);
-        let body = Hello { worker: wire::hex(&lock(&self.meta).worker), proc: self.settings.proc.clone() };
-        let body = serde_json::to_vec(&body).expect("a hello always encodes");
-        match ep.am_send(hello, body) {
-            Ok(Posted::Done) => {}
-            Ok(Posted::Pending(r)) => job.reqs.push(("ucp_am_send_nbx", r)),
-            Err(e) => job.fail(fail(format!("{} failed: {}", e.call, e.text()))),
+        *lock(&shared.regions) = lens;
+        let mut connecting = None;
+        if own {
+            // Connected to ourselves: the regions were filtered against our own table above.
+            let _ = reply.send(Ok(()));
+        } else {
+            // Introduce ourselves; the connection is up when the peer's welcome arrives.
+            let nonce: u64 = rand::random();
+            let body = Hello { nonce, worker: wire::hex(&lock(&self.shared.worker)), proc: self.settings.proc.clone() };
+            let body = serde_json::to_vec(&body).expect("a hello always encodes");
+            if let Err(e) = ep.am_send(self.header(Kind::Hello, 0), body).map(|p| match p {
+                Posted::Pending(r) => self.loose.push(r),
+                Posted::Done => {}
+            }) {
+                ep.mark_failed();
+                return drop(reply.send(Err(fail(format!("{} failed: {}", e.call, e.text())))));
+            }
+            connecting = Some((nonce, reply, Instant::now() + self.settings.op_timeout));
         }
-        job.post_flush(&ep, &d);
         let peer = Peer {
             identity,
             instance: payload.instance,
             proc: payload.proc,
-            regions,
+            shared,
+            remote,
             lost: None,
-            jobs: VecDeque::from([job]),
-            connected: false,
+            jobs: VecDeque::new(),
+            connecting,
+            closing: None,
             ep,
         };
         self.peers.insert(pid, peer);
     }
 
-    fn write(
-        &mut self,
-        pid: PeerId,
-        ops: &[WriteOp],
-        notify: Option<Vec<u8>>,
-        reply: oneshot::Sender<Result<(), BackendError>>,
-    ) {
-        // See what already arrived (a goodbye, an endpoint error) before touching peer memory.
-        self.progress_all();
-        let deadline = self.deadline();
-        let header = self.header(Kind::Attached, 0);
-        let regions = &self.regions;
-        let Some(peer) = self.peers.get_mut(&pid) else {
-            return drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer: pid })));
+    fn post(&mut self, p: Post) {
+        let Post { peer, job, segs, srcs, notify, state } = p;
+        let am_data = self.settings.am_data;
+        let attached = self.header(Kind::Attached, 0);
+        let Some(pe) = self.peers.get_mut(&peer) else {
+            state.fail(BackendError::UnknownPeer { backend: NAME, peer });
+            return;
         };
-        let d = desc(pid, peer.identity);
-        if !peer.ep.peer_errors() && peer.lost.is_none() && peer.proc.alive(&self.settings.proc) == Some(false) {
-            // Never post one-sided writes into a process that is gone (UCX cannot tell us here).
-            peer.lost = Some(format!("peer process {} exited", peer.proc.pid));
+        if let Some(reason) = &pe.lost {
+            let d = desc(peer, pe.identity);
+            state.fail(BackendError::PeerLost { backend: NAME, peer: d, detail: reason.clone() });
+            return;
         }
-        if let Some(reason) = &peer.lost {
-            return drop(reply.send(Err(BackendError::PeerLost { backend: NAME, peer: d, detail: reason.clone() })));
-        }
-        // Validate every op before any byte moves.
-        let mut plan = Vec::with_capacity(ops.len());
-        for op in ops {
-            let Some(src) = regions.get(&op.src) else {
-                return drop(reply.send(Err(BackendError::UnknownRegion {
-                    backend: NAME,
-                    region: op.src,
-                    peer: None,
-                })));
-            };
-            let Some(dst) = peer.regions.get(&op.dst) else {
-                let e = BackendError::UnknownRegion { backend: NAME, region: op.dst, peer: Some(pid) };
-                return drop(reply.send(Err(e)));
-            };
-            if let Err(e) = op.check_src(NAME, None, src.len()).and_then(|()| op.check_dst(NAME, Some(pid), dst.len)) {
-                return drop(reply.send(Err(e)));
+        let mut j = Job::new(job, Done::State(state));
+        for s in &segs {
+            if let std::collections::hash_map::Entry::Vacant(v) = j.dsts.entry(s.dst) {
+                match pe.remote.get(&s.dst) {
+                    Some(r) => drop(v.insert(r.clone())),
+                    // Revoked after `post` checked it: nothing is posted.
+                    None => {
+                        j.error = Some(BackendError::UnknownRegion { backend: NAME, region: s.dst, peer: Some(peer) })
+                    }
+                }
             }
-            plan.push((src, dst, *op));
-        }
-        let mut job = Job::new("write", Reply::Unit(reply), deadline);
-        if self.settings.am_data {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            let (data_h, commit_h) = (
-                Header { kind: Kind::Data, ..Header::decode(&header).expect("own header") }.encode(),
-                Header { kind: Kind::Commit, ..Header::decode(&header).expect("own header") }.encode(),
-            );
-            if let Err(e) = post_am_data(&peer.ep, &plan, seq, data_h, commit_h, notify, &mut job) {
-                job.fail(ffi(e, &d));
+            if !am_data && !j.maps.contains_key(&s.src) {
+                if let Some(Some(m)) = self.locals.get(&s.src) {
+                    j.maps.insert(s.src, m.clone());
+                }
             }
-            job.flushed = true;
-            job.awaiting_ack = Some(seq);
+        }
+        j.srcs = srcs.into_iter().map(|r| (r.id(), r)).collect();
+        if j.error.is_some() {
+            j.posted = true;
+            j.flushed = true;
         } else {
-            if let Err(e) = post_puts(&peer.ep, &plan, &mut job) {
-                job.fail(ffi(e, &d));
+            j.segs = segs.into();
+            if am_data {
+                j.seq = Some(self.next_seq);
+                self.next_seq += 1;
+                j.notify = notify;
+            } else {
+                j.am = notify.map(|n| (attached, n));
             }
-            job.post_flush(&peer.ep, &d);
-            job.am = notify.map(|n| (header, n));
         }
-        peer.jobs.push_back(job);
+        pe.jobs.push_back(j);
     }
 
-    fn notify(&mut self, pid: PeerId, bytes: Vec<u8>, reply: oneshot::Sender<Result<(), BackendError>>) {
-        self.progress_all();
-        let deadline = self.deadline();
-        let header = self.header(Kind::OutOfBand, 0);
-        let Some(peer) = self.peers.get_mut(&pid) else {
-            return drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer: pid })));
-        };
-        if let Some(reason) = &peer.lost {
-            let e = BackendError::PeerLost { backend: NAME, peer: desc(pid, peer.identity), detail: reason.clone() };
-            return drop(reply.send(Err(e)));
-        }
-        let mut job = Job::new("notify", Reply::Unit(reply), deadline);
-        job.flushed = true;
-        job.am = Some((header, bytes));
-        peer.jobs.push_back(job);
-    }
-
-    /// Advances every job; returns whether any is still in flight.
-    fn poll_jobs(&mut self) -> bool {
-        let now = Instant::now();
-        let timeout = self.settings.op_timeout;
+    /// Advances every peer, disconnect, region close and revoke acknowledgement; returns whether
+    /// anything is in flight.
+    fn poll_all(&mut self) -> bool {
+        let am_data = self.settings.am_data;
         let mut in_flight = false;
-        let mut failed = Vec::new();
+        let mut gone = Vec::new();
+        let now = Instant::now();
+        let bye = self.header(Kind::Goodbye, 0);
         for (pid, p) in self.peers.iter_mut() {
-            in_flight |= p.poll(*pid, timeout, now);
-            if !p.connected && p.jobs.is_empty() {
-                failed.push(*pid);
+            in_flight |= p.poll(*pid, am_data, &self.headers);
+            if let Some((_, _, deadline)) = &p.connecting {
+                if now >= *deadline || p.lost.is_some() {
+                    let (_, reply, _) = p.connecting.take().expect("checked");
+                    let _ = reply.send(Err(BackendError::Timeout {
+                        backend: NAME,
+                        what: format!("connecting to {} (no welcome)", desc(*pid, p.identity)),
+                        after: self.settings.op_timeout,
+                    }));
+                    p.set_lost("connecting failed".into());
+                    gone.push(*pid);
+                }
+                in_flight = true;
+                continue;
+            }
+            let Some((_, deadline, ..)) = &p.closing else { continue };
+            in_flight = true;
+            if now >= *deadline && !p.jobs.is_empty() {
+                p.set_lost("disconnected before its transfers finished".into());
+                p.poll(*pid, am_data, &self.headers);
+            }
+            let Some((_, deadline, flush, said_bye)) = &mut p.closing else { continue };
+            if p.jobs.is_empty() && !*said_bye && p.lost.is_none() {
+                // Tell the peer this connection ends, so it stops counting on us for revokes.
+                *said_bye = true;
+                if let Ok(Posted::Pending(r)) = p.ep.am_send(bye.clone(), Vec::new()) {
+                    self.loose.push(r);
+                }
+                if let Ok(Posted::Pending(r)) = p.ep.flush() {
+                    *flush = Some(r);
+                }
+            }
+            let flushed = flush.as_ref().map_or(true, |f| f.poll("ucp_ep_flush_nbx").is_some());
+            if p.jobs.is_empty() && (flushed || now >= *deadline || p.lost.is_some()) {
+                gone.push(*pid);
             }
         }
-        for pid in failed {
-            if let Some(p) = self.peers.remove(&pid) {
-                p.ep.mark_failed();
+        for pid in gone {
+            if let Some(mut p) = self.peers.remove(&pid) {
+                if let Some((reply, _, flush, _)) = p.closing.take() {
+                    drop(flush);
+                    let _ = reply.send(Ok(()));
+                }
+                if p.lost.is_some() {
+                    p.ep.mark_failed();
+                }
             }
         }
         self.loose.retain(|r| r.poll("ucp_am_send_nbx").is_none());
+        // Revokes we received: acknowledge once their flushes completed.
+        let ack = self.header(Kind::RevokeAck, 0);
         let mut i = 0;
-        while i < self.closing.len() {
-            let (pid, p, deadline) = &mut self.closing[i];
-            in_flight |= p.poll(*pid, timeout, now);
-            if p.jobs.is_empty() || now >= *deadline {
-                let (_, p, _) = self.closing.swap_remove(i);
-                if !p.jobs.is_empty() {
-                    p.ep.mark_failed();
-                }
-            } else {
+        while i < self.acks.len() {
+            self.acks[i].flushes.retain(|r| r.poll("ucp_ep_flush_nbx").is_none());
+            if !self.acks[i].flushes.is_empty() {
+                in_flight = true;
                 i += 1;
+                continue;
+            }
+            let a = self.acks.swap_remove(i);
+            if a.instance == self.settings.instance {
+                self.on_revoke_ack(a.instance, a.seq);
+            } else if let Some(ep) = a.ep {
+                self.send_loose(&ep, ack.clone(), a.seq.to_le_bytes().to_vec());
             }
         }
-        in_flight
+        in_flight |= self.poll_closes();
+        in_flight || !self.loose.is_empty()
+    }
+
+    /// Advances region closes: drained of local operations, revoked at every connected peer,
+    /// acknowledged (or the peer lost), then unmapped.
+    fn poll_closes(&mut self) -> bool {
+        let now = Instant::now();
+        let me = self.settings.instance;
+        let mut i = 0;
+        while i < self.closes.len() {
+            let c = &mut self.closes[i];
+            if c.waiting.is_none() && c.drained.as_ref().is_some_and(|d| d.in_use() == 0) {
+                let (id, seq) = (c.id, c.seq);
+                let mut targets: HashSet<u64> = self.reverse.keys().copied().collect();
+                let header = self.header(Kind::Revoke, 0);
+                let mut body = seq.to_le_bytes().to_vec();
+                body.extend_from_slice(&id.0.to_le_bytes());
+                let eps: Vec<Rc<Endpoint>> = self.reverse.values().map(|r| r.ep.clone()).collect();
+                for ep in eps {
+                    self.send_loose(&ep, header.clone(), body.clone());
+                }
+                if self.peers.values().any(|p| p.instance == me) {
+                    targets.insert(me);
+                    self.on_revoke(me, seq, id);
+                }
+                self.closes[i].waiting = Some(targets);
+            }
+            let connected_to_me = self.peers.values().any(|p| p.instance == me && p.lost.is_none());
+            let reverse = &self.reverse;
+            let c = &mut self.closes[i];
+            if let Some(w) = &mut c.waiting {
+                w.retain(|inst| if *inst == me { connected_to_me } else { reverse.contains_key(inst) });
+                if w.is_empty() {
+                    let c = self.closes.swap_remove(i);
+                    // Unmapped when the last job holding it is gone (none: the region drained).
+                    self.locals.remove(&c.id);
+                    drop(c.drained);
+                    if let Some(r) = c.reply {
+                        let _ = r.send(Ok(()));
+                    }
+                    continue;
+                }
+            }
+            if now >= c.deadline {
+                if let Some(r) = c.reply.take() {
+                    let what = match &c.waiting {
+                        None => format!("closing {}: operations still hold it", c.id),
+                        Some(w) => format!("closing {}: {} peer(s) did not acknowledge the revoke", c.id, w.len()),
+                    };
+                    let _ = r.send(Err(BackendError::Timeout { backend: NAME, what, after: self.settings.op_timeout }));
+                }
+            }
+            i += 1;
+        }
+        !self.closes.is_empty()
     }
 
     fn shutdown(&mut self, rx: &Receiver<Cmd>) {
-        // Answer everything still queued.
         while let Ok(cmd) = rx.try_recv() {
-            refuse(cmd);
+            self.refuse(cmd);
         }
-        // Let in-flight writes finish (bounded).
+        // Close every region still registered: peers acknowledge they no longer write into it.
+        for (id, _) in self.shared.regions.snapshot() {
+            if let Ok(drained) = self.shared.regions.remove(id) {
+                lock(&self.shared.meta).remove(&id);
+                self.handle(Cmd::Close { id, drained, reply: None });
+            }
+        }
+        self.shared.closed.store(true, Ordering::Release);
         let deadline = Instant::now() + SHUTDOWN_WAIT;
         while Instant::now() < deadline {
             self.progress_all();
-            if !self.poll_jobs() {
+            let busy = self.poll_all();
+            if !busy || (self.closes.is_empty() && self.peers.values().all(|p| p.jobs.is_empty())) {
                 break;
             }
         }
-        // Tell every live peer (those we connected to and those that connected to us) we are going.
+        for c in self.closes.drain(..) {
+            if let Some(r) = c.reply {
+                let _ = r.send(Err(BackendError::Closed { backend: NAME }));
+            }
+        }
         let bye = self.header(Kind::Goodbye, GOODBYE_SHUTDOWN);
         let mut told = HashSet::new();
         let mut pending = Vec::new();
         let eps: Vec<(u64, Rc<Endpoint>)> = self
             .peers
             .values()
-            .filter(|p| p.lost.is_none() && p.connected)
+            .filter(|p| p.lost.is_none())
             .map(|p| (p.instance, p.ep.clone()))
             .chain(self.reverse.iter().map(|(i, r)| (*i, r.ep.clone())))
             .collect();
@@ -1121,112 +1378,40 @@ impl Engine {
             pending.retain(|r| r.poll("ucp_ep_flush_nbx").is_none());
         }
         drop(pending);
-        // Close every endpoint without a handshake (peers were told), remote keys first.
         for (_, ep) in &eps {
             ep.mark_failed();
         }
         drop(eps);
-        for p in self.peers.values().chain(self.closing.iter().map(|(_, p, _)| p)) {
-            p.ep.mark_failed();
-        }
-        self.peers.clear();
-        self.closing.clear();
-        self.reverse.clear();
-        self.loose.clear();
-        while let Ok(cmd) = rx.try_recv() {
-            refuse(cmd);
-        }
-    }
-}
-
-fn refuse(cmd: Cmd) {
-    let closed = || BackendError::Closed { backend: NAME };
-    match cmd {
-        Cmd::Register { reply, .. } | Cmd::Deregister { reply, .. } => drop(reply.send(Err(closed()))),
-        Cmd::Connect { reply, .. } => drop(reply.send(Err(closed()))),
-        Cmd::Write { reply, .. } | Cmd::Notify { reply, .. } | Cmd::Disconnect { reply, .. } => {
-            drop(reply.send(Err(closed())))
-        }
-        Cmd::Shutdown => {}
-    }
-}
-
-/// Active-message data path: sends the bytes of validated ops in data messages (copied out of the
-/// source region), then a commit that carries the notification; all on one endpoint, so they
-/// arrive in this order and the receiver places the bytes before it sees the commit.
-fn post_am_data(
-    ep: &Endpoint,
-    plan: &[(&Local, &Remote, WriteOp)],
-    seq: u64,
-    data_header: Vec<u8>,
-    commit_header: Vec<u8>,
-    notify: Option<Vec<u8>>,
-    job: &mut Job,
-) -> Result<(), UcxError> {
-    let mut b = wire::DataBuilder::new(seq);
-    for (src, _, op) in plan {
-        let Local::Mapped(memh) = src else { continue };
-        if op.len == 0 {
-            continue;
-        }
-        let mem = memh.region();
-        let whole = op.count > 1 && op.src_stride == op.len && op.dst_stride == op.len;
-        let ranges: Box<dyn Iterator<Item = (u64, u64, u64)>> = if whole {
-            Box::new(std::iter::once((op.src_offset, op.dst_offset, op.len * op.count)))
-        } else {
-            Box::new(op.ranges())
-        };
-        for (so, dof, len) in ranges {
-            b.add(op.dst.0, dof, len, |at, out| mem.read(so + at, out).expect("source range checked in write"));
-        }
-    }
-    for msg in b.finish() {
-        if let Posted::Pending(r) = ep.am_send(data_header.clone(), msg)? {
-            job.reqs.push(("ucp_am_send_nbx", r));
-        }
-    }
-    let mut commit = seq.to_le_bytes().to_vec();
-    commit.extend_from_slice(&notify.unwrap_or_default());
-    if let Posted::Pending(r) = ep.am_send(commit_header, commit)? {
-        job.reqs.push(("ucp_am_send_nbx", r));
-    }
-    Ok(())
-}
-
-/// Posts the puts of validated ops; the job keeps their sources and remote keys until its flush
-/// completes.
-// The one `unsafe` outside `ucp.rs`: `Endpoint::put` cannot check the remote side of a one-sided
-// write by itself; this function is where the conditions it states are established.
-#[allow(unsafe_code)]
-fn post_puts(ep: &Endpoint, plan: &[(&Local, &Remote, WriteOp)], job: &mut Job) -> Result<(), UcxError> {
-    for (src, dst, op) in plan {
-        let (Local::Mapped(memh), Some(rkey)) = (src, &dst.rkey) else {
-            // A zero-length region on either side: bounds checks passed, so every range is empty.
-            continue;
-        };
-        if op.len == 0 {
-            continue;
-        }
-        job.sources.push(memh.clone());
-        job.rkeys.push(rkey.clone());
-        // Both sides contiguous: one put for the whole op.
-        let whole = op.count > 1 && op.src_stride == op.len && op.dst_stride == op.len;
-        let ranges: Box<dyn Iterator<Item = (u64, u64, u64)>> = if whole {
-            Box::new(std::iter::once((op.src_offset, op.dst_offset, op.len * op.count)))
-        } else {
-            Box::new(op.ranges())
-        };
-        for (so, dof, len) in ranges {
-            // SAFETY: `job` holds the source registration (hence its memory) and the remote key
-            // until the flush posted after these puts completes (Job::poll clears them only then;
-            // Job's Drop leaks them if it never completes). The destination range was checked
-            // against the region the peer published (check_bounds in `write`); the peer keeps it
-            // registered for as long as it lets connected peers write (see the crate docs).
-            match unsafe { ep.put(memh, so, len, dst.addr + dof, rkey) }? {
-                Posted::Done => {}
-                p @ Posted::Pending(_) => p.release(),
+        for p in self.peers.values_mut() {
+            p.set_lost("the endpoint shut down".into());
+            p.poll(PeerId(0), self.settings.am_data, &self.headers);
+            if let Some((_, reply, _)) = p.connecting.take() {
+                let _ = reply.send(Err(BackendError::Closed { backend: NAME }));
+            }
+            if let Some((reply, ..)) = p.closing.take() {
+                let _ = reply.send(Ok(()));
             }
         }
+        self.peers.clear();
+        self.reverse.clear();
+        self.acks.clear();
+        self.loose.clear();
+        while let Ok(cmd) = rx.try_recv() {
+            self.refuse(cmd);
+        }
     }
-    Ok(())
+
+    fn refuse(&mut self, cmd: Cmd) {
+        let closed = || BackendError::Closed { backend: NAME };
+        match cmd {
+            Cmd::Register { reply, .. }
+            | Cmd::Connect { reply, .. }
+            | Cmd::Notify { reply, .. }
+            | Cmd::Disconnect { reply, .. } => drop(reply.send(Err(closed()))),
+            Cmd::Post(p) => drop(p.state.fail(closed())),
+            // Region closes still go through the fence in shutdown.
+            c @ Cmd::Close { .. } => self.handle(c),
+            Cmd::Abort { .. } | Cmd::Shutdown => {}
+        }
+    }
 }

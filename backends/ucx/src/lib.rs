@@ -2,82 +2,62 @@
 //!
 //! # How it works
 //! - Each endpoint owns a UCP context and one worker, driven by a dedicated progress thread (the
-//!   worker is `UCS_THREAD_MODE_SINGLE` and only that thread touches it). The async API sends the
-//!   thread commands over a channel and awaits the answer on a oneshot channel; the thread enforces
-//!   a deadline (`timeout_ms`) on every operation, so no call waits forever.
+//!   worker is `UCS_THREAD_MODE_SINGLE` and only that thread touches it). The API sends the thread
+//!   commands over a channel; async calls await a oneshot answer, [`KvTransferBackend::post`]
+//!   returns a [`Transfer`] at once and the thread completes its state.
 //! - [`KvTransferBackend::metadata`] publishes the worker address and, per registered region, its
-//!   address, length and packed remote key. Peers create their endpoint from the worker address,
-//!   so UCX picks the best lane it shares with the peer: shared memory (posix/sysv for active
-//!   messages, cma for puts) between processes on one host, tcp or RDMA between hosts.
-//! - `write` validates every op against the local registration and the peer's published regions,
-//!   posts `ucp_put_nbx` for each range (a strided op becomes one put per range; a contiguous one a
-//!   single put), then flushes the endpoint: `write` returns after the flush completed, which means
-//!   the bytes are placed in the peer's memory (remote completion). An attached notification is an
-//!   active message posted after that flush, so it can never arrive before the data it covers.
-//!   Out-of-band notifications (`notify`) are active messages too, sent on the caller's request
-//!   after its writes returned; both kinds are delivered in the order they were sent per peer.
-//! - Over tcp, writes take the active-message data path instead (option `data`, see below): UCX
-//!   1.13 has no native RMA over tcp and emulates puts with active messages whose acknowledgement
-//!   path aborts the *receiving* process (`ucp_put_handler` -> `Fatal: unexpected error: Endpoint
-//!   timeout`, in `ucp_request_try_send`) when the sender dies mid-transfer. So over tcp the sender
-//!   packs the ranges into eager active messages (up to 1 MiB each) followed by a commit carrying
-//!   the attached notification; the receiver checks every range against its registered region,
-//!   copies it in, and acknowledges the commit; `write` returns on that acknowledgement (remote
-//!   completion). Messages on one endpoint are ordered, so the notification still follows the data.
-//! - Peer loss: endpoints use `UCP_ERR_HANDLING_MODE_PEER` with an error callback. A connecting
-//!   endpoint introduces itself with a hello message carrying its worker address; the receiver
-//!   opens an endpoint back to it just to watch it. When a peer dies, UCX fails these endpoints
-//!   (tcp: at once; shared memory: through keepalive, `keepalive_ms`), the receiver reports
-//!   [`BackendEvent::PeerLost`], and the sender's pending and later writes fail with
-//!   [`BackendError::PeerLost`]. An endpoint that shuts down cleanly (drop) says goodbye first,
-//!   which peers report the same way without waiting for a timeout.
+//!   address, length and packed remote key. Peers create their endpoint from the worker address, so
+//!   UCX picks the best lane both share: shared memory (posix/sysv for active messages, cma for
+//!   puts) on one host, tcp or RDMA between hosts. A connecting endpoint says hello; the peer
+//!   answers with a welcome listing the regions registered now (stale keys are dropped), on the
+//!   endpoint it later sends revokes on.
+//! - Put path (`data=put`): `post` checks every op, the thread posts `ucp_put_nbx` per contiguous
+//!   segment (at most [`PIECE`] bytes, [`engine`]'s window of requests in flight), then a flush; the
+//!   transfer is done when the flush completed (remote completion), and its attached notification
+//!   is an active message posted after that flush, in post order per peer.
+//! - Active-message path (`data=am`, the default over tcp): UCX 1.13 emulates puts over tcp with
+//!   active messages whose acknowledgement path aborts the *receiving* process when the sender dies
+//!   mid-transfer (`ucp_put_handler` -> `Fatal: unexpected error: Endpoint timeout`). So the sender
+//!   packs the segments into eager active messages (up to 1 MiB), then a commit carrying the
+//!   notification; the receiver checks every segment against the region registered now, places
+//!   it, and acknowledges the commit on the same endpoint pair; the transfer is done on that
+//!   acknowledgement (remote completion).
+//! - Peer loss: endpoints use `UCP_ERR_HANDLING_MODE_PEER` where the transports support it; UCX
+//!   1.13's shared-memory transports do not, so there the backend watches the peer process through
+//!   `/proc` (boot id, pid, start time) every `keepalive_ms`. Clean shutdowns say goodbye.
 //!
-//! # Which memory a peer can write
-//! A receiver only accepts writes into memory it registered. With puts, a peer can only address a
-//! region through the remote key it was given in the metadata, and with RDMA transports the NIC
-//! enforces the key's bounds. With cma (shared memory) UCX does not check bounds on the receiving
-//! side (cma is `process_vm_writev`, limited by the kernel's ptrace rules to processes of the same
-//! user), so kvxfer checks every range against the published region on the sending side before
-//! posting it: a kvxfer sender never writes outside a region, and a receiver should only publish
-//! its metadata to peers it trusts. A deregistered region must not be freed while connected peers
-//! may still hold its remote key (reconnect them first). On the active-message data path (tcp)
-//! the receiver itself checks every range against the region it has registered *now* and refuses
-//! (the sender's `write` fails with a protocol error) anything else.
+//! # Memory lifetime and abort
+//! - Closing a [`Registration`] removes the region from the table (new posts naming it fail with
+//!   `UnknownRegion`, the active-message receiver refuses data for it), waits until no local
+//!   transfer holds it, then sends a revoke to every connected peer and resolves when each one
+//!   acknowledged or is known lost. A peer acknowledges after it forgot the remote key, stopped
+//!   posting into the region, and a flush of its endpoint completed: cma (`process_vm_writev`)
+//!   and emulated puts are not checked by the receiving NIC, so this handshake is what guarantees
+//!   no write lands after `close`. Only then is the memory unmapped. Dropping a registration does
+//!   the same on the progress thread; dropping the endpoint closes every region the same way
+//!   (bounded by two seconds).
+//! - Abort stops posting the transfer's remaining pieces, cancels outstanding requests where UCX
+//!   can (`ucp_request_cancel`), and fences: the put path waits for a flush of the endpoint; the
+//!   active-message path sends an aborted commit and waits for the receiver's acknowledgement on
+//!   the same ordered endpoint, so every earlier data message was placed (or refused) before it.
+//!   Only then is the transfer `Aborted`.
 //!
-//! # Options (`BackendConfig::options`, with environment fallbacks)
-//! | option | env | meaning |
-//! |---|---|---|
-//! | `tls` | `KVXFER_UCX_TLS` | UCX transports (`UCX_TLS`), e.g. `tcp`, `shm,self`, `posix,sysv,cma,self`; default: UCX's |
-//! | `net_devices` | `KVXFER_UCX_NET_DEVICES` | network devices (`UCX_NET_DEVICES`), e.g. `lo`; default: UCX's |
-//! | `timeout_ms` | `KVXFER_UCX_TIMEOUT_MS` | deadline of every connect, write and notify (default 30000) |
-//! | `keepalive_ms` | `KVXFER_UCX_KEEPALIVE_MS` | UCX keepalive interval, bounds dead-peer detection on shared memory (default 1000) |
-//! | `data` | `KVXFER_UCX_DATA` | `auto` (default), `put` or `am`: one-sided `ucp_put_nbx`, or the active-message data path; `auto` = `am` when tcp may be used (tls unset, `all`, or naming tcp) or cma is not allowed (Yama `ptrace_scope` not 0), else `put` |
-//! | `err_mode` | `KVXFER_UCX_ERR_MODE` | `auto` (default), `peer` or `none`: UCX error handling mode of endpoints (see below) |
-//! | `ucx.NAME` | | any other UCX setting, e.g. `ucx.RNDV_THRESH=64k` |
-//!
-//! `UCX_*` environment variables still apply; options override them.
-//!
-//! UCX 1.13's shared-memory transports (posix, sysv, self) do not support
-//! `UCP_ERR_HANDLING_MODE_PEER`: with it, UCX refuses them (and picks tcp when allowed). In `auto`
-//! mode endpoints therefore use peer error handling unless the transports are shared memory only
-//! (or no transport supports it); such endpoints use mode none, and the backend watches those
-//! peers itself: clean shutdowns say goodbye, and a peer process that dies is detected through
-//! `/proc` (boot id, pid and start time from its metadata) every `keepalive_ms`. Writes are never
-//! posted to a peer process known to be gone. For shared memory between processes, set
-//! `tls=posix,sysv,cma,self` (or `shm,self`); with UCX's default transports and peer error
-//! handling, same-host peers talk over tcp.
+//! # Options
+//! See the crate README; every option has a `KVXFER_UCX_<OPTION>` environment fallback.
 
-use std::collections::BTreeMap;
-use std::sync::mpsc::SyncSender;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvxfer_core::backend::BackendDescriptor;
+use kvxfer_core::backend::BoxFuture;
+use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionTable};
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend, MemRegion,
-    Notification, PeerId, RegionId, WriteOp,
+    AbortTransfer, BackendConfig, BackendError, BackendEvent, Capabilities, CloseRegistration, Completion,
+    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration,
+    Transfer, TransferState, WriteOp,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 mod engine;
 mod liveness;
@@ -85,23 +65,32 @@ pub mod perftest;
 mod ucp;
 mod wire;
 
-use engine::{Cmd, ErrMode, LocalMeta, Settings};
+use engine::{Cmd, ErrMode, PeerShared, Post, Settings, Shared};
 
 /// Registry name.
 pub const NAME: &str = "ucx";
 
-/// What the UCX backend supports.
-pub const CAPABILITIES: Capabilities =
-    Capabilities { attached: true, out_of_band: true, cross_process: true, cross_host: true };
+/// Largest contiguous piece one put or data segment carries (abort granularity).
+pub const PIECE: u64 = 4 << 20;
+/// Most ops one post takes.
+pub const MAX_OPS_PER_POST: u64 = 1 << 16;
+/// Largest encoded notification (an eager active message carries it whole).
+pub const MAX_NOTIFICATION_BYTES: u64 = (kvxfer_core::notify::MAX_PAYLOAD + 4096) as u64;
+/// Most regions registered at once.
+pub const MAX_REGIONS: u64 = 1 << 16;
 
-kvxfer_core::inventory::submit! {
-    BackendDescriptor {
-        name: NAME,
-        description: "UCX: ucp_put_nbx with remote keys, active-message notifications (tcp, shared memory, RDMA)",
-        capabilities: CAPABILITIES,
-        create,
-    }
-}
+/// Capabilities of an endpoint with default options (instances report their own: shared-memory
+/// transports only means no cross-host, CUDA memory only where UCX reports it).
+pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
+    .with_limits(Limits::new(MAX_OPS_PER_POST, MAX_NOTIFICATION_BYTES, MAX_REGIONS))
+    .with_completion(Completion::Remote);
+
+kvxfer_core::register_backend!(
+    NAME,
+    "UCX: ucp_put_nbx with remote keys, active-message notifications (tcp, shared memory, RDMA)",
+    CAPABILITIES,
+    create
+);
 
 /// The version of the UCX library this process loaded.
 pub fn ucx_version() -> String {
@@ -113,66 +102,40 @@ pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, Back
     Ok(Arc::new(UcxBackend::new(config)?))
 }
 
-const DEFAULT_TIMEOUT_MS: u64 = 30_000;
-const DEFAULT_KEEPALIVE_MS: u64 = 1_000;
-
-fn option(config: &BackendConfig, key: &str, env: &str) -> Option<String> {
-    config.options.get(key).cloned().or_else(|| std::env::var(env).ok().filter(|v| !v.is_empty()))
-}
-
-fn parse_ms(config: &BackendConfig, key: &str, env: &str, default: u64) -> Result<u64, BackendError> {
-    match option(config, key, env) {
-        None => Ok(default),
-        Some(v) => v.parse().map_err(|_| BackendError::Config {
-            backend: NAME,
-            detail: format!("{key}={v:?} (or {env}) is not a whole number of milliseconds"),
-        }),
-    }
-}
+const KNOWN: [&str; 7] = ["tls", "net_devices", "timeout_ms", "keepalive_ms", "err_mode", "data", "ucx.<NAME>"];
 
 fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
-    const KNOWN: [&str; 6] = ["tls", "net_devices", "timeout_ms", "keepalive_ms", "err_mode", "data"];
-    for k in config.options.keys() {
-        if !KNOWN.contains(&k.as_str()) && !k.starts_with("ucx.") {
-            return Err(BackendError::Config {
-                backend: NAME,
-                detail: format!("unknown option {k:?}; known: {}, ucx.<UCX setting>", KNOWN.join(", ")),
-            });
-        }
-    }
+    // `ucx.NAME` options pass through to UCX; the rest go through the toolkit's parser.
+    let mut plain = config.clone();
+    plain.options.retain(|k, _| !k.starts_with("ucx."));
+    let o = Options::new(NAME, &plain, &KNOWN)?;
+    let nonempty = |k: &str| o.get(k).filter(|v| !v.trim().is_empty());
     let mut ucx = Vec::new();
-    let tls = option(config, "tls", "KVXFER_UCX_TLS");
+    let tls = nonempty("tls");
     if let Some(t) = &tls {
         ucx.push(("TLS".to_owned(), t.clone()));
     }
-    if let Some(d) = option(config, "net_devices", "KVXFER_UCX_NET_DEVICES") {
+    if let Some(d) = nonempty("net_devices") {
         ucx.push(("NET_DEVICES".to_owned(), d));
     }
-    let keepalive = parse_ms(config, "keepalive_ms", "KVXFER_UCX_KEEPALIVE_MS", DEFAULT_KEEPALIVE_MS)?;
+    let keepalive: u64 = o.int_in("keepalive_ms", 1_000, 1..=3_600_000)?;
     ucx.push(("KEEPALIVE_INTERVAL".to_owned(), format!("{keepalive}ms")));
     for (k, v) in &config.options {
         if let Some(name) = k.strip_prefix("ucx.") {
             ucx.push((name.to_owned(), v.clone()));
         }
     }
-    let timeout = parse_ms(config, "timeout_ms", "KVXFER_UCX_TIMEOUT_MS", DEFAULT_TIMEOUT_MS)?;
-    if timeout == 0 {
-        return Err(BackendError::Config { backend: NAME, detail: "timeout_ms must be at least 1".into() });
-    }
-    let err_mode = match option(config, "err_mode", "KVXFER_UCX_ERR_MODE").as_deref() {
-        None | Some("auto") => ErrMode::Auto,
-        Some("peer") => ErrMode::Peer,
-        Some("none") => ErrMode::None,
-        Some(other) => {
-            return Err(BackendError::Config {
-                backend: NAME,
-                detail: format!("err_mode={other:?} (or KVXFER_UCX_ERR_MODE): expected auto, peer or none"),
-            })
-        }
+    let timeout: u64 = o.int_in("timeout_ms", 30_000, 1..=3_600_000)?;
+    let err_mode = match o.choice("err_mode", "auto", &["auto", "peer", "none"])? {
+        "peer" => ErrMode::Peer,
+        "none" => ErrMode::None,
+        _ => ErrMode::Auto,
     };
-    let effective_tls = tls.clone().or_else(|| std::env::var("UCX_TLS").ok().filter(|t| !t.is_empty()));
-    let am_data = match option(config, "data", "KVXFER_UCX_DATA").as_deref() {
-        None | Some("auto") => match effective_tls.as_deref() {
+    let effective_tls = tls.or_else(|| std::env::var("UCX_TLS").ok().filter(|t| !t.is_empty()));
+    let am_data = match o.choice("data", "auto", &["auto", "put", "am"])? {
+        "put" => false,
+        "am" => true,
+        _ => match effective_tls.as_deref() {
             None => true,
             Some(t) => {
                 t.split(',').any(|x| matches!(x.trim().trim_start_matches('^'), "tcp" | "all"))
@@ -180,18 +143,7 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
                     || !cma_allowed()
             }
         },
-        Some("put") => false,
-        Some("am") => true,
-        Some(other) => {
-            return Err(BackendError::Config {
-                backend: NAME,
-                detail: format!("data={other:?} (or KVXFER_UCX_DATA): expected auto, put or am"),
-            })
-        }
     };
-    if keepalive == 0 {
-        return Err(BackendError::Config { backend: NAME, detail: "keepalive_ms must be at least 1".into() });
-    }
     Ok(Settings {
         ucx,
         op_timeout: Duration::from_millis(timeout),
@@ -205,9 +157,9 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
     })
 }
 
-/// Whether cma (`process_vm_writev` between sibling processes) is allowed: Yama's
-/// `ptrace_scope` absent or 0. Otherwise UCX has no one-sided lane on shared memory and would
-/// emulate puts with active messages, so `data=auto` takes the active-message data path.
+/// Whether cma (`process_vm_writev` between sibling processes) is allowed: Yama's `ptrace_scope`
+/// absent or 0. Otherwise UCX has no one-sided lane on shared memory and emulates puts with
+/// active messages, so `data=auto` takes the active-message path.
 fn cma_allowed() -> bool {
     match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
         Err(_) => true,
@@ -225,16 +177,16 @@ fn shm_only(tls: Option<&str>) -> bool {
     }
 }
 
-/// A UCX endpoint. Dropping it says goodbye to its peers and releases every UCX handle (on its
-/// progress thread, bounded by a few seconds).
+/// A UCX endpoint. Dropping it closes every region (peers acknowledge), says goodbye to its peers
+/// and releases every UCX handle, on its progress thread, bounded by a few seconds.
 pub struct UcxBackend {
     identity: u64,
     instance: u64,
     proc: liveness::ProcId,
-    timeout: Duration,
-    cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
-    events: tokio::sync::Mutex<mpsc::UnboundedReceiver<BackendEvent>>,
-    meta: Arc<Mutex<LocalMeta>>,
+    caps: Capabilities,
+    shared: Arc<Shared>,
+    peers: PeerTable<Arc<PeerShared>>,
+    next_job: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -253,44 +205,43 @@ impl UcxBackend {
     /// progress thread that owns them.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let s = settings(config)?;
-        let (identity, instance, timeout, proc) = (s.identity, s.instance, s.op_timeout, s.proc.clone());
+        let (identity, instance, proc) = (s.identity, s.instance, s.proc.clone());
+        let (shm, am_data) = (s.shm_only, s.am_data);
         let (tx, rx) = std::sync::mpsc::channel();
-        let (etx, erx) = mpsc::unbounded_channel();
-        let meta = Arc::new(Mutex::new(LocalMeta { worker: Vec::new(), regions: BTreeMap::new() }));
-        let thread = engine::start(s, rx, etx, meta.clone())?;
+        let shared = Arc::new(Shared {
+            regions: RegionTable::new(NAME, MAX_REGIONS),
+            events: EventQueue::new(),
+            worker: Mutex::new(Vec::new()),
+            meta: Mutex::new(Default::default()),
+            cmds: Mutex::new(tx),
+            closed: AtomicBool::new(false),
+        });
+        let (thread, cuda) = engine::start(s, rx, shared.clone())?;
+        // Device memory only where UCX can register it and the data path never reads it from
+        // the host (the active-message path copies through host guards).
+        let memory = if cuda && !am_data { MemKinds::HOST.union(MemKinds::CUDA) } else { MemKinds::HOST };
+        let caps = Capabilities::new(true, true, true, !shm)
+            .with_memory(memory)
+            .with_limits(Limits::new(MAX_OPS_PER_POST, MAX_NOTIFICATION_BYTES, MAX_REGIONS))
+            .with_completion(Completion::Remote);
         Ok(Self {
             identity,
             instance,
             proc,
-            timeout,
-            cmds: Mutex::new(tx),
-            events: tokio::sync::Mutex::new(erx),
-            meta,
+            caps,
+            shared,
+            peers: PeerTable::new(NAME),
+            next_job: AtomicU64::new(1),
             thread: Mutex::new(Some(thread)),
         })
     }
 
-    fn send(&self, cmd: Cmd) -> Result<(), BackendError> {
-        lock(&self.cmds).send(cmd).map_err(|_| BackendError::Closed { backend: NAME })
-    }
-
-    fn call_sync(&self, make: impl FnOnce(SyncSender<Result<(), BackendError>>) -> Cmd) -> Result<(), BackendError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.send(make(tx))?;
-        rx.recv_timeout(self.timeout).map_err(|e| match e {
-            std::sync::mpsc::RecvTimeoutError::Timeout => {
-                BackendError::Timeout { backend: NAME, what: "the UCX progress thread".into(), after: self.timeout }
-            }
-            std::sync::mpsc::RecvTimeoutError::Disconnected => BackendError::Closed { backend: NAME },
-        })?
-    }
-
-    async fn call<T>(
+    async fn call(
         &self,
-        make: impl FnOnce(oneshot::Sender<Result<T, BackendError>>) -> Cmd,
-    ) -> Result<T, BackendError> {
+        make: impl FnOnce(oneshot::Sender<Result<(), BackendError>>) -> Cmd,
+    ) -> Result<(), BackendError> {
         let (tx, rx) = oneshot::channel();
-        self.send(make(tx))?;
+        self.shared.send(make(tx))?;
         // The progress thread answers every command by its deadline (or drops the sender on exit).
         rx.await.map_err(|_| BackendError::Closed { backend: NAME })?
     }
@@ -298,12 +249,70 @@ impl UcxBackend {
 
 impl Drop for UcxBackend {
     fn drop(&mut self) {
-        let _ = lock(&self.cmds).send(Cmd::Shutdown);
+        let _ = self.shared.send(Cmd::Shutdown);
         if let Some(t) = lock(&self.thread).take() {
-            // Bounded: shutdown waits at most a few seconds for in-flight work and goodbyes.
+            // Bounded: shutdown waits at most a few seconds for closes, transfers and goodbyes.
             let _ = t.join();
         }
     }
+}
+
+/// Closes one region through the progress thread (see the crate docs).
+struct Closer {
+    id: RegionId,
+    shared: Arc<Shared>,
+}
+
+impl Closer {
+    fn start(&self, reply: Option<oneshot::Sender<Result<(), BackendError>>>) -> Result<(), BackendError> {
+        let drained = match self.shared.regions.remove(self.id) {
+            Ok(d) => d,
+            // The endpoint shut down, which closed every region already.
+            Err(_) if self.shared.closed.load(Ordering::Acquire) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        lock(&self.shared.meta).remove(&self.id);
+        self.shared.send(Cmd::Close { id: self.id, drained, reply })
+    }
+}
+
+impl CloseRegistration for Closer {
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), BackendError>> {
+        Box::pin(async move {
+            let (tx, rx) = oneshot::channel();
+            match self.start(Some(tx)) {
+                Err(BackendError::Closed { .. }) => Ok(()),
+                Err(e) => Err(e),
+                Ok(()) => rx.await.unwrap_or(Ok(())),
+            }
+        })
+    }
+
+    fn close_detached(self: Box<Self>) {
+        if let Err(e) = self.start(None) {
+            tracing::debug!("ucx: closing {} in the background: {e}", self.id);
+        }
+    }
+}
+
+/// Aborts one transfer through the progress thread.
+struct Aborter {
+    peer: PeerId,
+    job: u64,
+    shared: Arc<Shared>,
+}
+
+impl AbortTransfer for Aborter {
+    fn abort(&self, state: &Arc<TransferState>) {
+        if self.shared.send(Cmd::Abort { peer: self.peer, job: self.job }).is_err() {
+            // The thread is gone: it failed every transfer on its way out.
+            state.aborted();
+        }
+    }
+}
+
+fn encode(n: &Notification) -> Result<Vec<u8>, BackendError> {
+    n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })
 }
 
 #[async_trait::async_trait]
@@ -313,28 +322,24 @@ impl KvTransferBackend for UcxBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        self.caps
     }
 
-    fn register(&self, id: RegionId, mem: MemRegion) -> Result<(), BackendError> {
-        self.call_sync(|reply| Cmd::Register { id, mem, reply })
-    }
-
-    fn deregister(&self, id: RegionId) -> Result<(), BackendError> {
-        self.call_sync(|reply| Cmd::Deregister { id, reply })
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        self.caps.check_memory(NAME, &mem.kind())?;
+        let desc = mem.clone();
+        self.call(|reply| Cmd::Register { id, desc, reply }).await?;
+        Ok(Registration::new(NAME, id, &mem, Box::new(Closer { id, shared: self.shared.clone() })))
     }
 
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
-        let payload = {
-            let m = lock(&self.meta);
-            wire::Payload {
-                v: wire::PAYLOAD_VERSION,
-                instance: self.instance,
-                ucx: ucp::version(),
-                worker: wire::hex(&m.worker),
-                regions: m.regions.values().cloned().collect(),
-                proc: self.proc.clone(),
-            }
+        let payload = wire::Payload {
+            v: wire::PAYLOAD_VERSION,
+            instance: self.instance,
+            ucx: ucp::version(),
+            worker: wire::hex(&lock(&self.shared.worker)),
+            regions: lock(&self.shared.meta).values().cloned().collect(),
+            proc: self.proc.clone(),
         };
         let payload = serde_json::to_vec(&payload)
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: format!("encoding the payload: {e}") })?;
@@ -352,38 +357,61 @@ impl KvTransferBackend for UcxBackend {
             });
         }
         let identity = peer.identity;
-        self.call(|reply| Cmd::Connect { identity, payload, reply }).await
+        let pid = self.peers.reserve();
+        let shared = Arc::new(PeerShared { identity, regions: Mutex::new(HashMap::new()), lost: Mutex::new(None) });
+        let s = shared.clone();
+        self.call(|reply| Cmd::Connect { pid, shared: s, identity, payload, reply }).await?;
+        self.peers.insert_at(pid, shared);
+        Ok(pid)
     }
 
-    async fn write(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<(), BackendError> {
-        let notify = match notify {
-            Some(n) => Some(n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?),
-            None => None,
-        };
-        let ops = ops.to_vec();
-        self.call(|reply| Cmd::Write { peer, ops, notify, reply }).await
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        let p = self.peers.get(peer)?;
+        if let Some(reason) = lock(&p.lost).clone() {
+            let peer = format!("{peer} (identity {:#x})", p.identity);
+            return Err(BackendError::PeerLost { backend: NAME, peer, detail: reason });
+        }
+        let notify = notify.map(encode).transpose()?;
+        self.caps.check_post(NAME, ops.len(), notify.as_ref().map_or(0, Vec::len))?;
+        let mut srcs: HashMap<RegionId, _> = HashMap::new();
+        {
+            let theirs = lock(&p.regions);
+            for op in ops {
+                if let std::collections::hash_map::Entry::Vacant(v) = srcs.entry(op.src) {
+                    v.insert(self.shared.regions.get(op.src, None)?);
+                }
+                op.check_src(NAME, None, srcs[&op.src].len())?;
+                let dst = theirs.get(&op.dst).ok_or(BackendError::UnknownRegion {
+                    backend: NAME,
+                    region: op.dst,
+                    peer: Some(peer),
+                })?;
+                op.check_dst(NAME, Some(peer), *dst)?;
+            }
+        }
+        let bytes = ops.iter().map(WriteOp::bytes).sum();
+        let state = TransferState::new(NAME, peer);
+        let job = self.next_job.fetch_add(1, Ordering::Relaxed);
+        let segs = segments(ops, PIECE).collect();
+        let srcs = srcs.into_values().collect();
+        self.shared.send(Cmd::Post(Box::new(Post { peer, job, segs, srcs, notify, state: state.clone() })))?;
+        let aborter = Arc::new(Aborter { peer, job, shared: self.shared.clone() });
+        Ok(Transfer::new(state, aborter, bytes))
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
-        let bytes = notification.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?;
+        self.peers.get(peer)?;
+        let bytes = encode(notification)?;
+        self.caps.check_post(NAME, 0, bytes.len())?;
         self.call(|reply| Cmd::Notify { peer, bytes, reply }).await
     }
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
-        let mut rx = self.events.lock().await;
-        let mut out = Vec::new();
-        match tokio::time::timeout(max_wait, rx.recv()).await {
-            Err(_) => return Ok(out),
-            Ok(None) => return Err(BackendError::Closed { backend: NAME }),
-            Ok(Some(e)) => out.push(e),
-        }
-        while let Ok(e) = rx.try_recv() {
-            out.push(e);
-        }
-        Ok(out)
+        Ok(self.shared.events.recv(max_wait).await)
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+        self.peers.remove(peer)?;
         self.call(|reply| Cmd::Disconnect { peer, reply }).await
     }
 }

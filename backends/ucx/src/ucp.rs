@@ -8,15 +8,15 @@
 //! `UCS_THREAD_MODE_SINGLE` worker must be used. Callbacks never unwind into C (`catch_unwind`).
 #![allow(unsafe_code)]
 
-use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::ffi::{c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::MemRegion;
+use std::sync::mpsc;
+
+use kvxfer_core::{MemDesc, MemKind};
 use kvxfer_ucx_sys as sys;
 use sys::zeroed;
 
@@ -129,6 +129,18 @@ impl Context {
     }
 }
 
+impl Context {
+    /// Whether the context can register CUDA device memory (`ucp_context_query`, memory types).
+    /// Debian's UCX is built without CUDA, so this is normally false.
+    pub fn supports_cuda(&self) -> bool {
+        let mut attr: sys::ucp_context_attr_t = zeroed();
+        attr.field_mask = sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+        // SAFETY: the context is live; attr is a zeroed struct with the queried field named.
+        let r = check("ucp_context_query", unsafe { sys::ucp_context_query(self.raw, &mut attr) });
+        r.is_ok() && attr.memory_types & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0
+    }
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every worker and memory handle holds an Rc to this context, so none is left.
@@ -144,15 +156,15 @@ pub(crate) struct AmMessage {
     pub data: Vec<u8>,
 }
 
-/// What callbacks running inside `ucp_worker_progress` leave for the progress loop.
-#[derive(Default)]
-pub(crate) struct Inbox {
-    /// Active messages received.
-    pub messages: VecDeque<AmMessage>,
-    /// Endpoint errors: (endpoint token, status).
-    pub ep_errors: Vec<(u64, Status)>,
-    /// Messages that UCX offered as rendezvous (we always send eager, so these are protocol errors).
-    pub dropped_rndv: u64,
+/// What callbacks running inside `ucp_worker_progress` leave for the progress loop. They go
+/// through a channel, so a callback never finds its queue borrowed and never drops anything.
+pub(crate) enum Event {
+    /// An active message.
+    Message(AmMessage),
+    /// An endpoint failed: (endpoint token, status).
+    EpError(u64, Status),
+    /// A message that UCX offered as rendezvous (kvxfer peers send eager: a protocol error).
+    DroppedRndv,
 }
 
 /// The active message id kvxfer uses (one id; the first header byte says what the message is).
@@ -164,8 +176,20 @@ pub(crate) const ERR_UNREACHABLE: Status = sys::UCS_ERR_UNREACHABLE as Status;
 /// A UCP worker (`ucp_worker_h`) in single-thread mode, destroyed on drop.
 pub(crate) struct Worker {
     raw: sys::ucp_worker_h,
-    inbox: Box<RefCell<Inbox>>,
+    sink: Box<mpsc::Sender<Event>>,
+    inbox: mpsc::Receiver<Event>,
     _ctx: Rc<Context>,
+}
+
+/// Hands an event from a callback to the progress loop.
+fn deliver(sink: *const mpsc::Sender<Event>, e: Event) {
+    // SAFETY: `sink` is the worker's boxed sender, which outlives every callback (it is dropped after
+    // ucp_worker_destroy); callbacks run on the progress thread.
+    let sink = unsafe { &*sink };
+    if sink.send(e).is_err() {
+        // Only when the receiver is gone, i.e. while the worker itself is being destroyed.
+        tracing::warn!("ucx: an event arrived while the worker was being destroyed");
+    }
 }
 
 unsafe extern "C" fn am_recv_cb(
@@ -177,16 +201,12 @@ unsafe extern "C" fn am_recv_cb(
     param: *const sys::ucp_am_recv_param_t,
 ) -> Status {
     let r = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: `arg` is the Worker's boxed inbox, which outlives the worker (dropped after
-        // ucp_worker_destroy); the callback runs on the progress thread inside ucp_worker_progress,
-        // when no RefCell borrow is held (try_borrow_mut guards that anyway).
-        let inbox = unsafe { &*(arg as *const RefCell<Inbox>) };
-        let Ok(mut inbox) = inbox.try_borrow_mut() else { return };
+        let sink = arg as *const mpsc::Sender<Event>;
         // SAFETY: param is valid for the duration of the callback per the UCP API.
         let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
         if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
-            // Returning UCS_OK without receiving drops the rendezvous data.
-            inbox.dropped_rndv += 1;
+            // Returning UCS_OK without receiving drops the rendezvous data; the loop logs it.
+            deliver(sink, Event::DroppedRndv);
             return;
         }
         let copy = |p: *const c_void, n: usize| -> Vec<u8> {
@@ -197,9 +217,11 @@ unsafe extern "C" fn am_recv_cb(
                 unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec()
             }
         };
-        inbox.messages.push_back(AmMessage { header: copy(header, header_length), data: copy(data, length) });
+        deliver(sink, Event::Message(AmMessage { header: copy(header, header_length), data: copy(data, length) }));
     }));
-    let _ = r;
+    if r.is_err() {
+        tracing::error!("ucx: the active-message handler panicked; the message is lost");
+    }
     sys::UCS_OK as Status
 }
 
@@ -212,7 +234,8 @@ impl Worker {
         let mut raw = ptr::null_mut();
         // SAFETY: ctx is live; params initialised for the named field; raw receives the worker.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.raw, &params, &mut raw) })?;
-        let worker = Rc::new(Self { raw, inbox: Box::new(RefCell::new(Inbox::default())), _ctx: ctx.clone() });
+        let (tx, inbox) = mpsc::channel();
+        let worker = Rc::new(Self { raw, sink: Box::new(tx), inbox, _ctx: ctx.clone() });
         let mut hp: sys::ucp_am_handler_param_t = zeroed();
         hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
             | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
@@ -221,8 +244,8 @@ impl Worker {
         hp.id = AM_ID;
         hp.flags = sys::UCP_AM_FLAG_WHOLE_MSG;
         hp.cb = Some(am_recv_cb);
-        hp.arg = &*worker.inbox as *const RefCell<Inbox> as *mut c_void;
-        // SAFETY: the worker is live; the arg (boxed inbox) lives as long as the worker.
+        hp.arg = worker.error_sink() as *mut c_void;
+        // SAFETY: the worker is live; the arg (boxed sender) lives as long as the worker.
         check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(worker.raw, &hp) })?;
         Ok(worker)
     }
@@ -234,8 +257,8 @@ impl Worker {
     }
 
     /// What callbacks left since the last call.
-    pub fn take_inbox(&self) -> Inbox {
-        std::mem::take(&mut *self.inbox.borrow_mut())
+    pub fn take_events(&self) -> Vec<Event> {
+        self.inbox.try_iter().collect()
     }
 
     /// This worker's address, for peers to connect to.
@@ -251,15 +274,15 @@ impl Worker {
         Ok(v)
     }
 
-    fn error_sink(&self) -> *const RefCell<Inbox> {
-        &*self.inbox
+    fn error_sink(&self) -> *const mpsc::Sender<Event> {
+        &*self.sink
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         // SAFETY: every endpoint holds an Rc to this worker, so none is left; destroyed once. The
-        // inbox box is dropped after this body, so no callback can see it freed.
+        // sink box is dropped after this body, so no callback can see it freed.
         unsafe { sys::ucp_worker_destroy(self.raw) }
     }
 }
@@ -294,15 +317,17 @@ impl Posted {
             Ok(Posted::Pending(Request { raw: p, keep, _worker: worker.clone() }))
         }
     }
-
-    /// Frees a request whose completion we do not need to observe (its effect is covered by a later
-    /// flush). Only for requests that own no buffers.
-    pub fn release(self) {
-        drop(self)
-    }
 }
 
 impl Request {
+    /// Asks UCX to cancel the request (`ucp_request_cancel`); it then completes, cancelled or
+    /// done, and must still be polled to its end. UCX cancels what it can (receives, and sends not
+    /// yet handed to a transport); a put already under way completes normally.
+    pub fn cancel(&self) {
+        // SAFETY: raw is a live request of this worker (freed only in Drop).
+        unsafe { sys::ucp_request_cancel(self._worker.raw, self.raw) }
+    }
+
     /// `None` while in flight; then `Ok` or the error status.
     pub fn poll(&self, call: &'static str) -> Option<Result<(), UcxError>> {
         // SAFETY: raw is a live request (freed only in Drop).
@@ -332,21 +357,20 @@ impl Drop for Request {
 
 struct ErrArg {
     token: u64,
-    sink: *const RefCell<Inbox>,
+    sink: *const mpsc::Sender<Event>,
 }
 
 unsafe extern "C" fn ep_err_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: Status) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    let r = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: `arg` is the endpoint's boxed ErrArg, alive until the endpoint is closed (or
-        // leaked if closing did not finish); `sink` points to the worker's inbox, which outlives
-        // every endpoint (they hold Rc<Worker>). Runs on the progress thread.
+        // leaked if closing did not finish); its sink is the worker's, which outlives every
+        // endpoint (they hold Rc<Worker>). Runs on the progress thread.
         let a = unsafe { &*(arg as *const ErrArg) };
-        // SAFETY: as above.
-        let sink = unsafe { &*a.sink };
-        if let Ok(mut inbox) = sink.try_borrow_mut() {
-            inbox.ep_errors.push((a.token, status));
-        }
+        deliver(a.sink, Event::EpError(a.token, status));
     }));
+    if r.is_err() {
+        tracing::error!("ucx: the endpoint error handler panicked");
+    }
 }
 
 /// A UCP endpoint (`ucp_ep_h`) to a peer worker, created with peer error handling; closed on drop.
@@ -430,7 +454,7 @@ impl Endpoint {
         let params = Self::params_with_memh(Some(src));
         // SAFETY: the source range is inside the registered region (checked above); endpoint and rkey
         // are live; the caller guarantees lifetimes and the remote range (see # Safety).
-        let local = unsafe { src.mem.as_ptr().add(offset as usize) } as *const c_void;
+        let local = unsafe { src.mem.addr().add(offset as usize) } as *const c_void;
         // SAFETY: as above.
         let p = unsafe { sys::ucp_put_nbx(self.raw, local, len as usize, remote_addr, rkey.raw, &params) };
         Posted::from_ptr("ucp_put_nbx", p, Vec::new(), &self.worker)
@@ -509,19 +533,24 @@ pub(crate) struct MemHandle {
     raw: sys::ucp_mem_h,
     rkey: Vec<u8>,
     ctx: Rc<Context>,
-    mem: MemRegion,
+    mem: MemDesc,
 }
 
 impl MemHandle {
-    /// Registers a (non-empty) memory region; the handle keeps the region alive.
-    pub fn map(ctx: &Rc<Context>, mem: &MemRegion) -> Result<Self, UcxError> {
+    /// Registers a (non-empty) memory region; the handle keeps the descriptor alive.
+    pub fn map(ctx: &Rc<Context>, mem: &MemDesc) -> Result<Self, UcxError> {
         let mut params: sys::ucp_mem_map_params_t = zeroed();
         params.field_mask = (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
-        params.address = mem.as_ptr() as *mut c_void;
+        params.address = mem.addr() as *mut c_void;
         params.length = mem.len();
+        if let MemKind::Cuda { .. } = mem.kind() {
+            params.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE as u64;
+            params.memory_type = sys::UCS_MEMORY_TYPE_CUDA;
+        }
         let mut raw = ptr::null_mut();
-        // SAFETY: context live; the MemRegion contract keeps the memory valid while `mem` (a clone
-        // stored in the handle) lives, which is until after ucp_mem_unmap in Drop.
+        // SAFETY: context live; MemDesc::from_raw_parts' contract keeps the memory valid while
+        // the descriptor (a clone stored in the handle) is registered, i.e. until after
+        // ucp_mem_unmap in Drop.
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(ctx.raw, &params, &mut raw) })?;
         let mut buf = ptr::null_mut();
         let mut size = 0usize;
@@ -537,11 +566,6 @@ impl MemHandle {
         // SAFETY: buf came from ucp_rkey_pack; released once.
         unsafe { sys::ucp_rkey_buffer_release(buf) };
         Ok(Self { raw, rkey, ctx: ctx.clone(), mem: mem.clone() })
-    }
-
-    /// The registered region.
-    pub fn region(&self) -> &MemRegion {
-        &self.mem
     }
 
     /// The packed remote key peers unpack to write into this memory.

@@ -8,15 +8,15 @@
 //!
 //! Active-message header (18 bytes, little endian): `kind u8, flags u8, instance u64, identity u64`;
 //! the data is the kind's body: an encoded [`kvxfer_core::Notification`] (kinds 1 and 2), a JSON
-//! [`Hello`] (3), nothing (goodbye, 4), data-path messages (5 to 7, see [`DataBuilder`]) or a
-//! revoked region id (8).
+//! [`Hello`] (3), nothing (goodbye, 4), data-path messages (5 to 7, see [`DataMsg`]), the region
+//! revocation and its acknowledgement (8, 9) and the answer to a hello (10); see [`Kind`].
 
 use serde::{Deserialize, Serialize};
 
 use crate::liveness::ProcId;
 
 /// Version of the JSON payload.
-pub(crate) const PAYLOAD_VERSION: u32 = 1;
+pub(crate) const PAYLOAD_VERSION: u32 = 2;
 
 /// One registered region as published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,6 +51,8 @@ pub(crate) struct Payload {
 /// The body of a hello: how to reach (and watch) the connecting endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Hello {
+    /// Matches the [`Kind::Welcome`] answer to this hello.
+    pub nonce: u64,
     /// Worker address, hex.
     pub worker: String,
     /// The connecting process.
@@ -87,26 +89,35 @@ pub(crate) fn unhex(s: &str) -> Result<Vec<u8>, String> {
 /// What an active message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// A notification sent with `write` (after the data, attached style).
+    /// A notification attached to a transfer (posted after the transfer's flush).
     Attached = 1,
     /// A notification sent with `notify` (out of band).
     OutOfBand = 2,
-    /// A connecting peer introduces itself with its worker address, so we can watch it.
+    /// A connecting peer introduces itself (JSON [`Hello`]), so we can watch and answer it.
     Hello = 3,
     /// A peer disconnects (flag 0) or shuts down (flag [`GOODBYE_SHUTDOWN`]).
     Goodbye = 4,
-    /// Write data carried in the message (the active-message data path, see the crate docs).
+    /// Transfer data carried in the message (the active-message data path, see the crate docs).
     Data = 5,
-    /// End of one write on the active-message data path; carries the attached notification.
+    /// End of one transfer on the active-message data path (`seq u64`, then the attached
+    /// notification); flag [`COMMIT_ABORTED`]: the transfer was aborted, deliver nothing.
     Commit = 6,
-    /// The receiver placed (or refused) one write of the active-message data path.
+    /// The receiver placed (or refused) one transfer of the active-message data path.
     Ack = 7,
-    /// The sender deregistered a region (data: region id, u32): peers forget its remote key.
+    /// The sender closed a region (`seq u64, region u32`): peers forget its remote key, finish
+    /// their puts into it, and answer with [`Kind::RevokeAck`].
     Revoke = 8,
+    /// Every put into a revoked region is complete and none will follow (`seq u64`).
+    RevokeAck = 9,
+    /// The answer to a hello (`nonce u64`, then the `u32` ids of the regions registered now): the
+    /// connecting side keeps only those remote keys.
+    Welcome = 10,
 }
 
 /// Goodbye flag: the whole endpoint is going away (not just one connection).
 pub(crate) const GOODBYE_SHUTDOWN: u8 = 1;
+/// Commit flag: the transfer was aborted.
+pub(crate) const COMMIT_ABORTED: u8 = 1;
 
 /// The decoded header of an active message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,6 +159,8 @@ impl Header {
             6 => Kind::Commit,
             7 => Kind::Ack,
             8 => Kind::Revoke,
+            9 => Kind::RevokeAck,
+            10 => Kind::Welcome,
             k => return Err(format!("unknown active-message kind {k}")),
         };
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
@@ -155,104 +168,98 @@ impl Header {
     }
 }
 
+/// Reads a little-endian u64 at `at`.
+pub(crate) fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    b.get(at..at + 8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes")))
+}
+
+/// Reads a little-endian u32 at `at`.
+pub(crate) fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    b.get(at..at + 4).map(|x| u32::from_le_bytes(x.try_into().expect("4 bytes")))
+}
+
 /// Largest data message body on the active-message path.
 pub(crate) const DATA_MSG_MAX: usize = 1 << 20;
+const DATA_HEAD: usize = 12;
+/// Bytes of a segment header in a data message (region u32, offset u64, len u64).
+pub(crate) const SEG_HEAD: usize = 20;
 
-/// Builds the data messages of one write: `seq u64, region u32, count u32`, then per segment
-/// `offset u64, len u64, bytes`. Segments are cut so that no message exceeds [`DATA_MSG_MAX`].
-pub(crate) struct DataBuilder {
-    seq: u64,
-    region: u32,
-    msgs: Vec<Vec<u8>>,
-    cur: Vec<u8>,
+/// One data message of one transfer: `seq u64, count u32`, then per segment
+/// `region u32, offset u64, len u64, bytes`; at most [`DATA_MSG_MAX`] bytes.
+pub(crate) struct DataMsg {
+    buf: Vec<u8>,
     count: u32,
 }
 
-const DATA_HEAD: usize = 16;
-const SEG_HEAD: usize = 16;
-
-impl DataBuilder {
-    /// Starts the messages of write `seq`.
+impl DataMsg {
+    /// An empty message of transfer `seq`.
     pub fn new(seq: u64) -> Self {
-        Self { seq, region: 0, msgs: Vec::new(), cur: Vec::new(), count: 0 }
+        let mut buf = Vec::with_capacity(DATA_MSG_MAX);
+        buf.extend_from_slice(&seq.to_le_bytes());
+        buf.extend_from_slice(&0u32.to_le_bytes());
+        Self { buf, count: 0 }
     }
 
-    fn close(&mut self) {
-        if self.count > 0 {
-            self.cur[12..16].copy_from_slice(&self.count.to_le_bytes());
-            self.msgs.push(std::mem::take(&mut self.cur));
-            self.count = 0;
-        }
-        self.cur.clear();
+    /// Payload bytes the next segment may carry (0: the message is full).
+    pub fn room(&self) -> usize {
+        DATA_MSG_MAX.saturating_sub(self.buf.len() + SEG_HEAD)
     }
 
-    fn open(&mut self, region: u32) {
-        self.region = region;
-        self.cur.extend_from_slice(&self.seq.to_le_bytes());
-        self.cur.extend_from_slice(&region.to_le_bytes());
-        self.cur.extend_from_slice(&0u32.to_le_bytes());
+    /// Segments so far.
+    #[cfg(test)]
+    pub fn count(&self) -> u32 {
+        self.count
     }
 
-    /// Appends `len` bytes for `region` at `offset`, filled by `fill` (piece by piece).
-    pub fn add(&mut self, region: u32, mut offset: u64, mut len: u64, mut fill: impl FnMut(u64, &mut [u8])) {
-        let mut done = 0u64;
-        while len > 0 {
-            if self.count > 0 && (self.region != region || self.cur.len() + SEG_HEAD >= DATA_MSG_MAX) {
-                self.close();
-            }
-            if self.count == 0 && self.cur.is_empty() {
-                self.open(region);
-            }
-            let room = (DATA_MSG_MAX - self.cur.len() - SEG_HEAD) as u64;
-            let n = len.min(room.max(1));
-            self.cur.extend_from_slice(&offset.to_le_bytes());
-            self.cur.extend_from_slice(&n.to_le_bytes());
-            let at = self.cur.len();
-            self.cur.resize(at + n as usize, 0);
-            fill(done, &mut self.cur[at..]);
-            self.count += 1;
-            offset += n;
-            len -= n;
-            done += n;
-        }
+    /// Appends a segment of `len` bytes for `region` at `offset`, filled by `fill`.
+    pub fn push<E>(
+        &mut self,
+        region: u32,
+        offset: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.buf.extend_from_slice(&region.to_le_bytes());
+        self.buf.extend_from_slice(&offset.to_le_bytes());
+        self.buf.extend_from_slice(&(len as u64).to_le_bytes());
+        let at = self.buf.len();
+        self.buf.resize(at + len, 0);
+        fill(&mut self.buf[at..])?;
+        self.count += 1;
+        Ok(())
     }
 
-    /// The finished messages.
-    pub fn finish(mut self) -> Vec<Vec<u8>> {
-        self.close();
-        self.msgs
+    /// The encoded message.
+    pub fn finish(mut self) -> Vec<u8> {
+        self.buf[8..12].copy_from_slice(&self.count.to_le_bytes());
+        self.buf
     }
 }
 
-/// A decoded data message: `(seq, region, segments of (offset, bytes))`.
-pub(crate) type DataMsg<'a> = (u64, u32, Vec<(u64, &'a [u8])>);
+/// A decoded data message: `(seq, segments of (region, offset, bytes))`.
+pub(crate) type Decoded<'a> = (u64, Vec<(u32, u64, &'a [u8])>);
 
 /// Decodes one data message.
-pub(crate) fn decode_data(b: &[u8]) -> Result<DataMsg<'_>, String> {
-    if b.len() < DATA_HEAD {
+pub(crate) fn decode_data(b: &[u8]) -> Result<Decoded<'_>, String> {
+    let (Some(seq), Some(count)) = (u64_at(b, 0), u32_at(b, 8)) else {
         return Err(format!("data message of {} bytes", b.len()));
-    }
-    let seq = u64::from_le_bytes(b[0..8].try_into().expect("8"));
-    let region = u32::from_le_bytes(b[8..12].try_into().expect("4"));
-    let count = u32::from_le_bytes(b[12..16].try_into().expect("4"));
-    let mut segs = Vec::with_capacity(count as usize);
+    };
+    let mut segs = Vec::with_capacity(count.min(1024) as usize);
     let mut at = DATA_HEAD;
     for _ in 0..count {
-        if b.len() < at + SEG_HEAD {
+        let (Some(region), Some(off), Some(len)) = (u32_at(b, at), u64_at(b, at + 4), u64_at(b, at + 12)) else {
             return Err("truncated data segment header".into());
-        }
-        let off = u64::from_le_bytes(b[at..at + 8].try_into().expect("8"));
-        let len = u64::from_le_bytes(b[at + 8..at + 16].try_into().expect("8"));
+        };
         at += SEG_HEAD;
         let end = usize::try_from(len).ok().and_then(|l| at.checked_add(l)).filter(|&e| e <= b.len());
         let Some(end) = end else { return Err("truncated data segment".into()) };
-        segs.push((off, &b[at..end]));
+        segs.push((region, off, &b[at..end]));
         at = end;
     }
     if at != b.len() {
         return Err("trailing bytes after the data segments".into());
     }
-    Ok((seq, region, segs))
+    Ok((seq, segs))
 }
 
 #[cfg(test)]
@@ -269,32 +276,33 @@ mod tests {
     }
 
     #[test]
-    fn data_messages_round_trip_and_split_at_the_limit() {
-        let src: Vec<u8> = (0..3 * DATA_MSG_MAX as u64).map(|i| i as u8).collect();
-        let mut b = DataBuilder::new(42);
-        b.add(3, 10, 100, |at, out| out.copy_from_slice(&src[at as usize..at as usize + out.len()]));
-        b.add(3, 5000, 2 * DATA_MSG_MAX as u64, |at, out| {
-            out.copy_from_slice(&src[1000 + at as usize..1000 + at as usize + out.len()])
-        });
-        b.add(4, 0, 7, |_, out| out.fill(9));
-        let msgs = b.finish();
-        assert!(msgs.len() >= 3 && msgs.iter().all(|m| m.len() <= DATA_MSG_MAX));
-        let mut placed: Vec<(u32, u64, Vec<u8>)> = Vec::new();
-        for m in &msgs {
-            let (seq, region, segs) = decode_data(m).unwrap();
-            assert_eq!(seq, 42);
-            for (off, bytes) in segs {
-                placed.push((region, off, bytes.to_vec()));
-            }
-        }
-        assert_eq!(placed[0], (3, 10, src[..100].to_vec()));
-        let big: Vec<u8> = placed.iter().filter(|p| p.0 == 3 && p.1 >= 5000).flat_map(|p| p.2.clone()).collect();
-        assert_eq!(big, src[1000..1000 + 2 * DATA_MSG_MAX].to_vec());
-        assert_eq!(placed.last().unwrap(), &(4, 0, vec![9; 7]));
-        let mut bad = msgs[0].clone();
+    fn data_messages_round_trip_and_stay_under_the_limit() {
+        let mut m = DataMsg::new(42);
+        m.push(3, 10, 100, |out| -> Result<(), ()> {
+            out.fill(7);
+            Ok(())
+        })
+        .unwrap();
+        m.push(4, 5000, 3, |out| -> Result<(), ()> {
+            out.copy_from_slice(&[1, 2, 3]);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(m.count(), 2);
+        assert!(m.room() < DATA_MSG_MAX - 100);
+        let b = m.finish();
+        let (seq, segs) = decode_data(&b).unwrap();
+        assert_eq!(seq, 42);
+        assert_eq!(segs, vec![(3, 10, &[7u8; 100][..]), (4, 5000, &[1u8, 2, 3][..])]);
+        let mut bad = b.clone();
         bad.truncate(bad.len() - 1);
         assert!(decode_data(&bad).is_err());
         assert!(decode_data(&[0; 3]).is_err());
+        let mut full = DataMsg::new(1);
+        let room = full.room();
+        full.push(1, 0, room, |_| -> Result<(), ()> { Ok(()) }).unwrap();
+        assert_eq!(full.room(), 0);
+        assert_eq!(full.finish().len(), DATA_MSG_MAX);
     }
 
     #[test]
@@ -303,7 +311,7 @@ mod tests {
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert!(Header::decode(&h.encode()[..17]).is_err());
         let mut bad = h.encode();
-        bad[0] = 9;
+        bad[0] = 11;
         assert!(Header::decode(&bad).is_err());
     }
 }

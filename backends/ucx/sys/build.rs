@@ -70,6 +70,8 @@ fn main() {
         "ucp_am_send_nbx",
         "ucp_request_check_status",
         "ucp_request_free",
+        "ucp_request_cancel",
+        "ucp_context_query",
         "ucp_get_version_string",
         "ucs_status_string",
     ];
@@ -91,6 +93,8 @@ fn main() {
         "ucp_am_recv_attr_t",
         "ucp_send_am_flags",
         "ucp_am_cb_flags",
+        "ucp_context_attr_field",
+        "ucs_memory_type_t",
     ] {
         builder = builder.allowlist_type(t);
     }

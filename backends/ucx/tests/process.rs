@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, EndpointMetadata, HostBuffer, KvTransferBackend, Notification, RegionId,
-    RequestId, SenderKey, WriteOp,
+    BackendConfig, BackendError, BackendEvent, EndpointMetadata, HostBuffer, KvTransferBackend, Notification, PeerId,
+    RegionId, RequestId, SenderKey, WriteOp,
 };
 
 const TRANSPORTS: [(&str, &str); 2] = [("tcp", "tcp"), ("shm", "posix,sysv,cma,self")];
@@ -24,6 +24,16 @@ fn endpoint(tls: &str, identity: u64) -> Arc<dyn KvTransferBackend> {
         c = c.with("net_devices", "lo");
     }
     kvxfer_ucx::create(&c).expect("creating a UCX endpoint")
+}
+
+/// Posts one op and waits for it (bounded).
+async fn write(
+    tx: &dyn KvTransferBackend,
+    peer: PeerId,
+    op: WriteOp,
+    n: Option<&Notification>,
+) -> Result<(), BackendError> {
+    tx.post(peer, &[op], n)?.wait(Instant::now() + Duration::from_secs(10)).await
 }
 
 /// Kills and reaps the peer when dropped (also on a failed assertion).
@@ -74,8 +84,8 @@ async fn peer_process() {
     let deadline = Instant::now() + Duration::from_secs(60);
     if role == "receiver" {
         let rx = endpoint(&tls, 2);
-        let dst = HostBuffer::zeroed(LEN);
-        rx.register(RegionId(2), dst.region()).unwrap();
+        let mut dst = HostBuffer::zeroed(LEN);
+        let _reg = rx.register(RegionId(2), dst.desc()).await.unwrap();
         println!("META {}", serde_json::to_string(&rx.metadata().unwrap()).unwrap());
         std::io::stdout().flush().unwrap();
         while Instant::now() < deadline {
@@ -86,14 +96,14 @@ async fn peer_process() {
         std::io::stdin().read_line(&mut line).unwrap();
         let meta: EndpointMetadata = serde_json::from_str(&line).unwrap();
         let tx = endpoint(&tls, 1);
-        let src = HostBuffer::filled(LEN, 5);
-        tx.register(RegionId(1), src.region()).unwrap();
+        let mut src = HostBuffer::filled(LEN, 5);
+        let _reg = tx.register(RegionId(1), src.desc()).await.unwrap();
         let peer = tx.connect(&meta).await.unwrap();
         let mut chunk = 0;
         while Instant::now() < deadline {
             let n = Notification::chunk(RequestId(1), SenderKey::from_u64(1), chunk, false);
             let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, LEN as u64);
-            if tx.write(peer, &[op], Some(&n)).await.is_err() {
+            if write(&*tx, peer, op, Some(&n)).await.is_err() {
                 break;
             }
             chunk += 1;
@@ -107,12 +117,12 @@ async fn receiver_killed_mid_transfer_fails_the_sender_promptly() {
         let (mut peer, mut out) = spawn_peer("receiver", tls);
         let meta = read_meta(&mut out);
         let tx = endpoint(tls, 1);
-        let src = HostBuffer::filled(LEN, 9);
-        tx.register(RegionId(1), src.region()).unwrap();
+        let mut src = HostBuffer::filled(LEN, 9);
+        let _reg = tx.register(RegionId(1), src.desc()).await.unwrap();
         let pid = tx.connect(&meta).await.unwrap();
         let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, LEN as u64);
         for _ in 0..3 {
-            tx.write(pid, &[op], None).await.unwrap();
+            write(&*tx, pid, op, None).await.unwrap();
         }
         // Keep writing from another task while the receiver is killed.
         let writer = {
@@ -120,7 +130,7 @@ async fn receiver_killed_mid_transfer_fails_the_sender_promptly() {
             tokio::spawn(async move {
                 let t0 = Instant::now();
                 loop {
-                    if let Err(e) = tx.write(pid, &[op], None).await {
+                    if let Err(e) = write(&*tx, pid, op, None).await {
                         return Ok::<_, String>(e);
                     }
                     if t0.elapsed() > Duration::from_secs(30) {
@@ -140,7 +150,7 @@ async fn receiver_killed_mid_transfer_fails_the_sender_promptly() {
         assert!(killed.elapsed() < Duration::from_secs(12), "{name}: failing took {:?}", killed.elapsed());
         // Later writes fail at once, with the reason.
         let t0 = Instant::now();
-        let again = tx.write(pid, &[op], None).await.unwrap_err();
+        let again = write(&*tx, pid, op, None).await.unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(11), "{name}: {again}");
         eprintln!("{name}: in-flight write: {err}; next write: {again}");
         drop(out);
@@ -151,8 +161,8 @@ async fn receiver_killed_mid_transfer_fails_the_sender_promptly() {
 async fn sender_killed_mid_transfer_is_reported_to_the_receiver() {
     for (name, tls) in TRANSPORTS {
         let rx = endpoint(tls, 2);
-        let dst = HostBuffer::zeroed(LEN);
-        rx.register(RegionId(2), dst.region()).unwrap();
+        let mut dst = HostBuffer::zeroed(LEN);
+        let reg = rx.register(RegionId(2), dst.desc()).await.unwrap();
         let (mut peer, out) = spawn_peer("sender", tls);
         let stdin = peer.0.stdin.as_mut().unwrap();
         writeln!(stdin, "{}", serde_json::to_string(&rx.metadata().unwrap()).unwrap()).unwrap();
@@ -181,8 +191,9 @@ async fn sender_killed_mid_transfer_is_reported_to_the_receiver() {
         let (identity, reason) = lost.unwrap_or_else(|| panic!("{name}: no PeerLost within 15 s of the kill"));
         assert_eq!(identity, 1, "{name}: {reason}");
         eprintln!("{name}: PeerLost after {:?}: {reason}", killed.elapsed());
-        // The bytes that did land are the sender's.
-        assert!(dst.to_vec()[..4096].iter().all(|&b| b == 5), "{name}");
+        // The bytes that did land are the sender's (the lost peer does not block the close).
+        reg.close(Instant::now() + Duration::from_secs(10)).await.unwrap();
+        assert!(dst.to_vec().unwrap()[..4096].iter().all(|&b| b == 5), "{name}");
         drop(out);
     }
 }

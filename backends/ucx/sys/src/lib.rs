@@ -46,6 +46,8 @@ unsafe impl Zeroable for ucp_mem_map_params_t {}
 unsafe impl Zeroable for ucp_request_param_t {}
 // SAFETY: as above.
 unsafe impl Zeroable for ucp_am_handler_param_t {}
+// SAFETY: as above (a field mask, integers, a bit mask and a fixed-size char array).
+unsafe impl Zeroable for ucp_context_attr_t {}
 // SAFETY: as above (struct of a field mask and a callback/arg pair).
 unsafe impl Zeroable for ucp_err_handler_t {}
 
