@@ -1,54 +1,38 @@
-//! Zero-copy vectored IO between sockets and registered memory.
+//! Zero-copy vectored IO between sockets and registered memory, through memory guards.
 //!
-//! This is the crate's only `unsafe` code, and it is here for one reason: to send from and receive
-//! into the engine's registered KV memory without staging copies, the socket calls need slices of
-//! that memory, which `MemRegion::slice` / `slice_mut` hand out under the region's contract (see
-//! each block's SAFETY comment). Everything else in the crate is safe code.
-#![allow(unsafe_code)]
+//! The sender writes straight from [`ReadGuard`]s of the source ranges and the receiver reads
+//! straight into [`WriteGuard`]s of the destination ranges: no staging copy and no `unsafe` (the
+//! guards are the bounds-checked, mutually exclusive views `kvxfer_core::mem` hands out).
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use kvxfer_core::MemRegion;
+use kvxfer_core::{ReadGuard, WriteGuard};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-
-use crate::wire::OpDesc;
 
 /// Most iovecs per system call (Linux's IOV_MAX).
 const IOV: usize = 1024;
 
-/// The source side of one op: `count` ranges of `len` bytes at `offset + i * stride` in `mem`.
-#[derive(Debug, Clone)]
-pub(crate) struct SrcOp {
-    pub mem: MemRegion,
-    pub offset: u64,
-    pub stride: u64,
-    pub len: u64,
-    pub count: u64,
-}
-
-fn mem_err(e: kvxfer_core::MemError) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
-}
-
-/// Writes `head` and then every source range of `ops`, in order, straight from registered memory:
-/// vectored writes of up to [`IOV`] slices per call, no staging copy.
-pub(crate) async fn write_frame(w: &mut OwnedWriteHalf, head: &[u8], ops: &[SrcOp]) -> io::Result<()> {
-    let mut ranges = ops.iter().flat_map(|op| (0..op.count).map(move |i| (&op.mem, op.offset + i * op.stride, op.len)));
+/// Writes `head` and then, for each guarded source span, its `(count, stride, len)` ranges (offsets
+/// relative to the span), in order: vectored writes of up to [`IOV`] slices per call, no staging copy.
+pub(crate) async fn write_frame(
+    w: &mut OwnedWriteHalf,
+    head: &[u8],
+    src: &[(ReadGuard, u64, u64, u64)],
+) -> io::Result<()> {
+    let mut pieces = src
+        .iter()
+        .flat_map(|(g, count, stride, len)| {
+            let span = g.as_slice();
+            (0..*count).map(move |i| &span[(i * stride) as usize..(i * stride + len) as usize])
+        })
+        .filter(|s| !s.is_empty());
     let mut window: Vec<&[u8]> = Vec::with_capacity(IOV);
     if !head.is_empty() {
         window.push(head);
     }
     loop {
-        while window.len() < IOV {
-            let Some((mem, off, len)) = ranges.next() else { break };
-            // SAFETY: the sender validated every source range against its region before queueing
-            // the frame (and `slice` re-checks bounds). Per `MemRegion::from_raw_parts`' contract,
-            // source pages are not written while a send that reads them is in flight, and
-            // `HostBuffer` regions stay alive because `ops` holds a clone of the region.
-            let s = unsafe { mem.slice(off, len) }.map_err(mem_err)?;
-            window.push(s);
-        }
+        window.extend(pieces.by_ref().take(IOV - window.len()));
         if window.is_empty() {
             return Ok(());
         }
@@ -73,27 +57,17 @@ fn advance(window: &mut Vec<&[u8]>, mut n: usize) {
     }
 }
 
-/// Reads a validated WRITE frame's payload straight into its destination ranges: vectored reads
-/// of up to [`IOV`] slices per call, no staging copy. `mems[i]` is the region of `ops[i]`.
-pub(crate) async fn read_payload(r: &OwnedReadHalf, ops: &[OpDesc], mems: &[MemRegion]) -> io::Result<()> {
-    let mut ranges = ops.iter().zip(mems).flat_map(|(op, mem)| op.ranges().map(move |(off, len)| (mem, off, len)));
+/// Reads a validated WRITE frame's payload straight into its guarded destination pieces: vectored
+/// reads of up to [`IOV`] slices per call, no staging copy.
+pub(crate) async fn read_payload(r: &OwnedReadHalf, dst: &mut [WriteGuard]) -> io::Result<()> {
+    let mut pieces = dst.iter_mut().map(WriteGuard::as_mut_slice).filter(|s| !s.is_empty());
     let mut window: Vec<&mut [u8]> = Vec::with_capacity(IOV);
     loop {
-        while window.len() < IOV {
-            let Some((mem, off, len)) = ranges.next() else { break };
-            // SAFETY: `wire::validate_write` checked before this call that every range lies inside
-            // its registered region and that no two ranges of the frame overlap, so the views made
-            // here are disjoint. Per `MemRegion::from_raw_parts`' contract, destination pages of a
-            // pending request are touched by nobody else until it completes or fails, and the
-            // sender (the authenticated peer) writes each destination byte once (the planner's
-            // invariant). `mems` holds clones of the regions, keeping owned buffers alive.
-            let s = unsafe { mem.slice_mut(off, len) }.map_err(mem_err)?;
-            window.push(s);
-        }
+        window.extend(pieces.by_ref().take(IOV - window.len()));
         if window.is_empty() {
             return Ok(());
         }
-        let n = loop {
+        let mut n = loop {
             r.readable().await?;
             let mut iov: Vec<IoSliceMut<'_>> = window.iter_mut().map(|s| IoSliceMut::new(s)).collect();
             match r.try_read_vectored(&mut iov) {
@@ -105,7 +79,6 @@ pub(crate) async fn read_payload(r: &OwnedReadHalf, ops: &[OpDesc], mems: &[MemR
                 Err(e) => return Err(e),
             }
         };
-        let mut n = n;
         let mut k = 0;
         while k < window.len() && n >= window[k].len() {
             n -= window[k].len();

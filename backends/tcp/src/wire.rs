@@ -8,7 +8,7 @@
 //! ```text
 //! HELLO (client -> server, first bytes of every stream), 48 bytes:
 //!   0  [4]  magic "KVXT"
-//!   4  u16  protocol version (1)
+//!   4  u16  protocol version (2)
 //!   6  u8   stream kind: 0 data, 1 control
 //!   7  u8   stream index within the link
 //!   8  [16] access token (from the server's endpoint metadata)
@@ -24,29 +24,32 @@
 //!   8  u64  server identity
 //!   16 u32  reason length (0 when accepted, at most MAX_MESSAGE), then the UTF-8 reason
 //! FRAME header, 32 bytes:
-//!   0  u8   type: 1 WRITE, 2 NOTE, 3 BYE (client -> server); 0x81 ACK, 0x82 ERROR (server -> client)
-//!   1  u8   flags (WRITE only): bit 0 LAST (last frame of the batch on this stream),
-//!           bit 1 NOTE_FOLLOWS (an attached NOTE for this batch follows on stream 0)
+//!   0  u8   type: 1 WRITE, 2 NOTE, 3 BYE, 4 DROP (client -> server); 0x81 ACK, 0x82 ERROR
+//!           (server -> client)
+//!   1  u8   flags. WRITE: bit 0 LAST (last frame of the batch on this stream), bit 1 NOTE_FOLLOWS
+//!           (with LAST: an attached NOTE for this batch follows on stream 0). DROP: bit 0 PART (the
+//!           LAST frame of this stream's part of an aborted batch was dropped), bit 1 NOTE (the
+//!           batch's NOTE was dropped), exactly one.
 //!   2  u16  frame magic 0x584b ("KX")
 //!   4  u32  n: WRITE op descriptors (1..=MAX_OPS); NOTE / ERROR body length
 //!   8  u64  batch id
 //!   16 u64  payload bytes (WRITE: the sum of len * count over its ops; otherwise 0)
-//!   24 u32  parts (NOTE: data stream parts of the batch to wait for before delivery; otherwise 0)
+//!   24 u32  parts (NOTE, DROP of a NOTE: data stream parts of the batch to wait for; otherwise 0)
 //!   28 u32  reserved, 0
+//! Every WRITE frame is answered by an ACK (same batch id) once its payload is placed, in order.
 //! WRITE body: n op descriptors of 40 bytes, then the payload (the ops' ranges in order):
 //!   0  u32 destination region, 4 u32 reserved 0, 8 u64 offset, 16 u64 len, 24 u64 count, 32 u64 stride
 //! NOTE body: a kvxfer-core encoded Notification. ERROR body: a UTF-8 message.
 //! ```
 
-use std::collections::HashMap;
 use std::fmt;
 
-use kvxfer_core::{MemRegion, RegionId, WriteOp};
+use kvxfer_core::{RegionId, WriteOp};
 
 /// Handshake magic.
 pub const HELLO_MAGIC: [u8; 4] = *b"KVXT";
 /// Protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a HELLO.
 pub const HELLO_LEN: usize = 48;
 /// Bytes of a HELLO reply before its reason.
@@ -59,6 +62,12 @@ pub const OP_LEN: usize = 40;
 pub const FRAME_MAGIC: u16 = 0x584b;
 /// Most op descriptors in one WRITE frame.
 pub const MAX_OPS: u32 = 1024;
+/// Longest memory guard the receiver (and sender) takes: contiguous spans are guarded in pieces of
+/// at most this many bytes, so the guard table's overlap scan stays short.
+pub const MAX_GUARD: u64 = 64 << 10;
+/// Most guard pieces (see [`guard_pieces`]) one WRITE frame may need; a frame over it is a protocol
+/// error (it bounds what a peer can make the receiver allocate before reading a payload).
+pub const MAX_FRAME_RANGES: u64 = 1 << 12;
 /// Longest ERROR message or handshake reason.
 pub const MAX_MESSAGE: u32 = 4096;
 /// Longest NOTE body (an encoded notification with the largest aux/state payload).
@@ -70,6 +79,10 @@ pub const TOKEN_LEN: usize = 16;
 pub const FLAG_LAST: u8 = 1;
 /// WRITE flag: an attached NOTE for this batch follows on stream 0.
 pub const FLAG_NOTE_FOLLOWS: u8 = 2;
+/// DROP flag: a LAST | NOTE_FOLLOWS frame of an aborted batch was not sent on this stream.
+pub const DROP_PART: u8 = 1;
+/// DROP flag: the NOTE of an aborted batch was not sent (`parts` as the NOTE would have had).
+pub const DROP_NOTE: u8 = 2;
 
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +94,8 @@ pub enum FrameType {
     Note = 2,
     /// Graceful end of the stream.
     Bye = 3,
+    /// Part of an aborted batch that was not sent (keeps the receiver's notification books).
+    Drop = 4,
     /// The receiver placed a batch's part on this stream.
     Ack = 0x81,
     /// The receiver rejected a frame; it closes the stream after this.
@@ -93,6 +108,7 @@ impl FrameType {
             1 => Self::Write,
             2 => Self::Note,
             3 => Self::Bye,
+            4 => Self::Drop,
             0x81 => Self::Ack,
             0x82 => Self::Error,
             _ => return None,
@@ -316,6 +332,16 @@ impl Header {
                     bail!("NOTE waits for {} parts (at most 64 streams)", h.parts);
                 }
             }
+            FrameType::Drop => {
+                let ok = match h.flags {
+                    DROP_PART => h.parts == 0,
+                    DROP_NOTE => h.parts <= 64,
+                    _ => false,
+                };
+                if !ok || h.n != 0 || h.payload != 0 {
+                    bail!("malformed DROP frame (flags 0x{:02x}, parts {})", h.flags, h.parts);
+                }
+            }
             FrameType::Error => {
                 if h.n > MAX_MESSAGE || h.flags != 0 || h.payload != 0 || h.parts != 0 {
                     bail!("malformed ERROR frame");
@@ -393,45 +419,75 @@ impl OpDesc {
     pub fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         (0..self.count).map(move |i| (self.offset + i * self.stride, self.len))
     }
+
+    /// The guard pieces of the destination side, in payload order (see [`guard_pieces`]).
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, u64)> {
+        guard_pieces(self.offset, self.stride, self.len, self.count)
+    }
 }
 
-/// Checks a frame's ops against the registered regions before any byte is placed: every region is
-/// registered, every range of every op lies inside it, strides do not make an op overlap itself,
-/// no two ops overlap, and the payload length equals the ops' bytes. Returns the regions to write.
-pub fn validate_write(
-    ops: &[OpDesc],
-    payload: u64,
-    regions: &HashMap<RegionId, MemRegion>,
-) -> Result<Vec<MemRegion>, WireError> {
+/// Whether `count` ranges of `len` bytes `stride` apart form one contiguous span.
+pub fn contiguous(stride: u64, len: u64, count: u64) -> bool {
+    count == 1 || stride == len
+}
+
+/// How many pieces [`guard_pieces`] yields, or `None` on overflow.
+pub fn guard_count(stride: u64, len: u64, count: u64) -> Option<u64> {
+    if contiguous(stride, len, count) {
+        Some(len.checked_mul(count)?.div_ceil(MAX_GUARD))
+    } else {
+        count.checked_mul(len.div_ceil(MAX_GUARD))
+    }
+}
+
+/// The `(offset, len)` pieces that cover `count` ranges of `len` bytes at `offset + i * stride`, in
+/// order: contiguous ranges merged, every piece at most [`MAX_GUARD`] bytes. Each piece is guarded
+/// and becomes one I/O slice. Call only after the bounds were checked.
+pub fn guard_pieces(offset: u64, stride: u64, len: u64, count: u64) -> impl Iterator<Item = (u64, u64)> {
+    let (stride, len, count) = if contiguous(stride, len, count) { (0, len * count, 1) } else { (stride, len, count) };
+    (0..count).flat_map(move |i| {
+        let start = offset + i * stride;
+        (0..len.div_ceil(MAX_GUARD)).map(move |k| (start + k * MAX_GUARD, (len - k * MAX_GUARD).min(MAX_GUARD)))
+    })
+}
+
+/// Checks a frame's ops before any byte is placed, given the length of each op's destination region
+/// (`region_lens[i]` for `ops[i]`; the caller resolved every region, so an unknown one never gets
+/// here): every range of every op lies inside its region, strides do not make an op overlap
+/// itself, the payload length equals the ops' bytes, and the frame needs at most
+/// [`MAX_FRAME_RANGES`] guard pieces. Overlaps between ops, and with other frames in flight, are
+/// caught by the memory guards the receiver takes next.
+pub fn validate_write(ops: &[OpDesc], payload: u64, region_lens: &[u64]) -> Result<(), WireError> {
     let mut total: u64 = 0;
-    let mut out = Vec::with_capacity(ops.len());
-    for (i, op) in ops.iter().enumerate() {
-        let Some(mem) = regions.get(&op.region) else { bail!("op {i} names {}, which is not registered", op.region) };
+    let mut pieces: u64 = 0;
+    for (i, (op, region_len)) in ops.iter().zip(region_lens).enumerate() {
         if op.len == 0 || op.count == 0 {
             bail!("op {i} is empty (len {}, count {})", op.len, op.count);
         }
         if op.count > 1 && op.stride < op.len {
             bail!("op {i}: stride {} is smaller than the range length {} (ranges overlap)", op.stride, op.len);
         }
-        if let Err(e) = WriteOp::check_bounds(op.offset, op.stride, op.len, op.count, mem.len() as u64) {
+        if let Err(e) = WriteOp::check_bounds(op.offset, op.stride, op.len, op.count, *region_len) {
             bail!("op {i} into {} is out of bounds: {e}", op.region);
         }
         let Some(b) = op.bytes() else { bail!("op {i}: length overflows") };
         let Some(t) = total.checked_add(b) else { bail!("frame length overflows") };
         total = t;
-        out.push(mem.clone());
+        pieces = pieces.saturating_add(guard_count(op.stride, op.len, op.count).unwrap_or(u64::MAX));
     }
     if total != payload {
         bail!("frame announces {payload} payload bytes but its ops cover {total}");
     }
-    check_disjoint(ops)?;
-    Ok(out)
+    if pieces > MAX_FRAME_RANGES {
+        bail!("frame needs {pieces} destination pieces (limit {MAX_FRAME_RANGES}); split it");
+    }
+    Ok(())
 }
 
 /// Most ranges [`check_disjoint`] expands when op spans interleave.
 pub const MAX_EXPANDED_RANGES: u64 = 1 << 20;
 
-/// Errors if two ops (after bounds checks) write the same byte. Ops whose spans do not overlap are
+/// Errors if two ops (after bounds checks) write the same byte (the sender checks a whole post). Ops whose spans do not overlap are
 /// checked in O(n log n); interleaved strided ops are expanded to their ranges (bounded).
 pub fn check_disjoint(ops: &[OpDesc]) -> Result<(), WireError> {
     let mut spans: Vec<(u32, u64, u64, usize)> =
@@ -479,14 +535,6 @@ pub fn check_disjoint(ops: &[OpDesc]) -> Result<(), WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvxfer_core::HostBuffer;
-
-    fn regions() -> (HashMap<RegionId, MemRegion>, HostBuffer) {
-        let b = HostBuffer::zeroed(1024);
-        let mut m = HashMap::new();
-        m.insert(RegionId(1), b.region());
-        (m, b)
-    }
 
     fn op(offset: u64, len: u64, count: u64, stride: u64) -> OpDesc {
         OpDesc { region: RegionId(1), offset, len, count, stride }
@@ -533,27 +581,58 @@ mod tests {
 
     #[test]
     fn validation_catches_every_violation() {
-        let (m, _b) = regions();
-        assert!(validate_write(&[op(0, 8, 4, 16)], 32, &m).is_ok());
+        let v = |ops: &[OpDesc], payload| validate_write(ops, payload, &vec![1024; ops.len()]);
+        assert!(v(&[op(0, 8, 4, 16)], 32).is_ok());
         // payload mismatch
-        assert!(validate_write(&[op(0, 8, 4, 16)], 33, &m).unwrap_err().0.contains("payload"));
+        assert!(v(&[op(0, 8, 4, 16)], 33).unwrap_err().0.contains("payload"));
         // out of bounds on the last stride step only
-        assert!(validate_write(&[op(0, 8, 65, 16)], 520, &m).unwrap_err().0.contains("out of bounds"));
-        assert!(validate_write(&[op(1020, 8, 1, 8)], 8, &m).is_err());
-        assert!(validate_write(&[op(u64::MAX - 2, 8, 1, 8)], 8, &m).is_err());
-        // unknown region
-        let o = OpDesc { region: RegionId(2), ..op(0, 8, 1, 8) };
-        assert!(validate_write(&[o], 8, &m).unwrap_err().0.contains("not registered"));
+        assert!(v(&[op(0, 8, 65, 16)], 520).unwrap_err().0.contains("out of bounds"));
+        assert!(v(&[op(1020, 8, 1, 8)], 8).is_err());
+        assert!(v(&[op(u64::MAX - 2, 8, 1, 8)], 8).is_err());
         // self-overlapping stride, empty op
-        assert!(validate_write(&[op(0, 8, 2, 4)], 16, &m).is_err());
-        assert!(validate_write(&[op(0, 0, 1, 0)], 0, &m).is_err());
-        // overlapping ops, plain and interleaved
-        assert!(validate_write(&[op(0, 16, 1, 16), op(8, 16, 1, 16)], 32, &m).unwrap_err().0.contains("overlap"));
-        assert!(validate_write(&[op(0, 8, 4, 16), op(8, 8, 4, 16)], 64, &m).is_ok());
-        assert!(validate_write(&[op(0, 8, 4, 16), op(4, 8, 4, 16)], 64, &m).is_err());
-        assert!(validate_write(&[op(64, 8, 1, 8), op(0, 8, 1, 8)], 16, &m).is_ok());
+        assert!(v(&[op(0, 8, 2, 4)], 16).is_err());
+        assert!(v(&[op(0, 0, 1, 0)], 0).is_err());
         // overflowing length
-        assert!(validate_write(&[op(0, u64::MAX, 2, u64::MAX)], 0, &m).is_err());
+        assert!(v(&[op(0, u64::MAX, 2, u64::MAX)], 0).is_err());
+        // too many guard pieces
+        let big = op(0, 1, MAX_FRAME_RANGES + 1, 2);
+        let e = validate_write(&[big], MAX_FRAME_RANGES + 1, &[u64::MAX]).unwrap_err();
+        assert!(e.0.contains("pieces"), "{e}");
+    }
+
+    #[test]
+    fn disjointness_of_a_post() {
+        assert!(check_disjoint(&[op(0, 16, 1, 16), op(8, 16, 1, 16)]).unwrap_err().0.contains("overlap"));
+        assert!(check_disjoint(&[op(0, 8, 4, 16), op(8, 8, 4, 16)]).is_ok());
+        assert!(check_disjoint(&[op(0, 8, 4, 16), op(4, 8, 4, 16)]).is_err());
+        assert!(check_disjoint(&[op(64, 8, 1, 8), op(0, 8, 1, 8)]).is_ok());
+    }
+
+    #[test]
+    fn guard_pieces_merge_and_split() {
+        let p: Vec<_> = guard_pieces(10, 100, 100, 3).collect();
+        assert_eq!(p, vec![(10, 300)]);
+        let p: Vec<_> = guard_pieces(0, 2 * MAX_GUARD, MAX_GUARD + 1, 2).collect();
+        assert_eq!(p, vec![(0, MAX_GUARD), (MAX_GUARD, 1), (2 * MAX_GUARD, MAX_GUARD), (3 * MAX_GUARD, 1)]);
+        assert_eq!(guard_count(2 * MAX_GUARD, MAX_GUARD + 1, 2), Some(4));
+        assert_eq!(guard_count(8, 8, 3 * MAX_GUARD), Some(24));
+        let p: Vec<_> = guard_pieces(0, 8, 8, 3 * MAX_GUARD).collect();
+        assert_eq!(p.len(), 24);
+        assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), 24 * MAX_GUARD);
+    }
+
+    #[test]
+    fn drop_frames_are_checked() {
+        let mut h = Header::new(FrameType::Drop, 4);
+        h.flags = DROP_NOTE;
+        h.parts = 3;
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        h.flags = DROP_PART;
+        assert!(Header::decode(&h.encode()).is_err(), "a dropped part has no parts count");
+        h.parts = 0;
+        assert!(Header::decode(&h.encode()).is_ok());
+        h.flags = DROP_PART | DROP_NOTE;
+        assert!(Header::decode(&h.encode()).is_err());
     }
 
     #[test]

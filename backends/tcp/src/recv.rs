@@ -1,0 +1,345 @@
+//! The receiving side: accepts streams, checks the handshake, validates every WRITE frame against
+//! the region table and places its payload through memory guards, and delivers notifications.
+//!
+//! A frame holds a [`kvxfer_core::toolkit::RegionRef`] of every region it writes, and a write guard
+//! of every destination piece, from before its first payload byte until its last one is placed. So
+//! closing a registration (remove from the table, then wait until it is drained) waits for frames
+//! in progress, a frame that names a removed region is refused, and two frames (on two streams, of
+//! one peer or two) can never write one byte at the same time: the second one's guard is refused and
+//! it is answered as a protocol error, nothing written.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvxfer_core::toolkit::{EventQueue, RegionRef, RegionTable};
+use kvxfer_core::{BackendEvent, Notification};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+use crate::io;
+use crate::wire::{self, FrameType, Header, Hello, OpDesc, WireError};
+
+/// The attached notification of one batch and the data-stream parts it waits for.
+#[derive(Default)]
+struct Batch {
+    /// Parts accounted for: placed (LAST | NOTE_FOLLOWS frames) or dropped (DROP PART frames).
+    parts: u32,
+    /// Whether a part was dropped (the batch was aborted: its notification is not delivered).
+    dropped: bool,
+    /// The NOTE's part count, and the notification (`None` when the NOTE itself was dropped).
+    note: Option<(u32, Option<Notification>)>,
+}
+
+/// Per incoming link: batches whose notification waits for data parts on other streams.
+struct InLink {
+    identity: u64,
+    batches: HashMap<u64, Batch>,
+    lost: bool,
+    open: u32,
+}
+
+/// Most batches an incoming link may keep half-announced.
+const MAX_PENDING_BATCHES: usize = 1 << 16;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// State the listener's tasks share with the endpoint.
+pub(crate) struct Shared {
+    pub identity: u64,
+    pub token: [u8; wire::TOKEN_LEN],
+    pub regions: RegionTable,
+    pub events: Arc<EventQueue>,
+    pub timeout: Duration,
+    links: Mutex<HashMap<u64, InLink>>,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+impl Shared {
+    pub fn new(
+        identity: u64,
+        token: [u8; wire::TOKEN_LEN],
+        regions: RegionTable,
+        events: Arc<EventQueue>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            identity,
+            token,
+            regions,
+            events,
+            timeout,
+            links: Mutex::new(HashMap::new()),
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn lost(&self, link: u64, reason: String) {
+        if let Some(l) = lock(&self.links).get_mut(&link) {
+            if !l.lost {
+                l.lost = true;
+                tracing::warn!(identity = l.identity, %reason, "tcp: lost incoming peer");
+                self.events.push(BackendEvent::PeerLost { identity: l.identity, reason });
+            }
+        }
+    }
+
+    fn stream_closed(&self, link: u64) {
+        let mut links = lock(&self.links);
+        if let Some(l) = links.get_mut(&link) {
+            l.open = l.open.saturating_sub(1);
+            if l.open == 0 {
+                links.remove(&link);
+            }
+        }
+    }
+
+    /// Updates a batch's books with `f` and delivers its notification once complete.
+    fn batch(
+        &self,
+        link: u64,
+        batch: u64,
+        f: impl FnOnce(&mut Batch) -> Result<(), WireError>,
+    ) -> Result<(), WireError> {
+        let mut links = lock(&self.links);
+        let l = links.get_mut(&link).ok_or_else(|| WireError("link state missing".into()))?;
+        if !l.batches.contains_key(&batch) && l.batches.len() >= MAX_PENDING_BATCHES {
+            return Err(WireError(format!("more than {MAX_PENDING_BATCHES} batches wait for their notification")));
+        }
+        let b = l.batches.entry(batch).or_default();
+        f(b)?;
+        if matches!(b.note, Some((k, _)) if b.parts >= k) {
+            let b = l.batches.remove(&batch).expect("present");
+            if let (false, Some((_, Some(n)))) = (b.dropped, b.note) {
+                self.events.push(BackendEvent::Notification(n));
+            }
+        }
+        Ok(())
+    }
+
+    /// A batch's part on one stream was placed (or dropped, for an aborted batch).
+    fn part(&self, link: u64, batch: u64, dropped: bool) -> Result<(), WireError> {
+        self.batch(link, batch, |b| {
+            b.parts += 1;
+            b.dropped |= dropped;
+            Ok(())
+        })
+    }
+
+    /// An attached (parts > 0) or immediate (parts == 0) notification arrived, or was dropped.
+    fn note(&self, link: u64, batch: u64, parts: u32, note: Option<Notification>) -> Result<(), WireError> {
+        if parts == 0 {
+            if let Some(n) = note {
+                self.events.push(BackendEvent::Notification(n));
+            }
+            return Ok(());
+        }
+        self.batch(link, batch, |b| match b.note {
+            Some(_) => Err(WireError(format!("two notifications for batch {batch}"))),
+            None => {
+                b.note = Some((parts, note));
+                Ok(())
+            }
+        })
+    }
+
+    fn track(&self, h: AbortHandle) {
+        let mut t = lock(&self.tasks);
+        t.retain(|h| !h.is_finished());
+        t.push(h);
+    }
+
+    /// Stops every task serving incoming streams.
+    pub fn abort_tasks(&self) {
+        for t in lock(&self.tasks).iter() {
+            t.abort();
+        }
+    }
+}
+
+pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, addr)) => {
+                let h = tokio::spawn(serve(Arc::clone(&shared), stream, addr));
+                shared.track(h.abort_handle());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "tcp: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn tokens_equal(a: &[u8; wire::TOKEN_LEN], b: &[u8; wire::TOKEN_LEN]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Handshake, then frames, for one incoming stream.
+async fn serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let (mut r, mut w) = stream.into_split();
+    let mut hello = [0u8; wire::HELLO_LEN];
+    let hello = match tokio::time::timeout(shared.timeout, r.read_exact(&mut hello)).await {
+        Ok(Ok(_)) => Hello::decode(&hello),
+        Ok(Err(e)) => {
+            tracing::debug!(%addr, error = %e, "tcp: connection closed before the handshake");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%addr, "tcp: no handshake within the deadline; closing");
+            return;
+        }
+    };
+    let rejection = match &hello {
+        Ok(h) if tokens_equal(&h.token, &shared.token) => None,
+        Ok(_) => Some("access token rejected".to_owned()),
+        Err(e) => Some(e.0.clone()),
+    };
+    if let Some(reason) = rejection {
+        tracing::warn!(%addr, %reason, "tcp: rejected a handshake");
+        let _ = w.write_all(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
+        return;
+    }
+    let Ok(hello) = hello else { return };
+    if w.write_all(&wire::encode_hello_reply(shared.identity, None)).await.is_err() {
+        return;
+    }
+    lock(&shared.links)
+        .entry(hello.link)
+        .or_insert_with(|| InLink { identity: hello.identity, batches: HashMap::new(), lost: false, open: 0 })
+        .open += 1;
+    let peer = format!("{addr} (identity {:#x}, stream {})", hello.identity, hello.index);
+    match serve_frames(&shared, &hello, &mut r, &mut w).await {
+        Ok(()) => {}
+        Err(Ending::Lost(reason)) => shared.lost(hello.link, format!("{peer}: {reason}")),
+        Err(Ending::Protocol(e)) => {
+            tracing::warn!(%peer, error = %e, "tcp: protocol violation; closing the stream");
+            let msg = wire::truncate(&e.0, wire::MAX_MESSAGE as usize);
+            let mut h = Header::new(FrameType::Error, 0);
+            h.n = msg.len() as u32;
+            let mut buf = h.encode().to_vec();
+            buf.extend_from_slice(msg.as_bytes());
+            let _ = tokio::time::timeout(Duration::from_secs(1), w.write_all(&buf)).await;
+            shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
+        }
+    }
+    let _ = w.shutdown().await;
+    shared.stream_closed(hello.link);
+}
+
+enum Ending {
+    Lost(String),
+    Protocol(WireError),
+}
+
+impl From<WireError> for Ending {
+    fn from(e: WireError) -> Self {
+        Ending::Protocol(e)
+    }
+}
+
+async fn within<T>(
+    t: Duration,
+    what: &str,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, Ending> {
+    match tokio::time::timeout(t, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Ending::Lost(format!("{what}: {e}"))),
+        Err(_) => Err(Ending::Lost(format!("{what}: stalled for {t:?}"))),
+    }
+}
+
+/// Resolves a frame's regions (held until the frame is placed), validates it, and takes a write
+/// guard of every destination piece: nothing is written unless all of this succeeds.
+fn admit_write(
+    shared: &Shared,
+    ops: &[OpDesc],
+    payload: u64,
+) -> Result<(Vec<RegionRef>, Vec<kvxfer_core::WriteGuard>), WireError> {
+    let mut refs: Vec<RegionRef> = Vec::new();
+    let mut slots = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        let slot = match refs.iter().position(|r| r.id() == op.region) {
+            Some(s) => s,
+            None => {
+                let r = shared
+                    .regions
+                    .get(op.region, None)
+                    .map_err(|_| WireError(format!("op {i} names {}, which is not registered", op.region)))?;
+                refs.push(r);
+                refs.len() - 1
+            }
+        };
+        slots.push(slot);
+    }
+    let lens: Vec<u64> = slots.iter().map(|s| refs[*s].len()).collect();
+    wire::validate_write(ops, payload, &lens)?;
+    let mut guards = Vec::new();
+    for (i, (op, slot)) in ops.iter().zip(&slots).enumerate() {
+        for (off, len) in op.pieces() {
+            let g = refs[*slot].desc().write_guard(off, len).map_err(|e| {
+                WireError(format!(
+                    "op {i} into {}: {e} (ranges overlap within this frame or with a frame in flight on another stream)",
+                    op.region
+                ))
+            })?;
+            guards.push(g);
+        }
+    }
+    Ok((refs, guards))
+}
+
+async fn serve_frames(
+    shared: &Shared,
+    hello: &Hello,
+    r: &mut OwnedReadHalf,
+    w: &mut OwnedWriteHalf,
+) -> Result<(), Ending> {
+    let t = shared.timeout;
+    loop {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the socket.
+        if let Err(e) = r.read_exact(&mut hb).await {
+            return Err(Ending::Lost(if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "connection closed without BYE".into()
+            } else {
+                format!("reading a frame header: {e}")
+            }));
+        }
+        let h = Header::decode(&hb)?;
+        match h.ty {
+            FrameType::Write => {
+                let mut descs = vec![0u8; h.n as usize * wire::OP_LEN];
+                within(t, "reading op descriptors", r.read_exact(&mut descs)).await?;
+                let ops = descs.chunks_exact(wire::OP_LEN).map(OpDesc::decode).collect::<Result<Vec<_>, _>>()?;
+                let (refs, mut guards) = admit_write(shared, &ops, h.payload)?;
+                within(t, "reading a WRITE payload", io::read_payload(r, &mut guards)).await?;
+                drop((guards, refs));
+                if h.flags & wire::FLAG_LAST != 0 && h.flags & wire::FLAG_NOTE_FOLLOWS != 0 {
+                    shared.part(hello.link, h.batch, false)?;
+                }
+                within(t, "sending an ACK", w.write_all(&Header::new(FrameType::Ack, h.batch).encode())).await?;
+            }
+            FrameType::Note => {
+                let mut body = vec![0u8; h.n as usize];
+                within(t, "reading a NOTE", r.read_exact(&mut body)).await?;
+                let n = Notification::decode(&body).map_err(|e| WireError(format!("bad notification: {e}")))?;
+                shared.note(hello.link, h.batch, h.parts, Some(n))?;
+            }
+            FrameType::Drop if h.flags == wire::DROP_PART => shared.part(hello.link, h.batch, true)?,
+            FrameType::Drop => shared.note(hello.link, h.batch, h.parts, None)?,
+            FrameType::Bye => return Ok(()),
+            FrameType::Ack | FrameType::Error => {
+                return Err(WireError(format!("{:?} frames only travel from receiver to sender", h.ty)).into())
+            }
+        }
+    }
+}
