@@ -1,15 +1,18 @@
 //! An in-process software model of the verbs API the backend uses (test-only `emulator` feature).
 //!
-//! It replaces `ffi.rs` wholesale (same types and methods), so the backend code above it is exactly
-//! the code that runs on hardware. It models what the backend relies on, not a NIC:
-//! - one device `emu0` (InfiniBand link layer, port 1 ACTIVE, LID 1); every endpoint in the process
-//!   shares one fabric where QPs are found by number and memory regions by rkey;
+//! It is a second implementation of the [`Verbs`] traits next to `ffi.rs` (which every build still
+//! compiles); an endpoint created with `device=emulated` runs on it, so the backend code above it
+//! is exactly the code that runs on hardware. It models what the backend relies on, not a NIC:
+//! - one device `emulated` (InfiniBand link layer, port 1 ACTIVE, LID 1); every endpoint in the
+//!   process shares one fabric where QPs are found by number and memory regions by key;
 //! - RC semantics: work requests execute in post order; RDMA WRITE checks the rkey, the PD and the
 //!   bounds of the remote region (else `REM_ACCESS_ERR`); WRITE WITH IMMEDIATE and SEND consume a posted
 //!   receive at the peer, and wait (RNR, order preserved) while none is posted; a SEND longer than the
 //!   receive buffer fails; a peer QP that is gone or not ready gives `RETRY_EXC_ERR`;
 //! - completions only for signalled requests and for every failed or flushed one; the first error
-//!   moves the QP to ERR and flushes later requests and posted receives;
+//!   moves the QP to ERR and flushes later requests, posted receives, and its requests still
+//!   waiting at the peer;
+//! - a deregistered region's key is gone at once: a later WRITE with it fails (`REM_ACCESS_ERR`);
 //! - completion channel events fire once per arming, like `ibv_req_notify_cq`;
 //! - a CQ overrun panics (the hardware would raise a fatal async event), so sizing bugs are loud.
 //!
@@ -22,12 +25,43 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use ibverbs_sys as sys;
-use kvxfer_core::{BackendError, MemRegion};
+use kvxfer_core::{BackendError, MemDesc, MemError};
 
-pub(crate) use crate::vtypes::*;
+use crate::verbs::{
+    ffi_error, Access, Completion, CompletionQueue, CqEvent, Device, DeviceCaps, EventChannel, MemoryRegion, OpenError,
+    PortInfo, PostError, ProtectionDomain, QpCaps, QueuePair, SendKind, SendWr, Verbs,
+};
 use crate::NAME;
 
-const DEVICE: &str = "emu0";
+/// The model's only device.
+pub(crate) const DEVICE: &str = "emulated";
+
+/// The in-process model.
+pub(crate) struct Emulated;
+
+impl Verbs for Emulated {
+    const EMULATED: bool = true;
+    type Context = Context;
+    type Pd = Pd;
+    type Mr = Mr;
+    type Channel = CompChannel;
+    type Event = Event;
+    type Cq = Cq;
+    type Qp = Qp;
+
+    fn status_str(status: u32) -> String {
+        match status {
+            S_OK => "success",
+            S_LOC_LEN => "local length error",
+            S_FLUSH => "Work Request Flushed Error",
+            S_REM_INV => "remote invalid request error",
+            S_REM_ACCESS => "remote access error",
+            S_RETRY_EXC => "transport retry counter exceeded",
+            _ => "unknown",
+        }
+        .to_string()
+    }
+}
 
 const S_OK: u32 = 0;
 const S_LOC_LEN: u32 = 1;
@@ -58,28 +92,14 @@ fn fabric() -> MutexGuard<'static, Fabric> {
     lock(F.get_or_init(|| Mutex::new(Fabric { next_qpn: 0x100, next_key: 0x1000, next_pd: 1, ..Default::default() })))
 }
 
-/// libibverbs' names for the statuses the model produces.
-pub(crate) fn status_str(status: u32) -> String {
-    match status {
-        S_OK => "success",
-        S_LOC_LEN => "local length error",
-        S_FLUSH => "Work Request Flushed Error",
-        S_REM_INV => "remote invalid request error",
-        S_REM_ACCESS => "remote access error",
-        S_RETRY_EXC => "transport retry counter exceeded",
-        _ => "unknown",
-    }
-    .to_string()
-}
-
 /// The emulated device context.
 pub(crate) struct Context {
     name: String,
 }
 
-impl Context {
-    /// Opens `emu0` (the only device).
-    pub fn open(wanted: Option<&str>) -> Result<Arc<Context>, OpenError> {
+impl Device<Emulated> for Context {
+    /// Opens the model's device (the only one).
+    fn open(wanted: Option<&str>) -> Result<Arc<Context>, OpenError> {
         match wanted {
             Some(w) if w != DEVICE => {
                 Err(OpenError::NotFound { wanted: Some(w.to_owned()), available: vec![DEVICE.into()] })
@@ -88,18 +108,16 @@ impl Context {
         }
     }
 
-    /// The device name.
-    pub fn name(&self) -> &str {
+    fn name(&self) -> &str {
         &self.name
     }
 
-    /// Device limits.
-    pub fn query_device(&self) -> Result<DeviceCaps, BackendError> {
-        Ok(DeviceCaps { max_qp_wr: 16384, max_sge: 30, max_cqe: 1 << 20 })
+    fn query_device(&self) -> Result<DeviceCaps, BackendError> {
+        Ok(DeviceCaps { max_qp_wr: 16384, max_sge: 30, max_cqe: 1 << 20, max_mr: 1 << 16 })
     }
 
     /// Port properties (port 1 only).
-    pub fn query_port(&self, port: u8) -> Result<PortInfo, BackendError> {
+    fn query_port(&self, port: u8) -> Result<PortInfo, BackendError> {
         if port != 1 {
             return Err(ffi_error("ibv_query_port", -libc::EINVAL, format!("device {DEVICE} has only port 1")));
         }
@@ -107,9 +125,19 @@ impl Context {
     }
 
     /// A GID (all zero: the model routes by QP number).
-    pub fn query_gid(&self, _port: u8, _index: u8) -> Result<[u8; 16], BackendError> {
+    fn query_gid(&self, _port: u8, _index: u8) -> Result<[u8; 16], BackendError> {
         Ok([0; 16])
     }
+}
+
+/// Test hook: invalidates the key of every model registration of memory starting at `addr`, as if
+/// the peer's NIC had deregistered it without a revoke (a peer that crashed mid-close). A later
+/// RDMA WRITE with that key fails with a remote access error. Returns how many keys it removed.
+pub fn invalidate_keys_at(addr: *const u8) -> usize {
+    let mut f = fabric();
+    let before = f.mrs.len();
+    f.mrs.retain(|_, m| m.upgrade().is_some_and(|m| !std::ptr::eq(m.mem.addr(), addr)));
+    before - f.mrs.len()
 }
 
 /// A protection domain.
@@ -118,9 +146,8 @@ pub(crate) struct Pd {
     _ctx: Arc<Context>,
 }
 
-impl Pd {
-    /// Allocates a protection domain.
-    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Pd>, BackendError> {
+impl ProtectionDomain<Emulated> for Pd {
+    fn alloc(ctx: &Arc<Context>) -> Result<Arc<Pd>, BackendError> {
         let mut f = fabric();
         let id = f.next_pd;
         f.next_pd += 1;
@@ -129,9 +156,44 @@ impl Pd {
 }
 
 struct MrShared {
-    mem: MemRegion,
+    mem: MemDesc,
     pd: u64,
     remote_write: bool,
+}
+
+/// How long a model access waits for an overlapping local access (another QP's copy) to finish.
+const BUSY_WAIT: Duration = Duration::from_secs(2);
+
+impl MrShared {
+    /// Copies `data` in at `offset` (what the NIC's DMA write does), under a write guard.
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        let start = std::time::Instant::now();
+        loop {
+            match self.mem.write_guard(offset, data.len() as u64) {
+                Ok(mut g) => {
+                    g.as_mut_slice().copy_from_slice(data);
+                    return Ok(());
+                }
+                Err(MemError::Busy { .. }) if start.elapsed() < BUSY_WAIT => std::thread::yield_now(),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Copies `out.len()` bytes out from `offset` (the NIC's DMA read), under a read guard.
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
+        let start = std::time::Instant::now();
+        loop {
+            match self.mem.read_guard(offset, out.len() as u64) {
+                Ok(g) => {
+                    out.copy_from_slice(g.as_slice());
+                    return Ok(());
+                }
+                Err(MemError::Busy { .. }) if start.elapsed() < BUSY_WAIT => std::thread::yield_now(),
+                Err(e) => return Err(e),
+            }
+        }
+    }
 }
 
 /// A registered memory region.
@@ -139,42 +201,39 @@ pub(crate) struct Mr {
     shared: Arc<MrShared>,
     addr: u64,
     len: usize,
-    rkey: u32,
+    key: u32,
     _pd: Arc<Pd>,
 }
 
-impl Mr {
-    /// Registers a described memory region.
-    pub fn register(pd: &Arc<Pd>, mem: MemRegion, access: Access) -> Result<Mr, BackendError> {
-        let addr = mem.as_ptr() as u64;
+impl MemoryRegion<Emulated> for Mr {
+    fn register(pd: &Arc<Pd>, mem: MemDesc, access: Access) -> Result<Mr, BackendError> {
+        let addr = mem.addr() as u64;
         let len = mem.len();
         let shared = Arc::new(MrShared { mem, pd: pd.id, remote_write: access == Access::RemoteWrite });
         let mut f = fabric();
-        let rkey = f.next_key;
+        let key = f.next_key;
         f.next_key += 1;
-        f.mrs.insert(rkey, Arc::downgrade(&shared));
-        Ok(Mr { shared, addr, len, rkey, _pd: pd.clone() })
+        f.mrs.insert(key, Arc::downgrade(&shared));
+        Ok(Mr { shared, addr, len, key, _pd: pd.clone() })
     }
 
-    /// Start address.
-    pub fn addr(&self) -> u64 {
+    fn addr(&self) -> u64 {
         self.addr
     }
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.len
     }
 
-    /// Remote key.
-    pub fn rkey(&self) -> u32 {
-        self.rkey
+    fn rkey(&self) -> u32 {
+        self.key
     }
 }
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        fabric().mrs.remove(&self.rkey);
+        // Like ibv_dereg_mr: the key is invalid from now on.
+        fabric().mrs.remove(&self.key);
     }
 }
 
@@ -185,40 +244,33 @@ pub(crate) struct CompChannel {
     _ctx: Arc<Context>,
 }
 
-impl CompChannel {
-    /// Creates a channel.
-    pub fn new(ctx: &Arc<Context>) -> Result<Arc<CompChannel>, BackendError> {
+impl EventChannel<Emulated> for CompChannel {
+    fn create(ctx: &Arc<Context>) -> Result<Arc<CompChannel>, BackendError> {
         Ok(Arc::new(CompChannel { q: Mutex::new(VecDeque::new()), cv: Condvar::new(), _ctx: ctx.clone() }))
     }
 
-    /// Waits up to `timeout` for one event.
-    pub fn next_event(&self, timeout: Duration) -> Result<Option<CqEvent>, BackendError> {
+    fn next_event(&self, timeout: Duration) -> Result<Option<Event>, BackendError> {
         let q = lock(&self.q);
         let (mut q, _) = self.cv.wait_timeout_while(q, timeout, |q| q.is_empty()).unwrap_or_else(|p| p.into_inner());
-        Ok(q.pop_front().map(|key| CqEvent { key }))
+        Ok(q.pop_front().map(|key| Event { key }))
     }
+}
 
+impl CompChannel {
     fn fire(&self, key: u64) {
         lock(&self.q).push_back(key);
         self.cv.notify_all();
     }
 }
 
-/// One completion event.
-pub(crate) struct CqEvent {
+/// One completion event (acknowledging is a no-op in the model).
+pub(crate) struct Event {
     key: u64,
 }
 
-impl CqEvent {
-    /// The key the CQ was created with.
-    pub fn key(&self) -> u64 {
+impl CqEvent for Event {
+    fn key(&self) -> u64 {
         self.key
-    }
-}
-
-impl Drop for CqEvent {
-    fn drop(&mut self) {
-        // Acknowledging is a no-op in the model; the impl keeps `ffi::CqEvent`'s drop-acknowledges shape.
     }
 }
 
@@ -248,9 +300,8 @@ pub(crate) struct Cq {
     shared: Arc<CqShared>,
 }
 
-impl Cq {
-    /// Creates a CQ of `depth` entries tagged with `key`, armed.
-    pub fn new(_ctx: &Arc<Context>, channel: &Arc<CompChannel>, depth: u32, key: u64) -> Result<Arc<Cq>, BackendError> {
+impl CompletionQueue<Emulated> for Cq {
+    fn create(_ctx: &Arc<Context>, channel: &Arc<CompChannel>, depth: u32, key: u64) -> Result<Arc<Cq>, BackendError> {
         let shared = Arc::new(CqShared {
             key,
             cap: depth as usize,
@@ -261,14 +312,12 @@ impl Cq {
         Ok(Arc::new(Cq { shared }))
     }
 
-    /// Requests an event for the next completion.
-    pub fn arm(&self) -> Result<(), BackendError> {
+    fn arm(&self) -> Result<(), BackendError> {
         self.shared.armed.store(true, Ordering::SeqCst);
         Ok(())
     }
 
-    /// Polls up to `max` completions.
-    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BackendError> {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BackendError> {
         let mut e = lock(&self.shared.entries);
         let n = e.len().min(max.max(1));
         out.extend(e.drain(..n));
@@ -324,13 +373,27 @@ fn needs_recv(kind: &SendKind) -> bool {
 impl QpShared {
     /// Moves to ERR: flushes posted receives and fails requests waiting to be delivered here.
     fn enter_error(self: &Arc<Self>) {
-        let (recvs, pending) = {
+        let (recvs, pending, dest) = {
             let mut st = lock(&self.st);
             st.state = sys::ibv_qp_state::IBV_QPS_ERR;
-            (std::mem::take(&mut st.recvs), std::mem::take(&mut st.pending))
+            (std::mem::take(&mut st.recvs), std::mem::take(&mut st.pending), st.dest)
         };
         for r in recvs {
             self.recv_cq.push(completion(r.wr_id, S_FLUSH, OP_RECV, self.qpn));
+        }
+        // Our own requests still waiting at the peer (RNR) are flushed with the send queue.
+        let remote = fabric().qps.get(&dest).and_then(Weak::upgrade);
+        if let Some(r) = remote.filter(|r| !Arc::ptr_eq(r, self)) {
+            let mine: VecDeque<Inbound> = {
+                let mut rs = lock(&r.st);
+                let (mine, rest) =
+                    std::mem::take(&mut rs.pending).into_iter().partition(|p| Arc::ptr_eq(&p.from, self));
+                rs.pending = rest;
+                mine
+            };
+            for p in mine {
+                self.send_cq.push(completion(p.wr_id, S_FLUSH, send_opcode(&p.kind), self.qpn));
+            }
         }
         let mut failed_senders: Vec<Arc<QpShared>> = Vec::new();
         for p in pending {
@@ -372,7 +435,7 @@ impl QpShared {
                     self.recv_cq.push(completion(r.wr_id, S_LOC_LEN, OP_RECV, self.qpn));
                     return Err(S_REM_INV);
                 }
-                r.mr.mem.write(r.offset, data).map_err(|_| S_REM_INV)?;
+                r.mr.write(r.offset, data).map_err(|_| S_REM_INV)?;
                 self.recv_cq.push(Completion {
                     wr_id: r.wr_id,
                     status: S_OK,
@@ -392,9 +455,9 @@ impl QpShared {
         if !mr.remote_write || mr.pd != self.pd {
             return Err(S_REM_ACCESS);
         }
-        let base = mr.mem.as_ptr() as u64;
+        let base = mr.mem.addr() as u64;
         let off = remote_addr.checked_sub(base).ok_or(S_REM_ACCESS)?;
-        mr.mem.write(off, data).map_err(|_| S_REM_ACCESS)
+        mr.write(off, data).map_err(|_| S_REM_ACCESS)
     }
 }
 
@@ -407,9 +470,9 @@ pub(crate) struct Qp {
     _recv_cq: Arc<Cq>,
 }
 
-impl Qp {
+impl QueuePair<Emulated> for Qp {
     /// Creates an RC queue pair in RESET.
-    pub fn new_rc(pd: &Arc<Pd>, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, want: QpCaps) -> Result<Qp, BackendError> {
+    fn create(pd: &Arc<Pd>, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, want: QpCaps) -> Result<Qp, BackendError> {
         let mut f = fabric();
         let qpn = f.next_qpn;
         f.next_qpn += 1;
@@ -430,17 +493,16 @@ impl Qp {
     }
 
     /// Granted sizes (as requested).
-    pub fn caps(&self) -> QpCaps {
+    fn caps(&self) -> QpCaps {
         self.caps
     }
 
-    /// The QP number.
-    pub fn qp_num(&self) -> u32 {
+    fn qp_num(&self) -> u32 {
         self.shared.qpn
     }
 
     /// Applies a transition; only RESET→INIT→RTR→RTS and any→ERR are accepted.
-    pub fn modify(&self, attr: &sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<(), BackendError> {
+    fn modify(&self, attr: &sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<(), BackendError> {
         use sys::ibv_qp_state as S;
         if mask.0 & sys::ibv_qp_attr_mask::IBV_QP_STATE.0 == 0 {
             return Err(ffi_error("ibv_modify_qp", -libc::EINVAL, format!("{what}: no state in the mask")));
@@ -469,7 +531,7 @@ impl Qp {
     }
 
     /// Executes a chain of send requests in order.
-    pub fn post_send(&self, wrs: &[SendWr]) -> Result<(), BackendError> {
+    fn post_send(&self, wrs: &[SendWr<Emulated>]) -> Result<(), PostError> {
         let me = &self.shared;
         let (state, dest) = {
             let st = lock(&me.st);
@@ -481,30 +543,40 @@ impl Qp {
             }
             return Ok(());
         }
+        let refused = |error| PostError { posted: 0, error };
         if state != sys::ibv_qp_state::IBV_QPS_RTS {
-            return Err(ffi_error("ibv_post_send", libc::EINVAL, format!("qp {} is not in RTS", me.qpn)));
+            return Err(refused(ffi_error("ibv_post_send", libc::EINVAL, format!("qp {} is not in RTS", me.qpn))));
         }
         let mut datas = Vec::with_capacity(wrs.len());
         for wr in wrs {
             if wr.sges.len() > self.caps.max_send_sge as usize {
-                return Err(ffi_error("ibv_post_send", libc::EINVAL, format!("{} SGEs", wr.sges.len())));
+                return Err(refused(ffi_error("ibv_post_send", libc::EINVAL, format!("{} SGEs", wr.sges.len()))));
             }
             let bytes: u64 = wr.sges.iter().map(|s| u64::from(s.len)).sum();
             if wr.inline && bytes > u64::from(self.caps.max_inline) {
-                return Err(ffi_error(
+                return Err(refused(ffi_error(
                     "ibv_post_send",
                     libc::EINVAL,
                     format!("{bytes} inline bytes > {}", self.caps.max_inline),
-                ));
+                )));
             }
             let mut data = Vec::new();
             for s in &wr.sges {
                 let start = data.len();
                 data.resize(start + s.len as usize, 0);
-                s.mr.shared.mem.read(s.offset, &mut data[start..]).map_err(|e| BackendError::Protocol {
-                    backend: NAME,
-                    peer: format!("qp {}", me.qpn),
-                    detail: format!("work request {} SGE: {e}", wr.wr_id),
+                if s.mr.len < (s.offset + u64::from(s.len)) as usize {
+                    return Err(refused(BackendError::Protocol {
+                        backend: NAME,
+                        peer: format!("qp {}", me.qpn),
+                        detail: format!("work request {} SGE outside its registration", wr.wr_id),
+                    }));
+                }
+                s.mr.shared.read(s.offset, &mut data[start..]).map_err(|e| {
+                    refused(BackendError::Protocol {
+                        backend: NAME,
+                        peer: format!("qp {}", me.qpn),
+                        detail: format!("work request {} SGE: {e}", wr.wr_id),
+                    })
                 })?;
             }
             datas.push(data);
@@ -558,10 +630,10 @@ impl Qp {
     }
 
     /// Nothing to release: the model copies data at post time.
-    pub fn retire_through(&self, _wr_id: u64) {}
+    fn retire_through(&self, _wr_id: u64) {}
 
     /// Posts one receive buffer, then delivers requests that were waiting for one.
-    pub fn post_recv(&self, wr_id: u64, mr: &Arc<Mr>, offset: u64, len: u32) -> Result<(), BackendError> {
+    fn post_recv(&self, wr_id: u64, mr: &Arc<Mr>, offset: u64, len: u32) -> Result<(), BackendError> {
         if offset.checked_add(u64::from(len)).is_none_or(|e| e > mr.len as u64) {
             return Err(ffi_error("ibv_post_recv", libc::EINVAL, "buffer outside its registration"));
         }

@@ -7,8 +7,11 @@
 //! completion channel, then the device context.
 //!
 //! Memory the NIC reads or writes is pinned by keeping the owning [`Mr`] alive: a queue pair keeps an
-//! `Arc<Mr>` for every work request it posted until [`Qp::retire_through`] says the request completed
+//! `Arc<Mr>` for every work request it posted until `retire_through` says the request completed
 //! (or until the queue pair is destroyed), so deregistration never races an in-flight request.
+//!
+//! This module is compiled (and linted) in every build; the test-only model in `emu.rs` is a second
+//! implementation of the same [`Verbs`] traits, chosen at run time, not a replacement.
 #![allow(unsafe_code)]
 
 use std::collections::VecDeque;
@@ -19,10 +22,41 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ibverbs_sys as sys;
-use kvxfer_core::{BackendError, MemRegion};
+use kvxfer_core::{BackendError, MemDesc};
 
-pub(crate) use crate::vtypes::*;
+use crate::verbs::{
+    ffi_error, Access, Completion, CompletionQueue, CqEvent, Device, DeviceCaps, EventChannel, MemoryRegion, OpenError,
+    PortInfo, PostError, ProtectionDomain, QpCaps, QueuePair, SendKind, SendWr, Verbs,
+};
 use crate::NAME;
+
+/// libibverbs, through `ibverbs-sys`.
+pub(crate) struct Ibv;
+
+impl Verbs for Ibv {
+    const EMULATED: bool = false;
+    type Context = Context;
+    type Pd = Pd;
+    type Mr = Mr;
+    type Channel = CompChannel;
+    type Event = Event;
+    type Cq = Cq;
+    type Qp = Qp;
+
+    fn status_str(status: u32) -> String {
+        // SAFETY: ibv_wc_status_str returns a static NUL-terminated string for any value.
+        let p = unsafe { sys::ibv_wc_status_str(status) };
+        if p.is_null() {
+            return format!("status {status}");
+        }
+        // SAFETY: static string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -57,9 +91,9 @@ unsafe impl Send for Context {}
 // SAFETY: as for Send.
 unsafe impl Sync for Context {}
 
-impl Context {
+impl Device<Ibv> for Context {
     /// Opens the device named `wanted`, or the first device. Errors say what was found.
-    pub fn open(wanted: Option<&str>) -> Result<Arc<Context>, OpenError> {
+    fn open(wanted: Option<&str>) -> Result<Arc<Context>, OpenError> {
         let mut n: c_int = 0;
         // SAFETY: valid out-pointer; list freed below.
         let list = unsafe { sys::ibv_get_device_list(&mut n) };
@@ -97,13 +131,11 @@ impl Context {
         result
     }
 
-    /// The device name.
-    pub fn name(&self) -> &str {
+    fn name(&self) -> &str {
         &self.name
     }
 
-    /// Device limits.
-    pub fn query_device(&self) -> Result<DeviceCaps, BackendError> {
+    fn query_device(&self) -> Result<DeviceCaps, BackendError> {
         let mut attr = sys::ibv_device_attr::default();
         // SAFETY: live context; `attr` is a valid out-struct of the right type.
         let rc = unsafe { sys::ibv_query_device(self.ptr.as_ptr(), &mut attr) };
@@ -114,11 +146,11 @@ impl Context {
             max_qp_wr: attr.max_qp_wr.max(0) as u32,
             max_sge: attr.max_sge.max(0) as u32,
             max_cqe: attr.max_cqe.max(0) as u32,
+            max_mr: attr.max_mr.max(0) as u32,
         })
     }
 
-    /// Port properties.
-    pub fn query_port(&self, port: u8) -> Result<PortInfo, BackendError> {
+    fn query_port(&self, port: u8) -> Result<PortInfo, BackendError> {
         let mut attr = sys::ibv_port_attr::default();
         // SAFETY: the exported ibv_query_port fills the compat prefix of `ibv_port_attr` (the full
         // struct is larger than the compat one, so the write stays inside `attr`).
@@ -135,8 +167,7 @@ impl Context {
         })
     }
 
-    /// A GID table entry.
-    pub fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], BackendError> {
+    fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], BackendError> {
         let mut gid = sys::ibv_gid { raw: [0; 16] };
         // SAFETY: live context; `gid` is a valid out-union.
         let rc = unsafe { sys::ibv_query_gid(self.ptr.as_ptr(), port, c_int::from(index), &mut gid) };
@@ -169,9 +200,8 @@ unsafe impl Send for Pd {}
 // SAFETY: as for Send.
 unsafe impl Sync for Pd {}
 
-impl Pd {
-    /// Allocates a protection domain.
-    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Pd>, BackendError> {
+impl ProtectionDomain<Ibv> for Pd {
+    fn alloc(ctx: &Arc<Context>) -> Result<Arc<Pd>, BackendError> {
         // SAFETY: live context.
         let p = unsafe { sys::ibv_alloc_pd(ctx.ptr.as_ptr()) };
         let ptr = NonNull::new(p).ok_or_else(|| ffi_error("ibv_alloc_pd", errno(), format!("device {}", ctx.name)))?;
@@ -197,8 +227,8 @@ pub(crate) struct Mr {
     lkey: u32,
     rkey: u32,
     _pd: Arc<Pd>,
-    /// Keeps owned memory alive (and documents whose memory this is) for as long as it is registered.
-    _mem: Option<MemRegion>,
+    /// Keeps the description (and a [`kvxfer_core::HostBuffer`]'s allocation) alive while registered.
+    _mem: MemDesc,
 }
 
 // SAFETY: the MR is an immutable description after registration; libibverbs calls on it are thread safe.
@@ -206,47 +236,32 @@ unsafe impl Send for Mr {}
 // SAFETY: as for Send.
 unsafe impl Sync for Mr {}
 
-impl Mr {
-    /// Registers `len` bytes at `addr` for `access`.
-    ///
-    /// # Safety
-    /// The caller promises that `[addr, addr + len)` stays valid (mapped, not freed) for reads and
-    /// writes until the returned `Mr` is dropped, and that nothing else relies on the bytes a peer may
-    /// write into it with `Access::RemoteWrite` (the NIC writes them without Rust's knowledge). The
-    /// keys of a region handed to peers (rkey) let them write there until the `Mr` is dropped.
-    pub unsafe fn from_raw(pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<Mr, BackendError> {
-        // SAFETY: live PD; the caller upholds the memory contract above.
+impl MemoryRegion<Ibv> for Mr {
+    /// Registers the described memory for `access` (`ibv_reg_mr`, which pins the pages).
+    fn register(pd: &Arc<Pd>, mem: MemDesc, access: Access) -> Result<Mr, BackendError> {
+        let (addr, len) = (mem.addr(), mem.len());
+        // SAFETY: live PD. `MemDesc::from_raw_parts`'s contract (or a HostBuffer allocation, kept alive
+        // by the descriptor stored in the Mr) keeps `[addr, addr + len)` valid until the registration
+        // is closed, which drops this Mr (ibv_dereg_mr) before the engine may free the memory; bytes a
+        // peer writes with RemoteWrite are reserved for transfers by the same contract.
         let p = unsafe { sys::ibv_reg_mr(pd.ptr.as_ptr(), addr.cast::<c_void>(), len, access.flags()) };
         let ptr = NonNull::new(p).ok_or_else(|| {
             ffi_error("ibv_reg_mr", errno(), format!("{len} bytes at {addr:p} on device {}", pd.ctx.name))
         })?;
         // SAFETY: `ptr` is the MR libibverbs just returned; its key fields are immutable.
         let (lkey, rkey) = unsafe { ((*ptr.as_ptr()).lkey, (*ptr.as_ptr()).rkey) };
-        Ok(Mr { ptr, addr: addr as u64, len, lkey, rkey, _pd: pd.clone(), _mem: None })
+        Ok(Mr { ptr, addr: addr as u64, len, lkey, rkey, _pd: pd.clone(), _mem: mem })
     }
 
-    /// Registers a described memory region; the `Mr` keeps a clone of it.
-    pub fn register(pd: &Arc<Pd>, mem: MemRegion, access: Access) -> Result<Mr, BackendError> {
-        // SAFETY: a MemRegion's own constructor contract (or HostBuffer ownership, kept alive by the clone
-        // stored in the Mr) guarantees validity of the whole range for as long as the clone exists, and
-        // reserves transfer-destination bytes for transfers.
-        let mut mr = unsafe { Mr::from_raw(pd, mem.as_ptr(), mem.len(), access)? };
-        mr._mem = Some(mem);
-        Ok(mr)
-    }
-
-    /// Start address (the remote address of offset 0).
-    pub fn addr(&self) -> u64 {
+    fn addr(&self) -> u64 {
         self.addr
     }
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.len
     }
 
-    /// Remote key.
-    pub fn rkey(&self) -> u32 {
+    fn rkey(&self) -> u32 {
         self.rkey
     }
 }
@@ -254,6 +269,7 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: no posted work request still references this MR (QPs keep an Arc until retirement).
+        // After this call the rkey is invalid: a peer's RDMA WRITE with it fails at the NIC.
         let rc = unsafe { sys::ibv_dereg_mr(self.ptr.as_ptr()) };
         if rc != 0 {
             tracing::warn!(rc, len = self.len, "ibv_dereg_mr failed");
@@ -273,9 +289,9 @@ unsafe impl Send for CompChannel {}
 // SAFETY: as for Send.
 unsafe impl Sync for CompChannel {}
 
-impl CompChannel {
+impl EventChannel<Ibv> for CompChannel {
     /// Creates a channel with a non-blocking fd.
-    pub fn new(ctx: &Arc<Context>) -> Result<Arc<CompChannel>, BackendError> {
+    fn create(ctx: &Arc<Context>) -> Result<Arc<CompChannel>, BackendError> {
         // SAFETY: live context.
         let p = unsafe { sys::ibv_create_comp_channel(ctx.ptr.as_ptr()) };
         let ptr = NonNull::new(p)
@@ -293,13 +309,7 @@ impl CompChannel {
         Ok(ch)
     }
 
-    fn fd(&self) -> c_int {
-        // SAFETY: the channel is live; `fd` is immutable after creation.
-        unsafe { (*self.ptr.as_ptr()).fd }
-    }
-
-    /// Waits up to `timeout` for one completion event.
-    pub fn next_event(&self, timeout: Duration) -> Result<Option<CqEvent>, BackendError> {
+    fn next_event(&self, timeout: Duration) -> Result<Option<Event>, BackendError> {
         let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLIN, revents: 0 };
         let ms = c_int::try_from(timeout.as_millis()).unwrap_or(c_int::MAX);
         // SAFETY: one valid pollfd.
@@ -325,7 +335,14 @@ impl CompChannel {
             }
             return Err(ffi_error("ibv_get_cq_event", e, "completion channel"));
         }
-        Ok(NonNull::new(cq).map(|cq| CqEvent { cq, key: cq_ctx as usize as u64 }))
+        Ok(NonNull::new(cq).map(|cq| Event { cq, key: cq_ctx as usize as u64 }))
+    }
+}
+
+impl CompChannel {
+    fn fd(&self) -> c_int {
+        // SAFETY: the channel is live; `fd` is immutable after creation.
+        unsafe { (*self.ptr.as_ptr()).fd }
     }
 }
 
@@ -344,34 +361,23 @@ impl Drop for CompChannel {
 /// Look the CQ's owner up by [`CqEvent::key`] (taking a strong reference) *before* dropping the event:
 /// `ibv_destroy_cq` blocks until every event it reported is acknowledged, so the CQ memory stays valid
 /// until this drop, and afterwards only the looked-up owner keeps it alive.
-pub(crate) struct CqEvent {
+pub(crate) struct Event {
     cq: NonNull<sys::ibv_cq>,
     key: u64,
 }
 
-impl CqEvent {
+impl CqEvent for Event {
     /// The `cq_context` the CQ was created with.
-    pub fn key(&self) -> u64 {
+    fn key(&self) -> u64 {
         self.key
     }
 }
 
-impl Drop for CqEvent {
+impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: the CQ cannot have been freed: ibv_destroy_cq waits for this acknowledgement.
         unsafe { sys::ibv_ack_cq_events(self.cq.as_ptr(), 1) };
     }
-}
-
-/// libibverbs' text for a completion status.
-pub(crate) fn status_str(status: u32) -> String {
-    // SAFETY: ibv_wc_status_str returns a static NUL-terminated string for any value.
-    let p = unsafe { sys::ibv_wc_status_str(status) };
-    if p.is_null() {
-        return format!("status {status}");
-    }
-    // SAFETY: static string.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
 /// A completion queue bound to a completion channel.
@@ -386,9 +392,9 @@ unsafe impl Send for Cq {}
 // SAFETY: as for Send.
 unsafe impl Sync for Cq {}
 
-impl Cq {
+impl CompletionQueue<Ibv> for Cq {
     /// Creates a CQ of at least `depth` entries reporting to `channel`, tagged with `key`.
-    pub fn new(ctx: &Arc<Context>, channel: &Arc<CompChannel>, depth: u32, key: u64) -> Result<Arc<Cq>, BackendError> {
+    fn create(ctx: &Arc<Context>, channel: &Arc<CompChannel>, depth: u32, key: u64) -> Result<Arc<Cq>, BackendError> {
         let depth_c = c_int::try_from(depth).unwrap_or(c_int::MAX);
         // SAFETY: live context and channel; cq_context is an opaque integer we only read back.
         let p = unsafe {
@@ -402,7 +408,7 @@ impl Cq {
     }
 
     /// Requests an event for the next completion (`ibv_req_notify_cq`).
-    pub fn arm(&self) -> Result<(), BackendError> {
+    fn arm(&self) -> Result<(), BackendError> {
         // SAFETY: live CQ; the provider's op is the body of the static-inline ibv_req_notify_cq.
         let rc = unsafe {
             let cq = self.ptr.as_ptr();
@@ -418,7 +424,7 @@ impl Cq {
     }
 
     /// Polls up to `max` completions into `out`; returns how many.
-    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BackendError> {
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, BackendError> {
         let mut wcs = vec![sys::ibv_wc::default(); max.clamp(1, 64)];
         // SAFETY: live CQ; `wcs` has room for the count passed; body of the static-inline ibv_poll_cq.
         let n = unsafe {
@@ -476,10 +482,10 @@ unsafe impl Send for Qp {}
 // SAFETY: as for Send.
 unsafe impl Sync for Qp {}
 
-impl Qp {
+impl QueuePair<Ibv> for Qp {
     /// Creates an RC queue pair in RESET state. If the device rejects the inline size, retries without
     /// inline data.
-    pub fn new_rc(pd: &Arc<Pd>, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, want: QpCaps) -> Result<Qp, BackendError> {
+    fn create(pd: &Arc<Pd>, send_cq: &Arc<Cq>, recv_cq: &Arc<Cq>, want: QpCaps) -> Result<Qp, BackendError> {
         let mut last_err = 0;
         for inline in [want.max_inline, 0] {
             let mut init = sys::ibv_qp_init_attr {
@@ -524,19 +530,17 @@ impl Qp {
         Err(ffi_error("ibv_create_qp", last_err, format!("RC queue pair with {want:?} on device {}", pd.ctx.name)))
     }
 
-    /// Granted sizes.
-    pub fn caps(&self) -> QpCaps {
+    fn caps(&self) -> QpCaps {
         self.caps
     }
 
-    /// The QP number peers address.
-    pub fn qp_num(&self) -> u32 {
+    fn qp_num(&self) -> u32 {
         // SAFETY: live QP; qp_num is immutable.
         unsafe { (*self.ptr.as_ptr()).qp_num }
     }
 
     /// Applies a state transition (`ibv_modify_qp`).
-    pub fn modify(&self, attr: &sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<(), BackendError> {
+    fn modify(&self, attr: &sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<(), BackendError> {
         let mut a = *attr;
         // SAFETY: live QP; `a` is a valid attribute struct; the mask names the fields that are set.
         let rc = unsafe { sys::ibv_modify_qp(self.ptr.as_ptr(), &mut a, mask.0 as c_int) };
@@ -547,16 +551,16 @@ impl Qp {
     }
 
     /// Posts a chain of send work requests. Every SGE is checked against its registration; the
-    /// registrations stay referenced until [`Qp::retire_through`] passes the request's id. Ids must
+    /// registrations stay referenced until `retire_through` passes the request's id. Ids must
     /// increase across calls (completions retire in post order).
-    pub fn post_send(&self, wrs: &[SendWr]) -> Result<(), BackendError> {
+    fn post_send(&self, wrs: &[SendWr<Ibv>]) -> Result<(), PostError> {
         if wrs.is_empty() {
             return Ok(());
         }
         let mut sges: Vec<Vec<sys::ibv_sge>> = Vec::with_capacity(wrs.len());
         for (i, wr) in wrs.iter().enumerate() {
             if wr.sges.len() > self.caps.max_send_sge as usize {
-                return Err(BackendError::Protocol {
+                return Err(refused(BackendError::Protocol {
                     backend: NAME,
                     peer: format!("qp {}", self.qp_num()),
                     detail: format!(
@@ -564,20 +568,20 @@ impl Qp {
                         wr.sges.len(),
                         self.caps.max_send_sge
                     ),
-                });
+                }));
             }
             let mut v = Vec::with_capacity(wr.sges.len());
             for s in &wr.sges {
                 let in_bounds = s.offset.checked_add(u64::from(s.len)).is_some_and(|e| e <= s.mr.len as u64);
                 if !in_bounds {
-                    return Err(BackendError::Protocol {
+                    return Err(refused(BackendError::Protocol {
                         backend: NAME,
                         peer: format!("qp {}", self.qp_num()),
                         detail: format!(
                             "work request {} SGE of {} bytes at offset {} is outside its registration of {} bytes",
                             wr.wr_id, s.len, s.offset, s.mr.len
                         ),
-                    });
+                    }));
                 }
                 v.push(sys::ibv_sge { addr: s.mr.addr + s.offset, length: s.len, lkey: s.mr.lkey });
             }
@@ -620,7 +624,7 @@ impl Qp {
             raw[i].next = unsafe { base.add(i + 1) };
         }
         {
-            let mut inflight = self.inflight.lock().expect("qp inflight lock");
+            let mut inflight = lock(&self.inflight);
             for wr in wrs {
                 inflight.push_back((wr.wr_id, wr.sges.iter().map(|s| s.mr.clone()).collect()));
             }
@@ -643,11 +647,11 @@ impl Qp {
                 (bad as usize - base as usize) / std::mem::size_of::<sys::ibv_send_wr>()
             };
             // Requests before `idx` were posted; their registrations stay in `inflight` until retired.
-            let mut inflight = self.inflight.lock().expect("qp inflight lock");
+            let mut inflight = lock(&self.inflight);
             for _ in idx..wrs.len() {
                 inflight.pop_back();
             }
-            return Err(ffi_error(
+            let error = ffi_error(
                 "ibv_post_send",
                 rc,
                 format!(
@@ -657,14 +661,15 @@ impl Qp {
                     wrs.get(idx).map_or(0, |w| w.wr_id),
                     self.qp_num()
                 ),
-            ));
+            );
+            return Err(PostError { posted: idx, error });
         }
         Ok(())
     }
 
     /// Releases the registrations of every posted send request up to and including `wr_id`.
-    pub fn retire_through(&self, wr_id: u64) {
-        let mut inflight = self.inflight.lock().expect("qp inflight lock");
+    fn retire_through(&self, wr_id: u64) {
+        let mut inflight = lock(&self.inflight);
         if !inflight.iter().any(|(id, _)| *id == wr_id) {
             return;
         }
@@ -676,7 +681,7 @@ impl Qp {
     }
 
     /// Posts one receive buffer: `len` bytes at `offset` of `mr`, reported as `wr_id`.
-    pub fn post_recv(&self, wr_id: u64, mr: &Arc<Mr>, offset: u64, len: u32) -> Result<(), BackendError> {
+    fn post_recv(&self, wr_id: u64, mr: &Arc<Mr>, offset: u64, len: u32) -> Result<(), BackendError> {
         if offset.checked_add(u64::from(len)).is_none_or(|e| e > mr.len as u64) {
             return Err(BackendError::Protocol {
                 backend: NAME,
@@ -685,7 +690,7 @@ impl Qp {
             });
         }
         {
-            let mut keep = self.recv_keep.lock().expect("qp recv lock");
+            let mut keep = lock(&self.recv_keep);
             if !keep.iter().any(|m| Arc::ptr_eq(m, mr)) {
                 keep.push(mr.clone());
             }
@@ -707,6 +712,11 @@ impl Qp {
         }
         Ok(())
     }
+}
+
+/// A post refused before anything was handed to the device.
+fn refused(error: BackendError) -> PostError {
+    PostError { posted: 0, error }
 }
 
 impl Drop for Qp {

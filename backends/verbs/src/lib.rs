@@ -1,57 +1,80 @@
 //! kvxfer's ibverbs backend: one RC queue pair per peer, ops as RDMA WRITE work requests, attached
 //! notifications as RDMA WRITE WITH IMMEDIATE into a per-connection notification ring, out-of-band
-//! notifications as SENDs, and a small TCP side channel for the QP handshake, ring credits and peer-loss
-//! detection.
+//! notifications as SENDs, and a small TCP side channel for the QP handshake, ring credits, region
+//! revokes and peer-loss detection.
 //!
 //! Modules:
-//! - `ffi` (private): the safe layer over `ibverbs-sys` (device, PD, MR, CQ + completion channel, QP),
-//!   the crate's only `unsafe` code (with the test-only `emulator` feature, `emu.rs`, a safe in-process
-//!   model of the same API, takes its place);
+//! - `verbs` (private): the interface the endpoint is written against (the `Verbs` traits) and the
+//!   plain types it exchanges;
+//! - `ffi` (private): that interface over `ibverbs-sys` (device, PD, MR, CQ + completion channel,
+//!   QP), the crate's only `unsafe` code, compiled in every build;
+//! - `emu` (private, `emulator` feature only): an in-process software model of the same interface,
+//!   used by endpoints created with `device=emulated` (or `create_emulated`);
+//! - `endpoint` and `transfer` (private): the endpoint, connections, posting and completions;
 //! - [`attrs`]: QP attributes for INIT, RTR and RTS built from exchanged metadata;
-//! - [`split`]: strided ops into work requests within SGE, message-size and inline limits;
-//! - [`ring`]: immediate encoding, the notification ring, fragmenting and reassembly;
+//! - [`ring`]: the notification ring (slots, credits, immediates);
 //! - [`proto`]: the metadata payload and the side-channel frames.
 //!
 //! Options (`BackendConfig::options`, falling back to the environment variable `KVXFER_VERBS_<NAME>`,
-//! then the default): `device` (first device), `port` (1), `gid_index` (0), `listen` (`127.0.0.1:0`,
-//! the handshake listener; set a routable address for cross-host use), `timeout_ms` (30000),
-//! `ring_slots` (64), `slot_size` (4096), `recv_buf` (4096), `sq_depth` (512), `signal_every` (64),
-//! `max_inline` (64), `max_sge` (16).
+//! then the default; an unknown option is an error listing the known ones): see [`Settings`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvxfer_core::{BackendConfig, BackendError, Capabilities, KvTransferBackend};
+use kvxfer_core::toolkit::{Options, FRAGMENT_HEADER};
+use kvxfer_core::{BackendConfig, BackendError, Capabilities, Completion, KvTransferBackend, Limits, MemKinds};
 
 pub mod attrs;
-mod backend;
-// With the test-only `emulator` feature, the FFI layer is replaced by an in-process software model
-// of the same API (see src/emu.rs); without it, the real libibverbs layer is used.
-#[cfg_attr(feature = "emulator", path = "emu.rs")]
+#[cfg(feature = "emulator")]
+mod emu;
+mod endpoint;
 mod ffi;
 pub mod proto;
 pub mod ring;
-pub mod split;
-mod vtypes;
-
-pub use backend::VerbsBackend;
+mod transfer;
+mod verbs;
 
 /// Registry name.
 pub const NAME: &str = "verbs";
 
-/// True when built with the test-only `emulator` feature: the verbs layer is an in-process software
-/// model (device `emu0`), not libibverbs. Such a build cannot talk to real hardware.
+/// True when this build includes the test-only in-process model of the verbs layer (the `emulator`
+/// feature): endpoints created with `device=emulated` run on it. Real devices work as in any build.
 pub const EMULATED: bool = cfg!(feature = "emulator");
 
-/// What this backend supports.
-pub const CAPABILITIES: Capabilities =
-    Capabilities { attached: true, out_of_band: true, cross_process: true, cross_host: true };
+/// The `device` value that selects the in-process model (only in builds with the `emulator` feature).
+pub const EMULATED_DEVICE: &str = "emulated";
+
+/// Default most ops one post takes.
+const DEFAULT_MAX_OPS: u64 = 1 << 16;
+/// Default most regions registered at once.
+const DEFAULT_MAX_REGIONS: u64 = 1024;
+/// Default notification ring slot size and receive buffer size.
+const DEFAULT_SLOT: u32 = 4096;
+
+/// Largest encoded notification a connection whose fragments are at most `fragment` bytes carries:
+/// the codec's largest encoding, and at most 65535 fragments of the toolkit's fragmenter.
+pub const fn max_notification_bytes(fragment: u32) -> u64 {
+    let codec = kvxfer_core::notify::MAX_PAYLOAD as u64 + 64;
+    let frags = (fragment as u64 - FRAGMENT_HEADER as u64) * u16::MAX as u64;
+    if codec < frags {
+        codec
+    } else {
+        frags
+    }
+}
+
+/// Capabilities of an endpoint on a real device with default options (instances report their own:
+/// limits follow the options and the device, and a model endpoint cannot leave the process).
+pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
+    .with_memory(MemKinds::HOST)
+    .with_limits(Limits::new(DEFAULT_MAX_OPS, max_notification_bytes(DEFAULT_SLOT), DEFAULT_MAX_REGIONS))
+    .with_completion(Completion::Remote);
 
 /// Settings of one endpoint, from options and environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Options {
-    /// Device name (`None`: the first device).
+pub struct Settings {
+    /// Device name (`None`: the first device; [`EMULATED_DEVICE`]: the in-process model).
     pub device: Option<String>,
     /// Port number.
     pub port: u8,
@@ -59,13 +82,13 @@ pub struct Options {
     pub gid_index: u8,
     /// Handshake listener address.
     pub listen: SocketAddr,
-    /// Deadline of connect, write and notify.
+    /// Deadline of connect, notify, disconnect and the revoke acknowledgements of a closing region.
     pub timeout: Duration,
     /// Notification ring slots per connection.
     pub ring_slots: u32,
     /// Notification ring slot size.
     pub slot_size: u32,
-    /// Receive buffer size (largest out-of-band SEND fragment + 1).
+    /// Receive buffer size (largest out-of-band SEND fragment).
     pub recv_buf: u32,
     /// Send queue depth requested.
     pub sq_depth: u32,
@@ -75,143 +98,116 @@ pub struct Options {
     pub max_inline: u32,
     /// SGEs requested per work request.
     pub max_sge: u32,
+    /// Most ops one post takes.
+    pub max_ops_per_post: u64,
+    /// Most regions registered at once (the device's own limit may be lower).
+    pub max_regions: u64,
 }
 
-impl Default for Options {
-    fn default() -> Self {
-        Self {
-            device: None,
-            port: 1,
-            gid_index: 0,
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            timeout: Duration::from_secs(30),
-            ring_slots: 64,
-            slot_size: 4096,
-            recv_buf: 4096,
-            sq_depth: 512,
-            signal_every: 64,
-            max_inline: 64,
-            max_sge: 16,
-        }
-    }
-}
+/// Every option name.
+pub const OPTIONS: [&str; 14] = [
+    "device",
+    "port",
+    "gid_index",
+    "listen",
+    "timeout_ms",
+    "ring_slots",
+    "slot_size",
+    "recv_buf",
+    "sq_depth",
+    "signal_every",
+    "max_inline",
+    "max_sge",
+    "max_ops_per_post",
+    "max_regions",
+];
 
-impl Options {
-    /// Reads options, then `KVXFER_VERBS_<NAME>` environment variables, then defaults.
+impl Settings {
+    /// Reads `config`'s options, then `KVXFER_VERBS_<NAME>` environment variables, then defaults.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        Self::from_sources(config, |k| std::env::var(k).ok())
-    }
-
-    /// As [`Options::from_config`] with an injectable environment.
-    pub fn from_sources(config: &BackendConfig, env: impl Fn(&str) -> Option<String>) -> Result<Self, BackendError> {
-        const KNOWN: [&str; 12] = [
-            "device",
-            "port",
-            "gid_index",
-            "listen",
-            "timeout_ms",
-            "ring_slots",
-            "slot_size",
-            "recv_buf",
-            "sq_depth",
-            "signal_every",
-            "max_inline",
-            "max_sge",
-        ];
-        if let Some(k) = config.options.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        let o = Options::new(NAME, config, &OPTIONS)?;
+        let s = Settings {
+            device: o.get("device").filter(|d| !d.is_empty()),
+            port: o.int_in("port", 1, 1..=u8::MAX)?,
+            gid_index: o.int_in("gid_index", 0, 0..=u8::MAX)?,
+            listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an ip:port address")?,
+            timeout: Duration::from_millis(o.int_in("timeout_ms", 30_000, 1..=3_600_000)?),
+            ring_slots: o.int_in("ring_slots", 64, 1..=ring::MAX_SLOTS)?,
+            slot_size: o.int_in("slot_size", DEFAULT_SLOT, 64..=ring::MAX_SLOT_SIZE)?,
+            recv_buf: o.int_in("recv_buf", DEFAULT_SLOT, 64..=1 << 20)?,
+            sq_depth: o.int_in("sq_depth", 512, 4..=1 << 16)?,
+            signal_every: o.int_in("signal_every", 64, 1..=1 << 16)?,
+            max_inline: o.int_in("max_inline", 64, 0..=1 << 12)?,
+            max_sge: o.int_in("max_sge", 16, 1..=256)?,
+            max_ops_per_post: o.int_in("max_ops_per_post", DEFAULT_MAX_OPS, 1..=1 << 24)?,
+            max_regions: o.int_in("max_regions", DEFAULT_MAX_REGIONS, 1..=1 << 20)?,
+        };
+        if s.emulated() && !EMULATED {
             return Err(BackendError::Config {
                 backend: NAME,
-                detail: format!("unknown option {k:?}; known: {}", KNOWN.join(", ")),
+                detail: format!(
+                    "device={EMULATED_DEVICE} is the in-process test model, which this build does not include \
+                     (enable the `emulator` feature of kvxfer-verbs)"
+                ),
             });
         }
-        let get = |key: &str| -> Option<(String, String)> {
-            if let Some(v) = config.options.get(key) {
-                return Some((format!("option {key}"), v.clone()));
-            }
-            let var = format!("KVXFER_VERBS_{}", key.to_ascii_uppercase());
-            env(&var).filter(|v| !v.is_empty()).map(|v| (var, v))
-        };
-        fn parse<T: std::str::FromStr>(
-            get: &impl Fn(&str) -> Option<(String, String)>,
-            key: &str,
-            default: T,
-        ) -> Result<T, BackendError> {
-            match get(key) {
-                None => Ok(default),
-                Some((source, v)) => v.parse().map_err(|_| BackendError::Config {
-                    backend: NAME,
-                    detail: format!("{source}={v:?} does not parse as the expected number or address"),
-                }),
-            }
-        }
-        let d = Options::default();
-        let o = Options {
-            device: get("device").map(|(_, v)| v),
-            port: parse(&get, "port", d.port)?,
-            gid_index: parse(&get, "gid_index", d.gid_index)?,
-            listen: parse(&get, "listen", d.listen)?,
-            timeout: Duration::from_millis(parse(&get, "timeout_ms", d.timeout.as_millis() as u64)?),
-            ring_slots: parse(&get, "ring_slots", d.ring_slots)?,
-            slot_size: parse(&get, "slot_size", d.slot_size)?,
-            recv_buf: parse(&get, "recv_buf", d.recv_buf)?,
-            sq_depth: parse(&get, "sq_depth", d.sq_depth)?,
-            signal_every: parse(&get, "signal_every", d.signal_every)?,
-            max_inline: parse(&get, "max_inline", d.max_inline)?,
-            max_sge: parse(&get, "max_sge", d.max_sge)?,
-        };
-        ring::check_geometry(o.ring_slots, o.slot_size)
-            .map_err(|e| BackendError::Config { backend: NAME, detail: e.0 })?;
-        let bad = |what: String| Err(BackendError::Config { backend: NAME, detail: what });
-        if o.port == 0 {
-            return bad("port must be at least 1".into());
-        }
-        if !(64..=1 << 20).contains(&o.recv_buf) {
-            return bad(format!("recv_buf={} must be 64..=1048576 bytes", o.recv_buf));
-        }
-        if o.sq_depth < 4 || o.signal_every == 0 || o.max_sge == 0 || o.timeout.is_zero() {
-            return bad(format!(
-                "sq_depth={} must be at least 4, signal_every={}, max_sge={} and timeout_ms={} at least 1",
-                o.sq_depth,
-                o.signal_every,
-                o.max_sge,
-                o.timeout.as_millis()
-            ));
-        }
-        Ok(o)
+        Ok(s)
+    }
+
+    /// Whether the in-process model is selected.
+    pub fn emulated(&self) -> bool {
+        self.device.as_deref() == Some(EMULATED_DEVICE)
     }
 }
 
 /// Builds an endpoint. Without a usable RDMA device this is [`BackendError::NoDevice`] with what
-/// `ibv_get_device_list` reported.
+/// `ibv_get_device_list` reported. With `device=emulated` (builds with the `emulator` feature only)
+/// the endpoint runs on the in-process model.
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-    Ok(Arc::new(VerbsBackend::new(config)?))
+    let settings = Settings::from_config(config)?;
+    #[cfg(feature = "emulator")]
+    if settings.emulated() {
+        return endpoint::create::<emu::Emulated>(config.identity, settings);
+    }
+    endpoint::create::<ffi::Ibv>(config.identity, settings)
 }
+
+/// Builds an endpoint on the in-process model of the verbs layer (test-only; same as `create` with
+/// `device=emulated`). Such an endpoint talks only to model endpoints of this process.
+#[cfg(feature = "emulator")]
+pub fn create_emulated(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+    create(&config.clone().with("device", EMULATED_DEVICE))
+}
+
+#[cfg(feature = "emulator")]
+#[doc(hidden)]
+pub use emu::invalidate_keys_at as emulated_invalidate_keys_at;
 
 /// Why this host cannot run the verbs backend with `config`'s device selection, or `None` when a
-/// device opens and its port is active. Used by the conformance target to skip with the reason.
+/// device opens and its port is active (always `None` for the model). Used by the conformance
+/// target to skip with the reason.
 pub fn no_device_reason(config: &BackendConfig) -> Option<String> {
-    let opts = match Options::from_config(config) {
-        Ok(o) => o,
+    let settings = match Settings::from_config(config) {
+        Ok(s) => s,
         Err(e) => return Some(e.to_string()),
     };
-    match backend::probe(&opts) {
-        Ok(()) => None,
-        Err(e) => Some(e.to_string()),
+    if settings.emulated() {
+        return None;
     }
+    endpoint::probe::<ffi::Ibv>(&settings).err().map(|e| e.to_string())
 }
 
-kvxfer_core::inventory::submit! {
-    kvxfer_core::BackendDescriptor {
-        name: NAME,
-        description: if EMULATED {
-            "ibverbs EMULATED in-process (test-only `emulator` feature; not RDMA)"
-        } else {
-            "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE notifications (InfiniBand, RoCE)"
-        },
-        capabilities: CAPABILITIES,
-        create,
-    }
-}
+kvxfer_core::register_backend!(
+    NAME,
+    if EMULATED {
+        "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE (InfiniBand, RoCE); this build also includes \
+         the test-only in-process verbs model (device=emulated, not RDMA)"
+    } else {
+        "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE notifications (InfiniBand, RoCE)"
+    },
+    CAPABILITIES,
+    create
+);
 
 #[cfg(test)]
 mod tests {
@@ -219,36 +215,44 @@ mod tests {
 
     #[test]
     fn options_come_from_config_then_env_then_defaults() {
-        let env = |k: &str| match k {
-            "KVXFER_VERBS_DEVICE" => Some("mlx5_1".to_string()),
-            "KVXFER_VERBS_PORT" => Some("2".to_string()),
-            _ => None,
-        };
-        let o = Options::from_sources(&BackendConfig::new(1), env).unwrap();
-        assert_eq!(o.device.as_deref(), Some("mlx5_1"));
-        assert_eq!(o.port, 2);
-        assert_eq!(o.ring_slots, 64);
-        let cfg = BackendConfig::new(1).with("device", "rxe0").with("gid_index", "3").with("timeout_ms", "500");
-        let o = Options::from_sources(&cfg, env).unwrap();
-        assert_eq!(o.device.as_deref(), Some("rxe0"), "an option beats the environment");
+        // Only this test touches these variables in this binary.
+        std::env::set_var("KVXFER_VERBS_RING_SLOTS", "32");
+        std::env::set_var("KVXFER_VERBS_SIGNAL_EVERY", "8");
+        let o = Settings::from_config(&BackendConfig::new(1)).unwrap();
+        assert_eq!(o.ring_slots, 32);
+        assert_eq!(o.signal_every, 8);
+        assert_eq!(o.slot_size, 4096);
+        assert_eq!(o.device, None);
+        let cfg = BackendConfig::new(1).with("ring_slots", "16").with("gid_index", "3").with("timeout_ms", "500");
+        let o = Settings::from_config(&cfg).unwrap();
+        assert_eq!(o.ring_slots, 16, "an option beats the environment");
         assert_eq!(o.gid_index, 3);
         assert_eq!(o.timeout, Duration::from_millis(500));
+        std::env::remove_var("KVXFER_VERBS_RING_SLOTS");
+        std::env::remove_var("KVXFER_VERBS_SIGNAL_EVERY");
     }
 
     #[test]
     fn bad_options_name_themselves() {
-        let none = |_: &str| None;
-        let e = Options::from_sources(&BackendConfig::new(1).with("port", "x"), none).unwrap_err();
-        assert!(e.to_string().contains("option port"), "{e}");
-        let e = Options::from_sources(&BackendConfig::new(1).with("colour", "red"), none).unwrap_err();
-        assert!(e.to_string().contains("colour"), "{e}");
-        let e = Options::from_sources(&BackendConfig::new(1), |k: &str| {
-            (k == "KVXFER_VERBS_LISTEN").then(|| "nope".into())
-        })
-        .unwrap_err();
-        assert!(e.to_string().contains("KVXFER_VERBS_LISTEN"), "{e}");
-        assert!(Options::from_sources(&BackendConfig::new(1).with("slot_size", "100000"), none).is_err());
-        assert!(Options::from_sources(&BackendConfig::new(1).with("port", "0"), none).is_err());
-        assert!(Options::from_sources(&BackendConfig::new(1).with("sq_depth", "2"), none).is_err());
+        let bad = |k: &str, v: &str| Settings::from_config(&BackendConfig::new(1).with(k, v)).unwrap_err().to_string();
+        assert!(bad("port", "x").contains("option port=x"));
+        let e = bad("colour", "red");
+        assert!(e.contains("colour") && e.contains("known options") && e.contains("max_sge"), "{e}");
+        assert!(bad("listen", "nope").contains("listen"));
+        assert!(bad("slot_size", "100000").contains("slot_size"));
+        assert!(bad("port", "0").contains("port"));
+        assert!(bad("sq_depth", "2").contains("sq_depth"));
+        if !EMULATED {
+            assert!(bad("device", EMULATED_DEVICE).contains("emulator"));
+        }
+    }
+
+    #[test]
+    fn capabilities_state_the_limits() {
+        assert_eq!(CAPABILITIES.memory, MemKinds::HOST);
+        assert_eq!(CAPABILITIES.completion, Completion::Remote);
+        const { assert!(CAPABILITIES.out_of_band && CAPABILITIES.attached) };
+        assert_eq!(CAPABILITIES.limits.max_notification_bytes, kvxfer_core::notify::MAX_PAYLOAD as u64 + 64);
+        assert_eq!(max_notification_bytes(64), CAPABILITIES.limits.max_notification_bytes, "the codec bounds it");
     }
 }

@@ -5,8 +5,9 @@
 //! opens a TCP connection there; both sides exchange a [`Hello`] (QP number, PSN, notification ring,
 //! registered regions with remote keys), move their QPs to RTR/RTS, and the connecting side confirms
 //! with `Ready` once its QP can receive. The connection then stays open as the side channel: ring
-//! credits flow on it, and its loss is how a peer's death is noticed (RC itself only notices on the
-//! next send).
+//! credits flow on it, region revokes and their acknowledgements (a closing registration tells every
+//! peer to forget its remote key, and each peer answers once none of its writes into it can still
+//! land), and its loss is how a peer's death is noticed (RC itself only notices on the next send).
 //!
 //! Frames: `u32` little-endian length of what follows, a tag byte, the body.
 
@@ -148,6 +149,16 @@ pub enum Frame {
     Bye(String),
     /// Handshake refused, with a reason.
     Reject(String),
+    /// The sender's region `region` is closing: forget its remote key, and answer
+    /// [`Frame::RevokeAck`] with `seq` once no write into it is in flight any more.
+    Revoke {
+        /// Number of this revoke at its sender.
+        seq: u64,
+        /// The region id.
+        region: u32,
+    },
+    /// Answer to [`Frame::Revoke`] number `seq`: no write of ours into that region can land any more.
+    RevokeAck(u64),
 }
 
 const T_HELLO: u8 = 1;
@@ -155,6 +166,8 @@ const T_READY: u8 = 2;
 const T_CREDIT: u8 = 3;
 const T_BYE: u8 = 4;
 const T_REJECT: u8 = 5;
+const T_REVOKE: u8 = 6;
+const T_REVOKE_ACK: u8 = 7;
 
 impl Frame {
     /// Encodes with its length prefix.
@@ -165,6 +178,8 @@ impl Frame {
             Frame::Credit(n) => (T_CREDIT, n.to_le_bytes().to_vec()),
             Frame::Bye(r) => (T_BYE, r.as_bytes().to_vec()),
             Frame::Reject(r) => (T_REJECT, r.as_bytes().to_vec()),
+            Frame::Revoke { seq, region } => (T_REVOKE, [&seq.to_le_bytes()[..], &region.to_le_bytes()].concat()),
+            Frame::RevokeAck(seq) => (T_REVOKE_ACK, seq.to_le_bytes().to_vec()),
         };
         let mut out = Vec::with_capacity(5 + body.len());
         out.extend_from_slice(&((body.len() + 1) as u32).to_le_bytes());
@@ -183,7 +198,16 @@ impl Frame {
             T_CREDIT if body.len() == 8 => Ok(Frame::Credit(u64::from_le_bytes(body.try_into().expect("8 bytes")))),
             T_BYE => text(body).map(Frame::Bye),
             T_REJECT => text(body).map(Frame::Reject),
-            T_READY | T_CREDIT => Err(format!("frame tag {tag} with a body of {} bytes", body.len())),
+            T_REVOKE if body.len() == 12 => Ok(Frame::Revoke {
+                seq: u64::from_le_bytes(body[..8].try_into().expect("8 bytes")),
+                region: u32::from_le_bytes(body[8..].try_into().expect("4 bytes")),
+            }),
+            T_REVOKE_ACK if body.len() == 8 => {
+                Ok(Frame::RevokeAck(u64::from_le_bytes(body.try_into().expect("8 bytes"))))
+            }
+            T_READY | T_CREDIT | T_REVOKE | T_REVOKE_ACK => {
+                Err(format!("frame tag {tag} with a body of {} bytes", body.len()))
+            }
             t => Err(format!("unknown frame tag {t}")),
         }
     }
@@ -301,6 +325,8 @@ mod tests {
             Frame::Credit(123_456_789),
             Frame::Bye("going away".into()),
             Frame::Reject("wrong link layer".into()),
+            Frame::Revoke { seq: 9, region: 0xdead_beef },
+            Frame::RevokeAck(u64::MAX),
         ];
         let mut wire = Vec::new();
         for f in &frames {
@@ -336,6 +362,8 @@ mod tests {
         assert!(Frame::decode(&[]).is_err());
         assert!(Frame::decode(&[T_READY, 1]).is_err());
         assert!(Frame::decode(&[T_CREDIT, 1, 2]).is_err());
+        assert!(Frame::decode(&[T_REVOKE, 1, 2, 3]).is_err());
+        assert!(Frame::decode(&[T_REVOKE_ACK]).is_err());
         assert!(Frame::decode(&[99]).unwrap_err().contains("99"));
         assert!(Frame::decode(&[T_BYE, 0xff]).is_err());
         let mut r = std::io::Cursor::new(vec![0u8, 0, 0, 0]);

@@ -5,8 +5,9 @@
 //! RDMA device every case is reported skipped with the reason `ibv_get_device_list` (or the port
 //! query) gave; skipped cases are counted and printed, never counted as passed.
 //!
-//! Built with `--features emulator`, the same suite runs the backend over the in-process software
-//! model of the verbs layer (`src/emu.rs`) and reports itself as `verbs(emulated)`.
+//! Built with `--features emulator` (and no `KVXFER_VERBS_DEVICE` naming a real device), the same
+//! suite runs the backend over the in-process model of the verbs layer (`device=emulated`,
+//! src/emu.rs) and reports itself as `verbs(emulated)`.
 
 use std::sync::Arc;
 
@@ -14,21 +15,17 @@ use kvxfer_conformance::BackendFactory;
 use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend};
 
 struct Verbs {
+    config: BackendConfig,
+    label: String,
     skip: Option<String>,
 }
 
 impl BackendFactory for Verbs {
     fn name(&self) -> String {
-        if kvxfer_verbs::EMULATED {
-            return "verbs(emulated)".into();
-        }
-        match std::env::var("KVXFER_VERBS_DEVICE") {
-            Ok(d) if !d.is_empty() => format!("verbs({d})"),
-            _ => "verbs".into(),
-        }
+        self.label.clone()
     }
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-        kvxfer_verbs::create(&BackendConfig::new(identity))
+        kvxfer_verbs::create(&BackendConfig { identity, ..self.config.clone() })
     }
     fn skip_reason(&self) -> Option<String> {
         self.skip.clone()
@@ -36,6 +33,16 @@ impl BackendFactory for Verbs {
 }
 
 fn main() -> std::process::ExitCode {
-    let skip = kvxfer_verbs::no_device_reason(&BackendConfig::new(0));
-    kvxfer_conformance::run_main(Arc::new(Verbs { skip }))
+    let device = std::env::var("KVXFER_VERBS_DEVICE").ok().filter(|d| !d.is_empty());
+    let mut config = BackendConfig::new(0);
+    let label = match device {
+        Some(d) => format!("verbs({d})"),
+        None if kvxfer_verbs::EMULATED => {
+            config = config.with("device", kvxfer_verbs::EMULATED_DEVICE);
+            "verbs(emulated)".into()
+        }
+        None => "verbs".into(),
+    };
+    let skip = kvxfer_verbs::no_device_reason(&config);
+    kvxfer_conformance::run_main(Arc::new(Verbs { config, label, skip }))
 }

@@ -1,10 +1,12 @@
 //! What the backend does on a host without an RDMA device (this CI machine): constructing it fails
 //! with a typed no-device error that carries what `ibv_get_device_list` said, and nothing leaks or hangs.
 //! On a host with a device these tests check the opposite: the endpoint opens and publishes metadata.
+//! A build with the `emulator` feature behaves the same here: the model is only used when asked for
+//! (`device=emulated`), never instead of a real device.
 
 use std::time::{Duration, Instant};
 
-use kvxfer_core::{BackendConfig, BackendError, EndpointMetadata};
+use kvxfer_core::{BackendConfig, BackendError, Completion, EndpointMetadata, MemKinds};
 
 fn device_present() -> bool {
     kvxfer_verbs::no_device_reason(&BackendConfig::new(0)).is_none()
@@ -46,6 +48,8 @@ fn a_missing_named_device_or_bad_option_is_reported_as_such() {
     // Option errors come before any device access.
     let e = kvxfer_verbs::create(&BackendConfig::new(1).with("ring_slots", "0")).err().expect("bad option");
     assert!(matches!(e, BackendError::Config { .. }), "{e}");
+    let e = kvxfer_verbs::create(&BackendConfig::new(1).with("colour", "red")).err().expect("unknown option");
+    assert!(e.to_string().contains("known options"), "{e}");
     let e = kvxfer_verbs::create(&BackendConfig::new(1).with("device", "no_such_hca_9")).err().expect("no such device");
     match e {
         BackendError::NoDevice { detail, .. } => {
@@ -58,9 +62,29 @@ fn a_missing_named_device_or_bad_option_is_reported_as_such() {
 #[test]
 fn the_registry_lists_verbs_with_its_capabilities() {
     let d = kvxfer_core::backend::lookup("verbs").expect("the crate submits its descriptor");
-    assert!(d.capabilities.attached && d.capabilities.out_of_band && d.capabilities.cross_host);
+    let c = d.capabilities;
+    assert!(c.attached && c.out_of_band && c.cross_host);
+    assert_eq!(c.memory, MemKinds::HOST, "no dmabuf or CUDA registration is claimed");
+    assert_eq!(c.completion, Completion::Remote);
+    assert!(c.limits.max_ops_per_post < u64::MAX && c.limits.max_notification_bytes < u64::MAX);
+    // The registry says whether this build includes the in-process model.
+    assert_eq!(d.description.contains("model"), kvxfer_verbs::EMULATED, "{}", d.description);
     if !device_present() {
         assert!(matches!((d.create)(&BackendConfig::new(3)), Err(BackendError::NoDevice { .. })));
+    }
+}
+
+#[test]
+fn the_model_is_chosen_only_by_name() {
+    let cfg = BackendConfig::new(4).with("device", kvxfer_verbs::EMULATED_DEVICE);
+    match (kvxfer_verbs::create(&cfg), kvxfer_verbs::EMULATED) {
+        (Ok(b), true) => {
+            assert!(!b.capabilities().cross_process, "a model endpoint says it cannot leave the process")
+        }
+        (Err(BackendError::Config { detail, .. }), false) => assert!(detail.contains("emulator"), "{detail}"),
+        (r, built) => {
+            panic!("device=emulated in a build {} the model: {:?}", if built { "with" } else { "without" }, r.err())
+        }
     }
 }
 
