@@ -1,12 +1,12 @@
 //! Zero-copy vectored IO between sockets and registered memory, through memory guards.
 //!
 //! The sender writes straight from [`ReadGuard`]s of the source ranges and the receiver reads
-//! straight into [`WriteGuard`]s of the destination ranges: no staging copy and no `unsafe` (the
+//! straight into [`StridedWriteGuard`]s of the destination ops: no staging copy and no `unsafe` (the
 //! guards are the bounds-checked, mutually exclusive views `kvxfer_core::mem` hands out).
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use kvxfer_core::{ReadGuard, WriteGuard};
+use kvxfer_core::{ReadGuard, StridedWriteGuard};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -59,8 +59,8 @@ fn advance(window: &mut Vec<&[u8]>, mut n: usize) {
 
 /// Reads a validated WRITE frame's payload straight into its guarded destination pieces: vectored
 /// reads of up to [`IOV`] slices per call, no staging copy.
-pub(crate) async fn read_payload(r: &OwnedReadHalf, dst: &mut [WriteGuard]) -> io::Result<()> {
-    let mut pieces = dst.iter_mut().map(WriteGuard::as_mut_slice).filter(|s| !s.is_empty());
+pub(crate) async fn read_payload(r: &OwnedReadHalf, dst: &mut [StridedWriteGuard]) -> io::Result<()> {
+    let mut pieces = dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut).filter(|s| !s.is_empty());
     let mut window: Vec<&mut [u8]> = Vec::with_capacity(IOV);
     loop {
         window.extend(pieces.by_ref().take(IOV - window.len()));

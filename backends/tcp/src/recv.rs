@@ -258,12 +258,12 @@ async fn within<T>(
 }
 
 /// Resolves a frame's regions (held until the frame is placed), validates it, and takes a write
-/// guard of every destination piece: nothing is written unless all of this succeeds.
+/// guard of every destination op: nothing is written unless all of this succeeds.
 fn admit_write(
     shared: &Shared,
     ops: &[OpDesc],
     payload: u64,
-) -> Result<(Vec<RegionRef>, Vec<kvxfer_core::WriteGuard>), WireError> {
+) -> Result<(Vec<RegionRef>, Vec<kvxfer_core::StridedWriteGuard>), WireError> {
     let mut refs: Vec<RegionRef> = Vec::new();
     let mut slots = Vec::with_capacity(ops.len());
     for (i, op) in ops.iter().enumerate() {
@@ -282,17 +282,22 @@ fn admit_write(
     }
     let lens: Vec<u64> = slots.iter().map(|s| refs[*s].len()).collect();
     wire::validate_write(ops, payload, &lens)?;
-    let mut guards = Vec::new();
+    // One guard per op: a strided op's per-token pieces are held as one entry, which leaves the
+    // bytes between them to other writers (another sender's heads of the same tokens).
+    let mut guards = Vec::with_capacity(ops.len());
     for (i, (op, slot)) in ops.iter().zip(&slots).enumerate() {
-        for (off, len) in op.pieces() {
-            let g = refs[*slot].desc().write_guard(off, len).map_err(|e| {
-                WireError(format!(
-                    "op {i} into {}: {e} (ranges overlap within this frame or with a frame in flight on another stream)",
-                    op.region
-                ))
-            })?;
-            guards.push(g);
-        }
+        let (len, count, stride) = if wire::contiguous(op.stride, op.len, op.count) {
+            (op.len * op.count, 1, op.len * op.count)
+        } else {
+            (op.len, op.count, op.stride)
+        };
+        let g = refs[*slot].desc().write_guard_strided(op.offset, len, count, stride).map_err(|e| {
+            WireError(format!(
+                "op {i} into {}: {e} (ranges overlap within this frame or with a frame in flight on another stream)",
+                op.region
+            ))
+        })?;
+        guards.push(g);
     }
     Ok((refs, guards))
 }

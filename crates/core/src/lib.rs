@@ -31,7 +31,7 @@ pub use backend::{
     Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
-pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, WriteGuard};
+pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, StridedWriteGuard, WriteGuard};
 pub use model::{Attention, KvKind, KvSpec, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology};
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};

@@ -155,6 +155,14 @@ pub enum MemError {
         /// The kind.
         kind: MemKind,
     },
+    /// A strided range whose pieces overlap each other.
+    #[error("pieces of {len} bytes {stride} apart overlap each other")]
+    SelfOverlap {
+        /// Piece length.
+        len: u64,
+        /// Stride.
+        stride: u64,
+    },
     /// The buffer is described by a live descriptor (registered, or about to be): close the
     /// registration (and drop every descriptor) first.
     #[error("the buffer is registered ({descs} live descriptor(s)); close its registrations before touching it")]
@@ -171,20 +179,55 @@ impl MemError {
     }
 }
 
+/// A held range: `count` pieces of `len` bytes, `stride` apart, from `start` (one piece for a
+/// contiguous guard); `end` is the end of the last piece.
+#[derive(Clone, Copy)]
+struct Held {
+    end: u64,
+    len: u64,
+    stride: u64,
+    count: u64,
+    write: bool,
+}
+
+impl Held {
+    /// Whether any piece of `self` (starting at `start`) intersects `[s, e)`.
+    fn hits(&self, start: u64, s: u64, e: u64) -> bool {
+        if self.count == 1 || self.stride == self.len {
+            return start < e && self.end > s;
+        }
+        // The first piece whose end lies past `s`.
+        let first = if s >= start + self.len { (s - start - self.len) / self.stride + 1 } else { 0 };
+        first < self.count && start + first * self.stride < e
+    }
+}
+
 #[derive(Default)]
 struct Busy {
-    /// (start, guard id) -> (end, write)
-    ranges: BTreeMap<(u64, u64), (u64, bool)>,
-    /// Longest range held since the table was last empty (bounds the overlap scan).
+    /// (start, guard id) -> what is held there
+    ranges: BTreeMap<(u64, u64), Held>,
+    /// Longest extent held since the table was last empty (bounds the overlap scan).
     max_len: u64,
 }
 
 impl Busy {
-    fn conflict(&self, start: u64, end: u64, write: bool) -> Option<bool> {
+    /// The conflicting guard's `write` flag, if any held range conflicts with the new one.
+    fn conflict(&self, start: u64, new: &Held) -> Option<bool> {
         let lo = start.saturating_sub(self.max_len);
-        for (_, &(e, w)) in self.ranges.range((lo, 0)..(end, 0)) {
-            if e > start && (write || w) {
-                return Some(w);
+        for (&(os, _), old) in self.ranges.range((lo, 0)..(new.end, 0)) {
+            if old.end <= start || !(new.write || old.write) {
+                continue;
+            }
+            // Walk the pieces of whichever has fewer inside the common extent.
+            let (a_start, a, b_start, b) =
+                if old.count <= new.count { (os, old, start, new) } else { (start, new, os, old) };
+            let hit = (0..a.count).any(|i| {
+                let ps = a_start + i * a.stride.max(a.len);
+                let pe = ps + if a.count == 1 { a.end - a_start } else { a.len };
+                ps < b.end && pe > b_start && b.hits(b_start, ps, pe)
+            });
+            if hit {
+                return Some(old.write);
             }
         }
         None
@@ -292,23 +335,36 @@ impl MemDesc {
         }
     }
 
-    fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<u64, MemError> {
+    fn acquire(&self, offset: u64, len: u64, stride: u64, count: u64, write: bool) -> Result<u64, MemError> {
         if self.inner.kind != MemKind::Host {
             return Err(MemError::NotHost { kind: self.inner.kind });
         }
-        self.check(offset, len)?;
+        let total = len.saturating_mul(count);
+        let oob = || MemError::out_of_bounds(offset, total, self.inner.len as u64);
+        if count == 0 {
+            return Err(oob());
+        }
+        if count > 1 && stride < len {
+            return Err(MemError::SelfOverlap { len, stride });
+        }
+        let end = stride
+            .checked_mul(count - 1)
+            .and_then(|x| x.checked_add(offset))
+            .and_then(|x| x.checked_add(len))
+            .filter(|e| *e <= self.inner.len as u64)
+            .ok_or_else(oob)?;
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         if len == 0 {
             return Ok(id);
         }
-        let end = offset + len;
+        let held = Held { end, len, stride, count, write };
         let mut b = lock(&self.inner.busy);
-        if let Some(other_write) = b.conflict(offset, end, write) {
-            return Err(MemError::Busy { offset, len, other_write });
+        if let Some(other_write) = b.conflict(offset, &held) {
+            return Err(MemError::Busy { offset, len: total, other_write });
         }
-        b.max_len = b.max_len.max(len);
-        b.ranges.insert((offset, id), (end, write));
+        b.max_len = b.max_len.max(end - offset);
+        b.ranges.insert((offset, id), held);
         Ok(id)
     }
 
@@ -326,15 +382,30 @@ impl MemDesc {
     /// A shared view of `[offset, offset + len)` of host memory, for sending it without a copy.
     /// Refused while a write guard overlaps it.
     pub fn read_guard(&self, offset: u64, len: u64) -> Result<ReadGuard, MemError> {
-        let id = self.acquire(offset, len, false)?;
+        let id = self.acquire(offset, len, len, 1, false)?;
         Ok(ReadGuard { mem: self.clone(), offset, len, id })
     }
 
     /// An exclusive view of `[offset, offset + len)` of host memory, for receiving into it without a
     /// copy. Refused while any guard overlaps it.
     pub fn write_guard(&self, offset: u64, len: u64) -> Result<WriteGuard, MemError> {
-        let id = self.acquire(offset, len, true)?;
+        let id = self.acquire(offset, len, len, 1, true)?;
         Ok(WriteGuard { mem: self.clone(), offset, len, id })
+    }
+
+    /// Exclusive views of `count` pieces of `len` bytes, `stride` apart, from `offset` (a strided
+    /// op's destination: the per-token head slices of a page), held as one guard. Refused while any
+    /// guard overlaps a piece; bytes between the pieces stay free for other writers (another
+    /// sender's heads of the same tokens).
+    pub fn write_guard_strided(
+        &self,
+        offset: u64,
+        len: u64,
+        count: u64,
+        stride: u64,
+    ) -> Result<StridedWriteGuard, MemError> {
+        let id = self.acquire(offset, len, stride, count, true)?;
+        Ok(StridedWriteGuard { mem: self.clone(), offset, len, count, stride, id })
     }
 
     /// Copies `len` bytes from `self[src_offset..]` into `dst[dst_offset..]` under a read guard and
@@ -399,6 +470,42 @@ impl WriteGuard {
 }
 
 impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        self.mem.release(self.offset, self.len, self.id);
+    }
+}
+
+/// Exclusive, bounds-checked views of the pieces of a strided range; no other guard overlaps a
+/// piece while it lives.
+pub struct StridedWriteGuard {
+    mem: MemDesc,
+    offset: u64,
+    len: u64,
+    count: u64,
+    stride: u64,
+    id: u64,
+}
+
+impl StridedWriteGuard {
+    /// The pieces, in order, writable (disjoint: the stride is at least the length).
+    pub fn pieces_mut(&mut self) -> impl Iterator<Item = &mut [u8]> + '_ {
+        let inner: &MemInner = &self.mem.inner;
+        let (offset, len, stride) = (self.offset as usize, self.len as usize, self.stride as usize);
+        (0..self.count as usize).filter(move |_| len > 0).map(move |i| {
+            // SAFETY: host memory; every piece is in bounds (checked at acquisition) and valid per
+            // the descriptor's contract; pieces are disjoint (stride >= len, checked) and no other
+            // guard overlaps them while this one lives; `&mut self` makes the borrows unique.
+            unsafe { std::slice::from_raw_parts_mut(inner.ptr.as_ptr().add(offset + i * stride), len) }
+        })
+    }
+
+    /// Bytes guarded (all pieces).
+    pub fn bytes(&self) -> u64 {
+        self.len * self.count
+    }
+}
+
+impl Drop for StridedWriteGuard {
     fn drop(&mut self) {
         self.mem.release(self.offset, self.len, self.id);
     }
@@ -557,6 +664,64 @@ mod tests {
         assert_eq!(&v[7..12], &[7, 1, 2, 3, 7]);
         assert_eq!(&v[39..44], &[7, 1, 2, 3, 7]);
         assert_eq!(b.inner.ptr.as_ptr() as usize % ALIGN, 0);
+    }
+
+    #[test]
+    fn strided_guards_interleave_and_exclude_exactly() {
+        let mut b = HostBuffer::zeroed(4096);
+        let d = b.desc();
+        // Two senders' head slices of the same 16 tokens: 64 bytes each, 128 apart, interleaved.
+        let mut a = d.write_guard_strided(0, 64, 16, 128).unwrap();
+        let mut c = d.write_guard_strided(64, 64, 16, 128).unwrap();
+        assert!(matches!(d.write_guard_strided(32, 64, 16, 128), Err(MemError::Busy { .. })));
+        assert!(matches!(d.write_guard(127, 2), Err(MemError::Busy { .. })), "straddles two pieces");
+        assert!(matches!(d.read_guard(1900, 8), Err(MemError::Busy { .. })), "inside the last piece of c");
+        d.read_guard(2048, 8).unwrap();
+        assert!(matches!(d.write_guard_strided(0, 65, 2, 64), Err(MemError::SelfOverlap { .. })));
+        assert!(matches!(d.write_guard_strided(4000, 64, 2, 64), Err(MemError::OutOfBounds { .. })));
+        a.pieces_mut().for_each(|p| p.fill(1));
+        c.pieces_mut().for_each(|p| p.fill(2));
+        assert_eq!(a.pieces_mut().count(), 16);
+        drop((a, c));
+        let w = d.write_guard(0, 2048).unwrap();
+        drop(w);
+        drop(d);
+        let v = b.to_vec().unwrap();
+        assert!(v[..2048].chunks(128).all(|t| t[..64].iter().all(|x| *x == 1) && t[64..].iter().all(|x| *x == 2)));
+        assert!(v[2048..].iter().all(|x| *x == 0));
+    }
+
+    proptest::proptest! {
+        /// The guard table decides exactly as a byte-by-byte ownership map would.
+        #[test]
+        fn guard_table_matches_a_byte_map(
+            reqs in proptest::collection::vec((0u64..512, 1u64..40, 1u64..6, 1u64..80, proptest::bool::ANY, proptest::bool::ANY), 1..24)
+        ) {
+            let mut b = HostBuffer::zeroed(1024);
+            let d = b.desc();
+            // 0 free, otherwise (readers, writer) per byte
+            let mut map = vec![(0u32, false); 1024];
+            let mut held: Vec<(Vec<usize>, bool, Option<StridedWriteGuard>, Option<ReadGuard>)> = Vec::new();
+            for (offset, len, count, stride, write, release_first) in reqs {
+                if release_first && !held.is_empty() {
+                    let (bytes, w, _, _) = held.remove(0);
+                    for i in bytes { if w { map[i].1 = false } else { map[i].0 -= 1 } }
+                }
+                let (count, stride) = if write { (count, stride.max(len)) } else { (1, len) };
+                let bytes: Vec<usize> = (0..count).flat_map(|k| (0..len).map(move |i| (offset + k * stride + i) as usize)).collect();
+                let in_bounds = bytes.iter().all(|i| *i < 1024);
+                let free = in_bounds && bytes.iter().all(|i| !map[*i].1 && (!write || map[*i].0 == 0));
+                if write {
+                    let r = d.write_guard_strided(offset, len, count, stride);
+                    proptest::prop_assert_eq!(r.is_ok(), free, "write {} {} {} {}", offset, len, count, stride);
+                    if let Ok(g) = r { for i in &bytes { map[*i].1 = true } held.push((bytes, true, Some(g), None)); }
+                } else {
+                    let r = d.read_guard(offset, len);
+                    proptest::prop_assert_eq!(r.is_ok(), free, "read {} {}", offset, len);
+                    if let Ok(g) = r { for i in &bytes { map[*i].0 += 1 } held.push((bytes, false, None, Some(g))); }
+                }
+            }
+        }
     }
 
     #[test]

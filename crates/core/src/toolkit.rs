@@ -41,7 +41,9 @@ struct Uses {
 #[derive(Debug)]
 pub struct RegionRef {
     id: RegionId,
-    desc: MemDesc,
+    /// Always `Some` until drop, which lets the descriptor go before the use count falls, so that
+    /// once a close's [`Drained`] resolves no descriptor of the memory is left here.
+    desc: Option<MemDesc>,
     uses: Arc<Uses>,
 }
 
@@ -53,17 +55,17 @@ impl RegionRef {
 
     /// The registered memory.
     pub fn desc(&self) -> &MemDesc {
-        &self.desc
+        self.desc.as_ref().expect("present until drop")
     }
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
-        self.desc.len() as u64
+        self.desc().len() as u64
     }
 
     /// Whether the region is empty.
     pub fn is_empty(&self) -> bool {
-        self.desc.is_empty()
+        self.desc().is_empty()
     }
 }
 
@@ -76,6 +78,7 @@ impl Clone for RegionRef {
 
 impl Drop for RegionRef {
     fn drop(&mut self) {
+        drop(self.desc.take());
         if self.uses.count.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.uses.idle.notify_waiters();
         }
@@ -157,7 +160,7 @@ impl RegionTable {
         let r = lock(&self.regions);
         let e = r.get(&id).ok_or(BackendError::UnknownRegion { backend: self.backend, region: id, peer })?;
         e.uses.count.fetch_add(1, Ordering::AcqRel);
-        Ok(RegionRef { id, desc: e.desc.clone(), uses: e.uses.clone() })
+        Ok(RegionRef { id, desc: Some(e.desc.clone()), uses: e.uses.clone() })
     }
 
     /// Removes `id`: new lookups fail at once; await the returned [`Drained`] for the operations that
