@@ -6,15 +6,15 @@
 //!     [--windows 1,8] [--bytes 268435456] [--reps 3]
 //! ```
 //! Both sides run in this process over loopback (`tcp` binds 127.0.0.1). The backend column is
-//! `write(peer, [one contiguous op], None)` awaited `window` at a time (each call returns after its
-//! completion); the baseline keeps `window` `fi_write`s in flight from one polling thread. Each cell is
+//! `post(peer, [one contiguous op], None)` with `window` transfers in flight (each slot posts its next
+//! transfer when its previous one completed); the baseline keeps `window` `fi_write`s in flight from one polling thread. Each cell is
 //! the median of `reps` runs; every run checks the destination bytes.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::{BackendConfig, BackendError, HostBuffer, KvTransferBackend, RegionId, WriteOp};
+use kvxfer_core::{BackendConfig, BackendError, HostBuffer, KvTransferBackend, PeerId, RegionId, WriteOp};
 use kvxfer_fabric::{baseline, FabricBackend};
 
 struct Args {
@@ -68,16 +68,14 @@ fn config(provider: &str, identity: u64) -> BackendConfig {
 async fn backend_run(provider: &str, size: usize, writes: usize, window: usize) -> Result<f64, BackendError> {
     let a = Arc::new(FabricBackend::new(&config(provider, 1))?);
     let b = FabricBackend::new(&config(provider, 2))?;
-    let src = HostBuffer::zeroed(size);
     let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8 + 1).collect();
-    src.region().write(0, &pattern).expect("in bounds");
-    let dst = HostBuffer::zeroed(size * window);
-    a.register(RegionId(1), src.region())?;
-    b.register(RegionId(2), dst.region())?;
+    let dst = HostBuffer::zeroed(size * window).desc();
+    let src_reg = a.register(RegionId(1), HostBuffer::from_slice(&pattern).desc()).await?;
+    let dst_reg = b.register(RegionId(2), dst.clone()).await?;
     let peer = a.connect(&b.metadata()?).await?;
     let op = |slot: usize| WriteOp::contiguous(RegionId(1), 0, RegionId(2), (slot * size) as u64, size as u64);
     for slot in 0..window {
-        a.write(peer, &[op(slot)], None).await?;
+        write(&a, peer, op(slot)).await?;
     }
     let per_task = writes.div_ceil(window);
     let start = Instant::now();
@@ -87,7 +85,7 @@ async fn backend_run(provider: &str, size: usize, writes: usize, window: usize) 
         let o = op(slot);
         tasks.push(tokio::spawn(async move {
             for _ in 0..per_task {
-                a.write(peer, &[o], None).await?;
+                write(&a, peer, o).await?;
             }
             Ok::<(), BackendError>(())
         }));
@@ -100,7 +98,12 @@ async fn backend_run(provider: &str, size: usize, writes: usize, window: usize) 
         })??;
     }
     let elapsed = start.elapsed();
-    let d = dst.to_vec();
+    let d = dst.read_guard(0, dst.len() as u64).map_err(|e| BackendError::Protocol {
+        backend: "fabric",
+        peer: "bench".into(),
+        detail: e.to_string(),
+    })?;
+    let d = d.as_slice();
     for slot in 0..window {
         if d[slot * size..(slot + 1) * size] != pattern[..] {
             return Err(BackendError::Protocol {
@@ -110,7 +113,15 @@ async fn backend_run(provider: &str, size: usize, writes: usize, window: usize) 
             });
         }
     }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    src_reg.close(deadline).await?;
+    dst_reg.close(deadline).await?;
     Ok((per_task * window * size) as f64 / elapsed.as_secs_f64())
+}
+
+/// One transfer, awaited.
+async fn write(a: &FabricBackend, peer: PeerId, op: WriteOp) -> Result<(), BackendError> {
+    a.post(peer, &[op], None)?.wait(Instant::now() + Duration::from_secs(60)).await
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -1,35 +1,41 @@
 //! The [`KvTransferBackend`] over one libfabric RDM endpoint.
 //!
-//! - Writes: `fi_writemsg` per group of at most `iov_limit` ranges (a strided op becomes iovs; a
-//!   contiguous one a single range), with `FI_DELIVERY_COMPLETE` when the provider offers it.
-//!   `write` returns after every write's completion.
-//! - Attached notifications: the notification travels as a "staged" message, and the batch's last write
-//!   carries remote CQ data (a token) with `fi_writemsg(FI_REMOTE_CQ_DATA)` (i.e. `fi_writedata`), posted
-//!   after every other write of the batch completed; the receiver delivers the notification when both
-//!   the message and the token's completion have arrived, so never before the data. Where the provider
-//!   has no CQ data (or `attached=message`), the notification is a message sent after the writes completed.
-//! - Out-of-band notifications: `fi_send` messages into receive buffers the endpoint keeps posted,
-//!   fragmented to the receiver's buffer size.
-//! - Progress: a dedicated thread polls the completion queue (hot while operations are in flight,
-//!   backing off to `idle_poll_us` when idle); every call on the endpoint holds one mutex, which is
-//!   what `FI_THREAD_DOMAIN` asks of the application.
+//! - `post` validates everything under the endpoint lock, turns the ops into `fi_writemsg` posts
+//!   (contiguous pieces coalesced, at most `iov_limit` ranges and `max_msg_size` bytes each) and
+//!   queues them as a job; the caller's thread posts what the queue takes at once, the progress
+//!   thread the rest. Writes carry `FI_DELIVERY_COMPLETE` where the provider grants it, so a job's
+//!   completion means the bytes are in the peer's memory ([`Completion::Remote`]).
+//! - A job runs in phases separated by barriers (every completion of a phase before the next is
+//!   posted): the writes; then the attached notification, either a "staged" message plus the last
+//!   write carrying remote CQ data (the receiver delivers when both arrived) or, without CQ data, a
+//!   plain message. Notification phases of one peer go out in post order.
+//! - Abort and failure stop posting the job's remaining pieces, then wait for the completions of
+//!   what the provider already has (the providers of libfabric 1.17 cannot cancel writes), then make
+//!   the transfer final.
+//! - Closing a registration: out of the region table, wait for local jobs that hold it, revoke it at
+//!   every peer that said hello (they acknowledge once their jobs writing into it are final), then
+//!   `fi_close` the MR.
+//! - Progress: a dedicated thread polls the completion queue; every call on the endpoint holds one
+//!   mutex, which is what `FI_THREAD_DOMAIN` asks of the application.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvxfer_core::toolkit::{self, EventQueue, Fragmenter, PeerTable, Reassembler, RegionRef, RegionTable};
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, Capabilities, EndpointMetadata, KvTransferBackend, MemRegion,
-    Notification, PeerId, RegionId, WriteOp,
+    AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
+    EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Transfer,
+    TransferState, TransferStatus, WriteOp,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::ffi::{
     Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov, Waker,
 };
-use crate::wire::{self, Kind, Payload, Reassembly, RegionMeta, WIRE_VERSION};
+use crate::wire::{self, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
 use crate::NAME;
 
 /// How attached notifications travel.
@@ -43,6 +49,31 @@ pub enum AttachedMode {
     Message,
 }
 
+/// The options the backend knows; any other is refused, naming these.
+pub const KNOWN_OPTIONS: &[&str] = &[
+    "provider",
+    "addr",
+    "timeout_ms",
+    "peer_timeout_ms",
+    "recv_buffers",
+    "recv_buf_size",
+    "attached",
+    "wait",
+    "idle_poll_us",
+];
+
+/// Largest encoded notification (post and notify): the codec's largest payload plus its header;
+/// larger is [`BackendError::Limit`] (the codec refuses larger payloads first).
+pub const MAX_NOTIFICATION: usize = kvxfer_core::notify::MAX_PAYLOAD + 64;
+
+/// Most write bytes posted and not completed at once, over all transfers of an endpoint: what an
+/// abort waits for at most, and what the provider is asked to buffer.
+pub const MAX_IN_FLIGHT: u64 = 16 << 20;
+
+/// Largest single `fi_writemsg`: coalesced pieces stop here, so an abort has pieces to drop and
+/// transfers to one peer interleave.
+pub const MAX_PIECE: u64 = 8 << 20;
+
 /// Parsed construction options (see the crate docs for the list).
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -50,7 +81,7 @@ pub struct Options {
     pub provider: String,
     /// Local address to bind (`addr`), e.g. `127.0.0.1`.
     pub addr: Option<String>,
-    /// Deadline of each `write` and `notify`.
+    /// Deadline of each transfer, `notify`, `connect`, `disconnect` and registration close.
     pub timeout: Duration,
     /// Receive buffers kept posted.
     pub recv_buffers: usize,
@@ -72,66 +103,57 @@ impl Options {
     pub fn heartbeat_interval(&self) -> Duration {
         (self.peer_timeout / 8).clamp(Duration::from_millis(20), Duration::from_secs(1))
     }
-}
 
-fn config_err(detail: String) -> BackendError {
-    BackendError::Config { backend: NAME, detail }
-}
-
-impl Options {
-    /// Reads options (with their env fallbacks) from a config.
+    /// Reads options from a config, with `KVXFER_FABRIC_<OPTION>` environment fallbacks (and
+    /// `FI_PROVIDER` for the provider); unknown options are refused.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let provider = config
-            .options
+        let o = toolkit::Options::new(NAME, config, KNOWN_OPTIONS)?;
+        let provider = o
             .get("provider")
-            .cloned()
-            .or_else(|| std::env::var("FI_PROVIDER").ok().filter(|s| !s.is_empty()))
+            .or_else(|| std::env::var("FI_PROVIDER").ok())
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
             .unwrap_or_else(|| "tcp".to_owned());
         let provider = match provider.as_str() {
             "tcp" => "tcp;ofi_rxm".to_owned(),
             "verbs" => "verbs;ofi_rxm".to_owned(),
             _ => provider,
         };
-        let addr = config
-            .options
-            .get("addr")
-            .cloned()
-            .or_else(|| std::env::var("KVXFER_FABRIC_ADDR").ok().filter(|s| !s.is_empty()));
+        let shm = provider.starts_with("shm");
         // shm takes the node as the endpoint's name, not as an interface: one name for every endpoint
         // would collide (fi_enable: EBUSY), so an address is only used by network providers.
-        let addr = if provider.starts_with("shm") { None } else { addr };
-        let timeout = Duration::from_millis(config.parse_or(NAME, "timeout_ms", 30_000u64)?);
-        let recv_buffers: usize = config.parse_or(NAME, "recv_buffers", 64)?;
-        let recv_buf_size: usize = config.parse_or(NAME, "recv_buf_size", 64 * 1024)?;
-        if recv_buffers == 0 || recv_buf_size < 4 * wire::HEADER {
-            return Err(config_err(format!(
-                "recv_buffers={recv_buffers} recv_buf_size={recv_buf_size}: need at least 1 buffer of at least {} bytes",
-                4 * wire::HEADER
-            )));
-        }
-        let attached = match config.options.get("attached").map(String::as_str) {
-            None | Some("auto") => AttachedMode::Auto,
-            Some("cq-data") => AttachedMode::CqData,
-            Some("message") => AttachedMode::Message,
-            Some(v) => return Err(config_err(format!("attached={v}: use auto, cq-data or message"))),
+        let addr = o.get("addr").filter(|s| !s.is_empty() && !shm);
+        let ms = Duration::from_millis;
+        let timeout = ms(o.int_in("timeout_ms", 30_000u64, 1..=86_400_000)?);
+        let peer_timeout = ms(o.int_in("peer_timeout_ms", 5_000u64, 100..=86_400_000)?);
+        let recv_buffers = o.int_in("recv_buffers", 64usize, 1..=65_536)?;
+        let min_buf = 4 * (wire::HEADER + toolkit::FRAGMENT_HEADER);
+        let recv_buf_size = o.int_in("recv_buf_size", 64 * 1024usize, min_buf..=16 << 20)?;
+        let attached = match o.choice("attached", "auto", &["auto", "cq-data", "message"])? {
+            "cq-data" => AttachedMode::CqData,
+            "message" => AttachedMode::Message,
+            _ => AttachedMode::Auto,
         };
-        let idle_poll = Duration::from_micros(config.parse_or(NAME, "idle_poll_us", 200u64)?.max(1));
-        let peer_timeout = Duration::from_millis(config.parse_or(NAME, "peer_timeout_ms", 5_000u64)?.max(100));
-        let wait = config.options.get("wait").cloned().or_else(|| std::env::var("KVXFER_FABRIC_WAIT").ok());
-        let wait_fd = match wait.as_deref() {
-            None => !provider.starts_with("shm"),
-            Some("fd") => true,
-            Some("poll") => false,
-            Some(v) => return Err(config_err(format!("wait={v}: use fd or poll"))),
-        };
+        let wait_fd = o.choice("wait", if shm { "poll" } else { "fd" }, &["fd", "poll"])? == "fd";
+        let idle_poll = Duration::from_micros(o.int_in("idle_poll_us", 200u64, 1..=1_000_000)?);
         Ok(Self { provider, addr, timeout, recv_buffers, recv_buf_size, attached, idle_poll, peer_timeout, wait_fd })
     }
 }
 
-struct Region {
-    mem: MemRegion,
-    mr: MrHandle,
-    info: MrInfo,
+fn config_err(detail: String) -> BackendError {
+    BackendError::Config { backend: NAME, detail }
+}
+
+/// What an endpoint with this provider can promise (see the README's provider table).
+pub fn capabilities_for(info: &ProviderInfo, cq_data: bool, recv_buf_size: usize) -> Capabilities {
+    let completion = if info.delivery_complete { Completion::Remote } else { Completion::Local };
+    // An attached notification after local completions is only ordered after the bytes when it
+    // rides on the last write and writes are ordered.
+    let attached = completion == Completion::Remote || (cq_data && info.order_waw);
+    let max_notification = MAX_NOTIFICATION.min(Fragmenter::new(recv_buf_size - wire::HEADER).max_message());
+    Capabilities::new(attached, true, true, !info.provider.starts_with("shm"))
+        .with_limits(Limits::new(u64::MAX, max_notification as u64, u64::MAX))
+        .with_completion(completion)
 }
 
 struct Peer {
@@ -141,10 +163,11 @@ struct Peer {
     nonce: u32,
     pid: u32,
     provider: String,
-    recv_buf: usize,
     cq_data: bool,
-    regions: HashMap<u32, RegionMeta>,
-    lost: bool,
+    frag: Arc<Fragmenter>,
+    /// The peer's regions; a revoke removes one (under the endpoint lock, like every lookup).
+    regions: Mutex<HashMap<u32, RegionMeta>>,
+    lost: AtomicBool,
 }
 
 /// Whether process `pid` exists and is not a zombie (Linux `/proc`).
@@ -157,84 +180,160 @@ fn process_alive(pid: u32) -> bool {
     }
 }
 
-impl Peer {
-    /// Why posting to this peer must not happen: its endpoint in this process was closed, or (shm, same
-    /// host) its process is gone. libfabric 1.17's shm provider spins forever on the lock of a dead
-    /// peer's queue, so a dead shm peer is never posted to.
-    fn gone(&self) -> Option<String> {
-        if closed_set().as_ref().is_some_and(|c| c.contains(&self.closed_key())) {
-            return Some("its endpoint (in this process) was closed".to_owned());
-        }
-        if self.provider == "shm" && self.pid != 0 && !process_alive(self.pid) {
-            return Some(format!("its process {} is gone", self.pid));
-        }
-        None
+/// Why posting to an endpoint must not happen: it is in this process and was closed, or (shm, same
+/// host) its process is gone. libfabric 1.17's shm provider spins forever on the lock of a dead
+/// peer's queue, so a dead shm peer is never posted to.
+fn unreachable(provider: &str, addr: &[u8], nonce: u32, pid: u32) -> Option<String> {
+    if closed_set().as_ref().is_some_and(|c| c.contains(&(provider.to_owned(), addr.to_vec(), nonce))) {
+        return Some("its endpoint (in this process) was closed".to_owned());
     }
+    if provider == "shm" && pid != 0 && !process_alive(pid) {
+        return Some(format!("its process {pid} is gone"));
+    }
+    None
+}
 
-    fn closed_key(&self) -> ClosedKey {
-        (self.provider.clone(), self.addr.clone(), self.nonce)
+impl Peer {
+    fn gone(&self) -> Option<String> {
+        unreachable(&self.provider, &self.addr, self.nonce, self.pid)
     }
 
     fn describe(&self, id: PeerId) -> String {
         format!("{id} (identity {:#x}, {})", self.identity, self.provider)
     }
-}
 
-struct Batch {
-    peer: PeerId,
-    identity: u64,
-    posted: usize,
-    completed: usize,
-    sealed: bool,
-    error: Option<BackendError>,
-    done: Option<oneshot::Sender<Result<(), BackendError>>>,
-}
-
-impl Batch {
-    fn maybe_finish(&mut self) -> bool {
-        if self.sealed && self.completed >= self.posted {
-            if let Some(tx) = self.done.take() {
-                let _ = tx.send(self.error.take().map_or(Ok(()), Err));
-            }
-            true
-        } else {
-            false
+    /// Marks the peer lost and reports it, once.
+    fn lose(&self, events: &EventQueue, reason: String) {
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            events.push(BackendEvent::PeerLost { identity: self.identity, reason });
         }
     }
 }
 
-/// Everything behind the endpoint mutex. `ep` is declared first so it is closed before the rest drops.
-struct State {
-    ep: RdmEndpoint,
-    regions: HashMap<RegionId, Region>,
-    peers: HashMap<PeerId, Peer>,
-    addrs: HashMap<Vec<u8>, u64>,
-    next_peer: u64,
-    batches: HashMap<u64, Batch>,
-    next_batch: u64,
-    next_seq: u64,
-    reasm: Reassembly,
-    scratch: Vec<Event>,
-    dropped_messages: u64,
-    stale_messages: u64,
-    /// This endpoint's nonce and identity (for liveness messages).
-    nonce: u32,
-    identity: u64,
-    /// Peers that connected to this endpoint, by their nonce: identity and when last heard.
-    live: HashMap<u32, Live>,
-    /// Peers whose heartbeat met a full transmit queue; sent before further writes.
-    heartbeat_due: HashSet<PeerId>,
+/// One post to the provider.
+enum Item {
+    Write { local: Vec<LocalRange>, remote: Vec<RemoteIov>, data: Option<u64> },
+    Send(Vec<u8>),
+}
+
+/// Items posted together; the next phase starts when every completion of this one arrived.
+struct Phase {
+    items: VecDeque<Item>,
+    /// A notification phase: waits until every earlier job to the same peer posted everything, so
+    /// notifications to a peer leave in post order.
+    ordered: bool,
+}
+
+/// A posted transfer (or notification, or hello) in progress.
+struct Job {
+    peer: PeerId,
+    target: Arc<Peer>,
+    state: Arc<TransferState>,
+    phases: VecDeque<Phase>,
+    posted: usize,
+    completed: usize,
+    error: Option<BackendError>,
+    /// No more posting (abort, failure, deadline).
+    stopped: bool,
+    /// Some piece was never posted.
+    dropped: bool,
+    deadline: Instant,
+    /// The source regions, held until the job is final (a registration close waits for them).
+    _refs: Vec<RegionRef>,
+    /// Destination regions (a revoke from the peer waits for the jobs writing into it).
+    dst: Vec<RegionId>,
+    /// Write bytes posted and not completed.
+    in_flight: u64,
+}
+
+impl Job {
+    fn sealed(&self) -> bool {
+        self.phases.iter().all(|p| p.items.is_empty())
+    }
+
+    fn stop(&mut self, error: Option<BackendError>) {
+        self.stopped = true;
+        if self.error.is_none() {
+            self.error = error;
+        }
+    }
 }
 
 struct Live {
     identity: u64,
     last_seen: Instant,
+    /// From its hello: where revokes go.
+    fi_addr: Option<u64>,
+    addr: Vec<u8>,
+    pid: u32,
 }
 
-/// `user` value of liveness messages (no batch waits for them).
-const USER_CONTROL: u64 = 0;
+/// A revoke of ours waiting for acknowledgements.
+struct RevokeWait {
+    region: RegionId,
+    waiting: HashSet<u32>,
+    done: Option<oneshot::Sender<()>>,
+}
 
+/// A revoke from a peer, acknowledged once `jobs` are final.
+struct AckDue {
+    fi_addr: u64,
+    dest: u32,
+    seq: u64,
+    jobs: Vec<u64>,
+}
+
+/// `user` value of control messages (no job waits for them).
+const USER_CONTROL: u64 = 0;
 const USER_SEND: u64 = 1;
+/// A control message waiting for a transmit slot.
+struct Control {
+    to: u64,
+    msg: Vec<u8>,
+    since: Instant,
+}
+
+/// Why a job stopped posting for now.
+#[derive(PartialEq, Eq)]
+enum Stall {
+    /// Nothing (all posted, or waiting at a barrier or for an earlier job).
+    No,
+    /// The provider refused a piece to this peer (`-FI_EAGAIN`): later jobs to it wait.
+    Peer,
+    /// The endpoint's in-flight window is full: no more writes this round.
+    Window,
+}
+
+/// Most control messages queued for a transmit slot before heartbeats are skipped.
+const MAX_CONTROL: usize = 4096;
+
+/// Everything behind the endpoint mutex. `ep` is declared first so it is closed before the rest drops.
+struct State {
+    ep: RdmEndpoint,
+    mrs: HashMap<RegionId, (MrHandle, MrInfo)>,
+    addrs: HashMap<Vec<u8>, u64>,
+    jobs: BTreeMap<u64, Job>,
+    next_job: u64,
+    next_seq: u64,
+    staged: Staged,
+    reasm: Reassembler,
+    scratch: Vec<Event>,
+    dropped_messages: u64,
+    stale_messages: u64,
+    nonce: u32,
+    identity: u64,
+    events: Arc<EventQueue>,
+    /// Peers that said hello to this endpoint (the ones that can write into its regions), by nonce.
+    live: HashMap<u32, Live>,
+    /// Control messages waiting for a transmit slot; sent before any further job piece.
+    control: VecDeque<Control>,
+    /// How long a control message may wait for a slot before it is dropped.
+    control_ttl: Duration,
+    revokes: HashMap<u64, RevokeWait>,
+    acks_due: Vec<AckDue>,
+    /// Write bytes posted and not completed (at most [`MAX_IN_FLIGHT`] beyond one piece).
+    in_flight: u64,
+}
 
 impl State {
     /// Polls the completion queue until it is empty (bounded) and dispatches what it reports.
@@ -242,22 +341,18 @@ impl State {
     /// Returns the completions read, plus one when a poll that read none took long enough to have done
     /// work: a target of RMA writes sees no completions for them, yet its polls move their data (shm
     /// copies incoming commands, tcp drains sockets), and that traffic must keep the thread hot.
-    fn pump(&mut self, events: &mpsc::UnboundedSender<BackendEvent>) -> usize {
+    fn pump(&mut self, inner: &Inner) -> usize {
         const WORKED: Duration = Duration::from_micros(20);
-        self.flush_heartbeats();
         let mut total = 0;
         for _ in 0..16 {
             let mut out = std::mem::take(&mut self.scratch);
             let t = Instant::now();
-            let n = match self.ep.poll(&mut out, 64) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!(target: "kvxfer_fabric", "{e}");
-                    0
-                }
-            };
+            let n = self.ep.poll(&mut out, 64).unwrap_or_else(|e| {
+                tracing::warn!(target: "kvxfer_fabric", "{e}");
+                0
+            });
             for ev in out.drain(..) {
-                self.dispatch(ev, events);
+                self.dispatch(ev, inner);
             }
             self.scratch = out;
             total += n;
@@ -271,11 +366,17 @@ impl State {
         total
     }
 
-    fn deliver(&mut self, bytes: Vec<u8>, events: &mpsc::UnboundedSender<BackendEvent>) {
-        match Notification::decode(&bytes) {
-            Ok(n) => {
-                let _ = events.send(BackendEvent::Notification(n));
-            }
+    /// One round of work: completions, control messages, posts, finished jobs, due acknowledgements.
+    fn advance(&mut self, inner: &Inner) -> usize {
+        let n = self.pump(inner);
+        self.post_jobs();
+        self.finish_jobs();
+        n
+    }
+
+    fn deliver(&mut self, bytes: &[u8]) {
+        match Notification::decode(bytes) {
+            Ok(n) => self.events.push(BackendEvent::Notification(n)),
             Err(e) => {
                 self.dropped_messages += 1;
                 tracing::warn!(target: "kvxfer_fabric", "dropping an undecodable notification: {e}");
@@ -283,167 +384,436 @@ impl State {
         }
     }
 
-    fn dispatch(&mut self, ev: Event, events: &mpsc::UnboundedSender<BackendEvent>) {
+    fn malformed(&mut self, e: impl std::fmt::Display) {
+        self.dropped_messages += 1;
+        tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
+    }
+
+    fn dispatch(&mut self, ev: Event, inner: &Inner) {
         match ev {
-            Event::Message(bytes) => {
-                let h = match wire::parse(&bytes) {
-                    Ok((h, _)) => h,
-                    Err(e) => {
-                        self.dropped_messages += 1;
-                        tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
-                        return;
-                    }
-                };
-                if h.dest != self.nonce {
-                    // For an earlier owner of this (recycled) endpoint address.
-                    self.stale_messages += 1;
-                    return;
-                }
-                let now = Instant::now();
-                match h.kind {
-                    Kind::Heartbeat => {
-                        self.live.entry(h.nonce).or_insert(Live { identity: h.seq, last_seen: now }).last_seen = now;
-                        return;
-                    }
-                    Kind::Bye => {
-                        self.live.remove(&h.nonce);
-                        return;
-                    }
-                    Kind::Gone => {
-                        self.live.remove(&h.nonce);
-                        let _ = events.send(BackendEvent::PeerLost {
-                            identity: h.seq,
-                            reason: format!("the peer endpoint (identity {:#x}) closed", h.seq),
-                        });
-                        return;
-                    }
-                    Kind::Notify | Kind::Staged => {
-                        if let Some(l) = self.live.get_mut(&h.nonce) {
-                            l.last_seen = now;
-                        }
-                    }
-                }
-                match self.reasm.frame(&bytes) {
-                    Ok(Some(n)) => self.deliver(n, events),
-                    Ok(None) => {}
-                    Err(e) => {
-                        self.dropped_messages += 1;
-                        tracing::warn!(target: "kvxfer_fabric", "dropping a malformed message: {e}");
-                    }
-                }
-            }
+            Event::Message(bytes) => self.message(&bytes, inner),
             Event::RemoteData(token) => {
-                if let Some(n) = self.reasm.token(token) {
-                    self.deliver(n, events);
+                if let Some(n) = self.staged.token(token) {
+                    self.deliver(&n);
                 }
             }
             Event::RecvError(e) => {
                 self.dropped_messages += 1;
                 tracing::warn!(target: "kvxfer_fabric", "a receive failed: {}", e.detail);
             }
-            Event::Done { user: USER_CONTROL, error } => {
+            Event::Done { user, error, .. } if user >> 1 == USER_CONTROL => {
                 if let Some(e) = error {
-                    tracing::debug!(target: "kvxfer_fabric", "a liveness message failed: {}", e.detail);
+                    tracing::debug!(target: "kvxfer_fabric", "a control message failed: {}", e.detail);
                 }
             }
-            Event::Done { user, error } => {
-                let id = user >> 1;
-                let call = if user & USER_SEND != 0 { "fi_send (completion)" } else { "fi_writemsg (completion)" };
-                let Some(b) = self.batches.get_mut(&id) else { return };
-                b.completed += 1;
+            Event::Done { user, error, bytes } => {
+                let send = user & USER_SEND != 0;
+                let call = if send { "fi_send (completion)" } else { "fi_writemsg (completion)" };
+                // A completion of an abandoned job (see `finish_jobs`) was taken out of the window then.
+                let Some(job) = self.jobs.get_mut(&(user >> 1)) else { return };
+                job.completed += 1;
+                if !send {
+                    job.in_flight -= bytes;
+                    self.in_flight = self.in_flight.saturating_sub(bytes);
+                }
                 if let Some(e) = error {
-                    let (peer, identity) = (b.peer, b.identity);
-                    if b.error.is_none() {
-                        b.error = Some(ffi_completion_error(call, &e, peer, identity));
-                    }
+                    let err = ffi_completion_error(call, &e, job.peer, job.target.identity);
                     if e.is_connection_loss() {
-                        if let Some(p) = self.peers.get_mut(&peer) {
-                            if !p.lost {
-                                p.lost = true;
-                                let _ = events.send(BackendEvent::PeerLost {
-                                    identity,
-                                    reason: format!("{call} to {peer} failed: {}", e.detail),
-                                });
-                            }
-                        }
+                        job.target.lose(&self.events, format!("{call} to {} failed: {}", job.peer, e.detail));
+                    }
+                    job.stop(Some(err));
+                }
+            }
+        }
+    }
+
+    fn message(&mut self, bytes: &[u8], inner: &Inner) {
+        let (h, body) = match wire::parse(bytes) {
+            Ok(x) => x,
+            Err(e) => return self.malformed(e),
+        };
+        if h.dest != self.nonce {
+            // For an earlier owner of this (recycled) endpoint address.
+            self.stale_messages += 1;
+            return;
+        }
+        let now = Instant::now();
+        if let Some(l) = self.live.get_mut(&h.nonce) {
+            l.last_seen = now;
+        }
+        match h.kind {
+            Kind::Heartbeat => {
+                self.live.entry(h.nonce).or_insert(Live {
+                    identity: h.seq,
+                    last_seen: now,
+                    fi_addr: None,
+                    addr: Vec::new(),
+                    pid: 0,
+                });
+            }
+            Kind::Hello => {
+                let Some((pid, addr)) = wire::split_u32(body) else { return self.malformed("short hello") };
+                let fi_addr = self.insert_addr(addr);
+                self.live.insert(h.nonce, Live { identity: h.seq, last_seen: now, fi_addr, addr: addr.to_vec(), pid });
+                // A peer that connected with metadata taken before a close still under way: ask it too.
+                if let Some(a) = fi_addr {
+                    let name = self.ep.name().to_vec();
+                    let mut asks = Vec::new();
+                    for (seq, w) in self.revokes.iter_mut() {
+                        w.waiting.insert(h.nonce);
+                        asks.push(wire::message(
+                            Kind::Revoke,
+                            self.nonce,
+                            h.nonce,
+                            *seq,
+                            &wire::hello(w.region.0, &name),
+                        ));
+                    }
+                    for m in asks {
+                        self.queue(a, m);
                     }
                 }
-                let b = self.batches.get_mut(&id).expect("present above");
-                if b.maybe_finish() {
-                    self.batches.remove(&id);
+            }
+            Kind::Bye | Kind::Gone => {
+                self.live.remove(&h.nonce);
+                self.reasm.forget(u64::from(h.nonce));
+                self.writer_gone(h.nonce);
+                if h.kind == Kind::Gone {
+                    self.events.push(BackendEvent::PeerLost {
+                        identity: h.seq,
+                        reason: format!("the peer endpoint (identity {:#x}) closed", h.seq),
+                    });
                 }
+            }
+            Kind::Revoke => {
+                let Some((region, addr)) = wire::split_u32(body) else { return self.malformed("short revoke") };
+                self.revoked(inner, h.nonce, h.seq, RegionId(region), addr);
+            }
+            Kind::RevokeAck => {
+                if let Some(w) = self.revokes.get_mut(&h.seq) {
+                    w.waiting.remove(&h.nonce);
+                }
+                self.resolve_revokes();
+            }
+            Kind::Notify | Kind::Staged => match self.reasm.push(u64::from(h.nonce), body, now) {
+                Ok(Some(n)) if h.kind == Kind::Notify => self.deliver(&n),
+                Ok(Some(n)) => {
+                    if let Some(n) = self.staged.notification(h.seq, n) {
+                        self.deliver(&n);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => self.malformed(e),
+            },
+        }
+    }
+
+    fn insert_addr(&mut self, addr: &[u8]) -> Option<u64> {
+        if let Some(a) = self.addrs.get(addr) {
+            return Some(*a);
+        }
+        match self.ep.av_insert(addr) {
+            Ok(a) => {
+                self.addrs.insert(addr.to_vec(), a);
+                Some(a)
+            }
+            Err(e) => {
+                tracing::warn!(target: "kvxfer_fabric", "cannot address a peer that said hello: {e}");
+                None
             }
         }
     }
-}
 
-impl State {
-    /// Posts a liveness message to every connected peer. A heartbeat that meets a full queue stays
-    /// pending and goes out before any further write to that peer (see [`Self::flush_heartbeats`]), so
-    /// a sender busy filling the queue is not mistaken for a dead one.
-    fn send_control(&mut self, kind: Kind) -> usize {
-        let targets: Vec<(PeerId, u64, u32)> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.lost && p.gone().is_none())
-            .map(|(id, p)| (*id, p.fi_addr, p.nonce))
-            .collect();
-        let mut posted = 0;
-        for (id, a, dest) in targets {
-            match self.ep.send(a, wire::control(kind, self.nonce, dest, self.identity), USER_CONTROL) {
-                Ok(()) => {
-                    posted += 1;
-                    self.heartbeat_due.remove(&id);
-                }
-                Err(PostError::Again) if kind == Kind::Heartbeat => {
-                    self.heartbeat_due.insert(id);
-                }
-                Err(_) => {}
+    /// A peer (`owner`) revoked its region: forget it, and acknowledge once every job that may write
+    /// into it is final.
+    fn revoked(&mut self, inner: &Inner, owner: u32, seq: u64, region: RegionId, owner_addr: &[u8]) {
+        let mut ids = HashSet::new();
+        let mut fi_addr = None;
+        for (id, p) in inner.peers.all() {
+            if p.nonce == owner {
+                lock(&p.regions).remove(&region.0);
+                ids.insert(id);
+                fi_addr = Some(p.fi_addr);
             }
         }
-        posted
+        let Some(fi_addr) = fi_addr.or_else(|| self.insert_addr(owner_addr)) else { return };
+        // Transfers into the region cannot complete any more: they stop posting and fail once what
+        // they posted completed; the acknowledgement waits for that.
+        let mut jobs = Vec::new();
+        for (k, j) in self.jobs.iter_mut().filter(|(_, j)| ids.contains(&j.peer) && j.dst.contains(&region)) {
+            j.stop(Some(BackendError::UnknownRegion { backend: NAME, region, peer: Some(j.peer) }));
+            jobs.push(*k);
+        }
+        self.acks_due.push(AckDue { fi_addr, dest: owner, seq, jobs });
     }
 
-    /// Retries heartbeats that met a full queue; `true` when none is left pending.
-    fn flush_heartbeats(&mut self) -> bool {
-        if self.heartbeat_due.is_empty() {
-            return true;
-        }
-        let due: Vec<PeerId> = self.heartbeat_due.iter().copied().collect();
-        for id in due {
-            let Some(p) = self.peers.get(&id) else {
-                self.heartbeat_due.remove(&id);
+    /// Sends the revoke of `region` to every peer that said hello; the receiver resolves when all
+    /// acknowledged (or were lost). `None` when no peer can write.
+    fn revoke(&mut self, region: RegionId) -> Option<oneshot::Receiver<()>> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let body = wire::hello(region.0, self.ep.name());
+        let provider = self.ep.info().provider.clone();
+        let mut waiting = HashSet::new();
+        for (nonce, l) in &self.live {
+            let Some(a) = l.fi_addr else { continue };
+            if let Some(why) = unreachable(&provider, &l.addr, *nonce, l.pid) {
+                tracing::debug!(target: "kvxfer_fabric", "not revoking {region} at identity {:#x}: {why}", l.identity);
                 continue;
-            };
-            let msg = wire::control(Kind::Heartbeat, self.nonce, p.nonce, self.identity);
-            match self.ep.send(p.fi_addr, msg, USER_CONTROL) {
-                Err(PostError::Again) => {}
-                _ => {
-                    self.heartbeat_due.remove(&id);
+            }
+            waiting.insert(*nonce);
+            let msg = wire::message(Kind::Revoke, self.nonce, *nonce, seq, &body);
+            self.control.push_back(Control { to: a, msg, since: Instant::now() });
+        }
+        if waiting.is_empty() {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        self.revokes.insert(seq, RevokeWait { region, waiting, done: Some(tx) });
+        Some(rx)
+    }
+
+    /// A writer is gone (bye, gone, silent): it acknowledges nothing any more and writes nothing.
+    fn writer_gone(&mut self, nonce: u32) {
+        for w in self.revokes.values_mut() {
+            w.waiting.remove(&nonce);
+        }
+        self.resolve_revokes();
+    }
+
+    fn resolve_revokes(&mut self) {
+        self.revokes.retain(|_, w| {
+            if w.waiting.is_empty() {
+                if let Some(tx) = w.done.take() {
+                    let _ = tx.send(());
                 }
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Queues a heartbeat to every peer this endpoint connected to.
+    fn heartbeats(&mut self, inner: &Inner) {
+        if self.control.len() > MAX_CONTROL {
+            return;
+        }
+        for (_, p) in inner.peers.all() {
+            if !p.lost.load(Ordering::Acquire) && p.gone().is_none() {
+                self.queue(p.fi_addr, wire::message(Kind::Heartbeat, self.nonce, p.nonce, self.identity, &[]));
             }
         }
-        self.heartbeat_due.is_empty()
+    }
+
+    /// Queues a control message (sent before any further job piece to that peer).
+    fn queue(&mut self, to: u64, msg: Vec<u8>) {
+        self.control.push_back(Control { to, msg, since: Instant::now() });
+    }
+
+    /// Sends queued control messages, in order per destination; returns the destinations whose
+    /// messages still wait for a slot (jobs to them wait too). A message that waited longer than
+    /// `control_ttl` is dropped.
+    fn flush_control(&mut self) -> HashSet<u64> {
+        let mut blocked = HashSet::new();
+        if self.control.is_empty() {
+            return blocked;
+        }
+        let now = Instant::now();
+        let mut keep = VecDeque::new();
+        while let Some(c) = self.control.pop_front() {
+            if blocked.contains(&c.to) {
+                keep.push_back(c);
+                continue;
+            }
+            match self.ep.send(c.to, c.msg.clone(), USER_CONTROL) {
+                Err(PostError::Again) if now.duration_since(c.since) > self.control_ttl => {
+                    tracing::debug!(target: "kvxfer_fabric", "dropping a control message that found no slot for {:?}", self.control_ttl);
+                }
+                Err(PostError::Again) => {
+                    blocked.insert(c.to);
+                    keep.push_back(c);
+                }
+                Err(PostError::Failed(e)) => tracing::debug!(target: "kvxfer_fabric", "a control message failed: {e}"),
+                Ok(()) => {}
+            }
+        }
+        self.control = keep;
+        blocked
+    }
+
+    /// Posts what the jobs have ready, in job order, until the transmit queue is full.
+    fn post_jobs(&mut self) {
+        let mut blocked = self.flush_control();
+        let mut full = false;
+        let now = Instant::now();
+        let mut unsealed: HashSet<PeerId> = HashSet::new();
+        let State { ep, jobs, in_flight, .. } = self;
+        for (&id, job) in jobs.iter_mut() {
+            if !job.stopped {
+                if job.state.abort_requested() {
+                    job.stop(None);
+                } else if now >= job.deadline {
+                    let left: usize = job.phases.iter().map(|p| p.items.len()).sum();
+                    job.stop(Some(BackendError::Timeout {
+                        backend: NAME,
+                        what: format!(
+                            "a transfer to {}: {left} pieces not posted, {} of {} posted not completed",
+                            job.peer,
+                            job.posted - job.completed,
+                            job.posted
+                        ),
+                        after: now.saturating_duration_since(job.deadline),
+                    }));
+                }
+            }
+            if job.stopped {
+                if !job.sealed() {
+                    job.dropped = true;
+                    job.phases.clear();
+                }
+            } else if !full && !blocked.contains(&job.target.fi_addr) {
+                match post_job(ep, in_flight, id, job, unsealed.contains(&job.peer)) {
+                    Stall::No => {}
+                    Stall::Peer => {
+                        blocked.insert(job.target.fi_addr);
+                    }
+                    Stall::Window => full = true,
+                }
+            }
+            if !job.sealed() {
+                unsealed.insert(job.peer);
+            }
+        }
+    }
+
+    /// Makes jobs final whose pieces are all posted (or dropped) and completed, and sends the
+    /// revoke acknowledgements that were waiting for them.
+    ///
+    /// A stopped job whose posted pieces did not complete within a second deadline is abandoned
+    /// with a `Timeout`: the provider lost them (libfabric 1.17's shm drops a write to a closed key
+    /// without an error completion). The endpoint keeps their memory descriptors until the
+    /// completions come or the endpoint is closed.
+    fn finish_jobs(&mut self) {
+        let now = Instant::now();
+        let grace = self.control_ttl;
+        let done: Vec<u64> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.sealed() && (j.completed >= j.posted || now > j.deadline + grace))
+            .map(|(k, _)| *k)
+            .collect();
+        for id in done {
+            let mut j = self.jobs.remove(&id).expect("listed above");
+            if j.completed < j.posted {
+                tracing::warn!(target: "kvxfer_fabric", "abandoning {} writes to {} that never completed", j.posted - j.completed, j.peer);
+                self.in_flight = self.in_flight.saturating_sub(j.in_flight);
+                j.error = Some(BackendError::Timeout {
+                    backend: NAME,
+                    what: format!(
+                        "{} of {} posted pieces of a transfer to {} completing",
+                        j.posted - j.completed,
+                        j.posted,
+                        j.peer
+                    ),
+                    after: grace * 2,
+                });
+            }
+            match j.error {
+                Some(e) => j.state.fail(e),
+                None if j.dropped => j.state.aborted(),
+                None => j.state.complete(),
+            };
+        }
+        if !self.acks_due.is_empty() {
+            let jobs = &self.jobs;
+            let (ready, wait): (Vec<AckDue>, Vec<AckDue>) = std::mem::take(&mut self.acks_due)
+                .into_iter()
+                .partition(|a| a.jobs.iter().all(|j| !jobs.contains_key(j)));
+            self.acks_due = wait;
+            for a in ready {
+                self.queue(a.fi_addr, wire::message(Kind::RevokeAck, self.nonce, a.dest, a.seq, &[]));
+            }
+        }
     }
 
     /// Reports peers not heard from within `timeout` as lost (once).
-    fn check_liveness(&mut self, timeout: Duration, events: &mpsc::UnboundedSender<BackendEvent>) {
+    fn check_liveness(&mut self, timeout: Duration) {
         let now = Instant::now();
         let dead: Vec<u32> =
             self.live.iter().filter(|(_, l)| now.duration_since(l.last_seen) > timeout).map(|(n, _)| *n).collect();
         for n in dead {
             if let Some(l) = self.live.remove(&n) {
-                let _ = events.send(BackendEvent::PeerLost {
+                self.events.push(BackendEvent::PeerLost {
                     identity: l.identity,
                     reason: format!("no heartbeat from identity {:#x} for {timeout:?}", l.identity),
                 });
             }
+            self.writer_gone(n);
         }
     }
 
-    /// Whether a `write` or `notify` is waiting for completions.
-    fn waiting(&self) -> bool {
-        self.batches.values().any(|b| b.done.is_some())
+    /// Whether anything waits for progress.
+    fn busy(&self) -> bool {
+        !self.jobs.is_empty() || !self.control.is_empty() || !self.revokes.is_empty() || !self.acks_due.is_empty()
+    }
+}
+
+/// Posts `job`'s ready pieces, until it waits or stalls.
+fn post_job(ep: &mut RdmEndpoint, in_flight: &mut u64, id: u64, job: &mut Job, earlier_unsealed: bool) -> Stall {
+    loop {
+        let Some(phase) = job.phases.front_mut() else { return Stall::No };
+        if phase.items.is_empty() {
+            if job.completed < job.posted {
+                return Stall::No; // barrier
+            }
+            job.phases.pop_front();
+            if job.phases.front().is_some_and(|p| !p.items.is_empty()) {
+                if let Some(why) = job.target.gone() {
+                    let e = BackendError::PeerLost { backend: NAME, peer: job.target.describe(job.peer), detail: why };
+                    job.stop(Some(e));
+                    job.dropped = true;
+                    job.phases.clear();
+                    return Stall::No;
+                }
+            }
+            continue;
+        }
+        if phase.ordered && earlier_unsealed {
+            return Stall::No;
+        }
+        let dest = job.target.fi_addr;
+        while let Some(item) = phase.items.pop_front() {
+            let mut bytes = 0;
+            let r = match &item {
+                Item::Write { local, remote, data } => {
+                    bytes = local.iter().map(|l| l.len).sum();
+                    if *in_flight > 0 && *in_flight + bytes > MAX_IN_FLIGHT {
+                        phase.items.push_front(item);
+                        return Stall::Window;
+                    }
+                    ep.write(dest, local, remote, *data, id << 1)
+                }
+                Item::Send(msg) => ep.send(dest, msg.clone(), (id << 1) | USER_SEND),
+            };
+            match r {
+                Ok(()) => {
+                    job.posted += 1;
+                    job.in_flight += bytes;
+                    *in_flight += bytes;
+                }
+                Err(PostError::Again) => {
+                    phase.items.push_front(item);
+                    return Stall::Peer;
+                }
+                Err(PostError::Failed(e)) => {
+                    job.stop(Some(e));
+                    job.dropped = true;
+                    job.phases.clear();
+                    return Stall::No;
+                }
+            }
+        }
     }
 }
 
@@ -456,81 +826,186 @@ fn ffi_completion_error(call: &'static str, e: &FiError, peer: PeerId, identity:
     }
 }
 
-struct Shared {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a lock leaves plain bookkeeping behind; keep serving.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the backend, its progress thread, registrations and transfer handles share.
+struct Inner {
     state: Mutex<State>,
-    events: mpsc::UnboundedSender<BackendEvent>,
+    events: Arc<EventQueue>,
+    regions: RegionTable,
+    peers: PeerTable<Peer>,
+    /// One fragmenter per receive-buffer size, so message ids to one receiver never repeat.
+    frags: Mutex<HashMap<usize, Arc<Fragmenter>>>,
     stop: AtomicBool,
     /// Wakes the progress thread when it blocks on the completion queue's wait fd.
     waker: Waker,
     /// Set while the progress thread is (about to be) blocked.
     sleeping: AtomicBool,
+    thread: OnceLock<std::thread::Thread>,
+    opts: Options,
+    info: ProviderInfo,
+    caps: Capabilities,
+    cq_data_local: bool,
+    nonce: u32,
+    identity: u64,
 }
 
-impl Shared {
-    /// Makes sure the progress thread looks at the endpoint soon (after a post).
-    fn wake(&self, thread: &std::thread::Thread) {
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Makes sure the progress thread looks at the endpoint soon.
+    fn wake(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
             self.waker.poke();
         }
-        thread.unpark();
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
     }
-}
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock leaves plain bookkeeping behind; keep serving.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn fragmenter(&self, recv_buf: usize) -> Arc<Fragmenter> {
+        lock(&self.frags).entry(recv_buf).or_insert_with(|| Arc::new(Fragmenter::new(recv_buf - wire::HEADER))).clone()
     }
-}
 
-fn progress_loop(shared: Arc<Shared>, opts: Options) {
-    const HOT: Duration = Duration::from_millis(2);
-    let min_sleep = Duration::from_micros(10);
-    let idle_max = opts.idle_poll;
-    let beat = opts.heartbeat_interval();
-    let mut sleep = min_sleep;
-    let mut last_active = Instant::now();
-    let mut last_beat = Instant::now();
-    let use_park = !shared.lock().ep.has_wait_fd();
-    while !shared.stop.load(Ordering::Acquire) {
-        let (n, busy) = {
-            let mut st = shared.lock();
-            let n = st.pump(&shared.events);
-            if last_beat.elapsed() >= beat {
-                last_beat = Instant::now();
-                st.send_control(Kind::Heartbeat);
-                st.check_liveness(opts.peer_timeout, &shared.events);
-            }
-            (n, st.waiting())
-        };
-        if n > 0 || busy {
-            last_active = Instant::now();
-            sleep = min_sleep;
-            std::thread::yield_now();
-        } else if last_active.elapsed() < HOT {
-            std::thread::yield_now();
-        } else {
-            // Idle. With a wait fd, block on it (and on the wake pipe) until the provider has work, a
-            // post wakes us, or the next heartbeat is due; else sleep with backoff.
-            shared.sleeping.store(true, Ordering::SeqCst);
-            let fd = {
-                let mut st = shared.lock();
-                if st.waiting() {
-                    None
-                } else {
-                    st.ep.try_wait()
+    /// Adds a job, posts what the queue takes now, and wakes the progress thread for the rest.
+    fn submit(
+        &self,
+        st: &mut State,
+        peer: PeerId,
+        target: Arc<Peer>,
+        phases: Vec<Phase>,
+        refs: Vec<RegionRef>,
+        dst: Vec<RegionId>,
+    ) -> Arc<TransferState> {
+        let state = TransferState::new(NAME, peer);
+        let id = st.next_job;
+        st.next_job += 1;
+        st.jobs.insert(
+            id,
+            Job {
+                peer,
+                target,
+                state: state.clone(),
+                phases: phases.into(),
+                posted: 0,
+                completed: 0,
+                error: None,
+                stopped: false,
+                dropped: false,
+                deadline: Instant::now() + self.opts.timeout,
+                _refs: refs,
+                dst,
+                in_flight: 0,
+            },
+        );
+        st.post_jobs();
+        self.wake();
+        state
+    }
+
+    /// Validates `ops` (every region known and every range in bounds, on both sides) and lowers them
+    /// into posts: contiguous pieces that follow each other on both sides are coalesced into one
+    /// range, and up to `iov_limit` ranges (within `max_msg_size`) share one `fi_writemsg`.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        st: &State,
+        peer: PeerId,
+        target: &Peer,
+        ops: &[WriteOp],
+    ) -> Result<(Vec<RegionRef>, Vec<RegionId>, Vec<Item>), BackendError> {
+        let theirs = lock(&target.regions);
+        let mut refs: Vec<RegionRef> = Vec::new();
+        let mut dst = Vec::new();
+        for op in ops {
+            let src_len = match refs.iter().find(|r| r.id() == op.src) {
+                Some(r) => r.len(),
+                None => {
+                    let r = self.regions.get(op.src, None)?;
+                    let len = r.len();
+                    refs.push(r);
+                    len
                 }
             };
-            match fd {
-                Some(fd) => shared.waker.wait(fd, beat.saturating_sub(last_beat.elapsed())),
-                None if use_park => {
-                    std::thread::park_timeout(sleep);
-                    sleep = (sleep * 2).min(idle_max);
-                }
-                None => {}
+            let d = theirs.get(&op.dst.0).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: op.dst,
+                peer: Some(peer),
+            })?;
+            op.check_src(NAME, None, src_len)?;
+            op.check_dst(NAME, Some(peer), d.len)?;
+            if !dst.contains(&op.dst) {
+                dst.push(op.dst);
             }
-            shared.sleeping.store(false, Ordering::SeqCst);
         }
+        let iov_limit = self.info.iov_limit;
+        let max_msg = self.info.max_msg_size.clamp(1, MAX_PIECE);
+        let mut items = Vec::new();
+        let (mut local, mut remote): (Vec<LocalRange>, Vec<RemoteIov>) = (Vec::new(), Vec::new());
+        let mut bytes = 0u64;
+        for s in toolkit::segments(ops, max_msg) {
+            let mr = st.mrs.get(&s.src).map(|m| m.0).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: s.src,
+                peer: None,
+            })?;
+            let meta = &theirs[&s.dst.0];
+            let (addr, key) = (meta.base + s.dst_offset, meta.key);
+            if let (Some(l), Some(r)) = (local.last_mut(), remote.last_mut()) {
+                if l.mr == mr
+                    && l.offset + l.len == s.src_offset
+                    && r.key == key
+                    && r.addr + r.len == addr
+                    && bytes + s.len <= max_msg
+                {
+                    l.len += s.len;
+                    r.len += s.len;
+                    bytes += s.len;
+                    continue;
+                }
+            }
+            if local.len() == iov_limit || bytes + s.len > max_msg {
+                items.push(Item::Write {
+                    local: std::mem::take(&mut local),
+                    remote: std::mem::take(&mut remote),
+                    data: None,
+                });
+                bytes = 0;
+            }
+            local.push(LocalRange { mr, offset: s.src_offset, len: s.len });
+            remote.push(RemoteIov { addr, len: s.len, key });
+            bytes += s.len;
+        }
+        if !local.is_empty() {
+            items.push(Item::Write { local, remote, data: None });
+        }
+        Ok((refs, dst, items))
+    }
+
+    fn frames(&self, target: &Peer, kind: Kind, seq: u64, body: &[u8]) -> Result<Vec<Item>, BackendError> {
+        let parts = target.frag.split(body).map_err(|source| BackendError::Codec { backend: NAME, source })?;
+        Ok(parts.iter().map(|f| Item::Send(wire::message(kind, self.nonce, target.nonce, seq, f))).collect())
+    }
+
+    fn encode(&self, n: &Notification, ops: usize) -> Result<Vec<u8>, BackendError> {
+        let body = n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?;
+        self.caps.check_post(NAME, ops, body.len())?;
+        Ok(body)
+    }
+
+    /// The peer, unless it is unknown or unreachable (reported lost once).
+    fn target(&self, peer: PeerId) -> Result<Arc<Peer>, BackendError> {
+        let p = self.peers.get(peer)?;
+        if let Some(detail) = p.gone() {
+            p.lose(&self.events, detail.clone());
+            return Err(BackendError::PeerLost { backend: NAME, peer: p.describe(peer), detail });
+        }
+        Ok(p)
     }
 }
 
@@ -545,48 +1020,166 @@ static CLOSED_IN_PROCESS: Mutex<Option<HashSet<ClosedKey>>> = Mutex::new(None);
 type ClosedKey = (String, Vec<u8>, u32);
 
 fn closed_set() -> MutexGuard<'static, Option<HashSet<ClosedKey>>> {
-    CLOSED_IN_PROCESS.lock().unwrap_or_else(|p| p.into_inner())
+    lock(&CLOSED_IN_PROCESS)
 }
 
-/// One item of a batch.
-enum Item {
-    Write { local: Vec<LocalRange>, remote: Vec<RemoteIov>, data: Option<u64> },
-    Send(Vec<u8>),
+fn progress_loop(inner: Arc<Inner>) {
+    const HOT: Duration = Duration::from_millis(2);
+    let min_sleep = Duration::from_micros(10);
+    let idle_max = inner.opts.idle_poll;
+    let beat = inner.opts.heartbeat_interval();
+    let mut sleep = min_sleep;
+    let mut last_active = Instant::now();
+    let mut last_beat = Instant::now();
+    let use_park = !inner.lock().ep.has_wait_fd();
+    while !inner.stop.load(Ordering::Acquire) {
+        let (n, busy) = {
+            let mut st = inner.lock();
+            let n = st.advance(&inner);
+            if last_beat.elapsed() >= beat {
+                last_beat = Instant::now();
+                st.heartbeats(&inner);
+                st.check_liveness(inner.opts.peer_timeout);
+            }
+            (n, st.busy())
+        };
+        if n > 0 || busy {
+            last_active = Instant::now();
+            sleep = min_sleep;
+            std::thread::yield_now();
+        } else if last_active.elapsed() < HOT {
+            std::thread::yield_now();
+        } else {
+            // Idle. With a wait fd, block on it (and on the wake pipe) until the provider has work, a
+            // post wakes us, or the next heartbeat is due; else sleep with backoff.
+            inner.sleeping.store(true, Ordering::SeqCst);
+            let fd = {
+                let mut st = inner.lock();
+                if st.busy() {
+                    None
+                } else {
+                    st.ep.try_wait()
+                }
+            };
+            match fd {
+                Some(fd) => inner.waker.wait(fd, beat.saturating_sub(last_beat.elapsed())),
+                None if use_park => {
+                    std::thread::park_timeout(sleep);
+                    sleep = (sleep * 2).min(idle_max);
+                }
+                None => {}
+            }
+            inner.sleeping.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Aborts a job: the progress thread sees `abort_requested` on its state, stops posting, and makes
+/// it final once what was posted completed.
+struct Aborter(Weak<Inner>);
+
+impl AbortTransfer for Aborter {
+    fn abort(&self, _state: &Arc<TransferState>) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.wake();
+        }
+    }
+}
+
+/// Closes one registration (see the module docs for the steps).
+struct Closer {
+    inner: Weak<Inner>,
+    id: RegionId,
+}
+
+async fn close_region(inner: Weak<Inner>, id: RegionId) -> Result<(), BackendError> {
+    // The endpoint is gone: closing it closed (or, for shm, recycled) every registration.
+    let Some(inner) = inner.upgrade() else { return Ok(()) };
+    let drained = inner.regions.remove(id)?;
+    let deadline = tokio::time::Instant::now() + inner.opts.timeout;
+    let timeout = |what: String| BackendError::Timeout { backend: NAME, what, after: inner.opts.timeout };
+    if tokio::time::timeout_at(deadline, drained.wait()).await.is_err() {
+        return Err(timeout(format!("closing {id}: transfers from it still in flight")));
+    }
+    let rx = inner.lock().revoke(id);
+    inner.wake();
+    if let Some(rx) = rx {
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(BackendError::Closed { backend: NAME }),
+            Err(_) => return Err(timeout(format!("closing {id}: peers acknowledging its revoke"))),
+        }
+    }
+    let mut st = inner.lock();
+    if let Some((mr, _)) = st.mrs.remove(&id) {
+        st.ep.dereg(mr);
+    }
+    Ok(())
+}
+
+impl CloseRegistration for Closer {
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), BackendError>> {
+        Box::pin(close_region(self.inner, self.id))
+    }
+
+    fn close_detached(self: Box<Self>) {
+        let (id, fut) = (self.id, close_region(self.inner, self.id));
+        let report = move |r: Result<(), BackendError>| {
+            if let Err(e) = r {
+                tracing::warn!(target: "kvxfer_fabric", "closing dropped registration {id}: {e}");
+            }
+        };
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move { report(fut.await) });
+            return;
+        }
+        let spawned = std::thread::Builder::new().name("kvxfer-fabric-close".into()).spawn(move || {
+            match tokio::runtime::Builder::new_current_thread().enable_time().build() {
+                Ok(rt) => report(rt.block_on(fut)),
+                Err(e) => tracing::warn!(target: "kvxfer_fabric", "closing dropped registration {id}: no runtime: {e}"),
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(target: "kvxfer_fabric", "closing dropped registration {id}: no thread: {e}");
+        }
+    }
 }
 
 /// The libfabric backend endpoint.
 pub struct FabricBackend {
-    shared: Arc<Shared>,
-    events: tokio::sync::Mutex<mpsc::UnboundedReceiver<BackendEvent>>,
+    inner: Arc<Inner>,
     thread: Option<JoinHandle<()>>,
-    waker: std::thread::Thread,
-    identity: u64,
-    nonce: u32,
-    opts: Options,
-    info: ProviderInfo,
-    cq_data_local: bool,
 }
 
 impl Drop for FabricBackend {
     fn drop(&mut self) {
-        let name = self.shared.lock().ep.name().to_vec();
-        closed_set().get_or_insert_with(HashSet::new).insert((self.info.provider.clone(), name, self.nonce));
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.wake(&self.waker);
+        let inner = &self.inner;
+        let name = inner.lock().ep.name().to_vec();
+        closed_set().get_or_insert_with(HashSet::new).insert((inner.info.provider.clone(), name, inner.nonce));
+        inner.stop.store(true, Ordering::Release);
+        inner.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
         // Tell the peers this endpoint connected to that it is going away, and give those messages a
         // moment to leave (bounded) before the endpoint closes.
-        let mut st = self.shared.lock();
+        let mut st = inner.lock();
         let before = st.ep.tx_in_flight();
-        if st.send_control(Kind::Gone) > 0 {
-            let end = Instant::now() + Duration::from_millis(200);
-            while st.ep.tx_in_flight() > before && Instant::now() < end {
-                st.pump(&self.shared.events);
-                std::thread::yield_now();
+        for (_, p) in inner.peers.drain() {
+            if !p.lost.load(Ordering::Acquire) && p.gone().is_none() {
+                st.queue(p.fi_addr, wire::message(Kind::Gone, inner.nonce, p.nonce, inner.identity, &[]));
             }
         }
+        let end = Instant::now() + Duration::from_millis(200);
+        while (!st.control.is_empty() || st.ep.tx_in_flight() > before) && Instant::now() < end {
+            st.flush_control();
+            st.pump(inner);
+            std::thread::yield_now();
+        }
+        for (_, j) in std::mem::take(&mut st.jobs) {
+            j.state.fail(BackendError::Closed { backend: NAME });
+        }
+        st.revokes.clear();
     }
 }
 
@@ -617,283 +1210,98 @@ impl FabricBackend {
             }
         };
         ep.post_receives(opts.recv_buffers, opts.recv_buf_size)?;
+        let caps = capabilities_for(&info, cq_data_local, opts.recv_buf_size);
         tracing::debug!(
             target: "kvxfer_fabric",
-            "opened {} ({} / {}): mr_mode {}, delivery_complete {}, order_saw {}, cq_data {} bytes, rma_event {}, rx_cq_data {}, iov_limit {}",
+            "opened {} ({} / {}): mr_mode {}, delivery_complete {}, order_saw {}, order_waw {}, cq_data {} bytes, rma_event {}, rx_cq_data {}, iov_limit {} -> {:?}",
             info.provider, info.fabric, info.domain, info.mr_mode, info.delivery_complete, info.order_saw,
-            info.cq_data_size, info.rma_event, info.rx_cq_data, info.iov_limit
+            info.order_waw, info.cq_data_size, info.rma_event, info.rx_cq_data, info.iov_limit, caps
         );
-        let (tx, rx) = mpsc::unbounded_channel();
         let nonce = nonce();
-        let shared = Arc::new(Shared {
+        let events = Arc::new(EventQueue::new());
+        let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 ep,
-                regions: HashMap::new(),
-                peers: HashMap::new(),
+                mrs: HashMap::new(),
                 addrs: HashMap::new(),
-                next_peer: 1,
-                batches: HashMap::new(),
-                next_batch: 1,
+                jobs: BTreeMap::new(),
+                next_job: 1,
                 next_seq: 1,
-                reasm: Reassembly::default(),
+                staged: Staged::default(),
+                reasm: Reassembler::new(MAX_NOTIFICATION, 4096),
                 scratch: Vec::new(),
                 dropped_messages: 0,
                 stale_messages: 0,
                 nonce,
                 identity: config.identity,
+                events: events.clone(),
                 live: HashMap::new(),
-                heartbeat_due: HashSet::new(),
+                control: VecDeque::new(),
+                control_ttl: opts.timeout,
+                revokes: HashMap::new(),
+                acks_due: Vec::new(),
+                in_flight: 0,
             }),
-            events: tx,
+            events,
+            regions: RegionTable::new(NAME, caps.limits.max_regions),
+            peers: PeerTable::new(NAME),
+            frags: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             waker: Waker::new()?,
             sleeping: AtomicBool::new(false),
+            thread: OnceLock::new(),
+            opts,
+            info,
+            caps,
+            cq_data_local,
+            nonce,
+            identity: config.identity,
         });
-        let s2 = shared.clone();
-        let o2 = opts.clone();
+        let i2 = inner.clone();
         let thread = std::thread::Builder::new()
             .name("kvxfer-fabric-progress".into())
-            .spawn(move || progress_loop(s2, o2))
+            .spawn(move || progress_loop(i2))
             .map_err(|e| BackendError::Io {
                 backend: NAME,
                 context: "spawning the progress thread".into(),
                 detail: e.to_string(),
             })?;
-        let waker = thread.thread().clone();
-        Ok(Self {
-            shared,
-            events: tokio::sync::Mutex::new(rx),
-            thread: Some(thread),
-            waker,
-            identity: config.identity,
-            nonce,
-            opts,
-            info,
-            cq_data_local,
-        })
+        let _ = inner.thread.set(thread.thread().clone());
+        Ok(Self { inner, thread: Some(thread) })
     }
 
     /// What the provider offers (name, mr_mode, completion semantics, limits).
     pub fn provider_info(&self) -> &ProviderInfo {
-        &self.info
+        &self.inner.info
     }
 
     /// Whether attached notifications use remote CQ data on this endpoint (towards peers that accept it).
     pub fn attached_uses_cq_data(&self) -> bool {
-        self.cq_data_local
+        self.inner.cq_data_local
     }
 
     /// Messages dropped because they were malformed, undecodable, or their receive failed.
     pub fn dropped_messages(&self) -> u64 {
-        self.shared.lock().dropped_messages
+        self.inner.lock().dropped_messages
     }
 
     /// Messages addressed to an earlier owner of this endpoint's (recycled) address, dropped.
     pub fn stale_messages(&self) -> u64 {
-        self.shared.lock().stale_messages
+        self.inner.lock().stale_messages
     }
 
-    /// Validates `ops` against local and peer regions and turns them into posts of at most `iov_limit`
-    /// ranges and `max_msg_size` bytes each. Nothing is posted if any op is out of bounds.
-    fn plan(&self, st: &State, peer_id: PeerId, ops: &[WriteOp]) -> Result<Vec<Item>, BackendError> {
-        let peer = st.peers.get(&peer_id).ok_or(BackendError::UnknownPeer { backend: NAME, peer: peer_id })?;
-        let iov_limit = self.info.iov_limit;
-        let max_piece = self.info.max_msg_size.clamp(1, 1 << 30);
-        let mut checked = Vec::with_capacity(ops.len());
-        for op in ops {
-            let src = st.regions.get(&op.src).ok_or(BackendError::UnknownRegion {
-                backend: NAME,
-                region: op.src,
-                peer: None,
-            })?;
-            let dst = peer.regions.get(&op.dst.0).ok_or(BackendError::UnknownRegion {
-                backend: NAME,
-                region: op.dst,
-                peer: Some(peer_id),
-            })?;
-            op.check_src(NAME, None, src.mem.len() as u64)?;
-            op.check_dst(NAME, Some(peer_id), dst.len)?;
-            checked.push((op, src, dst));
-        }
-        let mut items = Vec::new();
-        let mut local = Vec::new();
-        let mut remote = Vec::new();
-        let mut bytes = 0u64;
-        let mut flush = |local: &mut Vec<LocalRange>, remote: &mut Vec<RemoteIov>, bytes: &mut u64| {
-            if !local.is_empty() {
-                items.push(Item::Write { local: std::mem::take(local), remote: std::mem::take(remote), data: None });
-            }
-            *bytes = 0;
-        };
-        for (op, src, dst) in checked {
-            let contiguous = op.count == 1 || (op.src_stride == op.len && op.dst_stride == op.len);
-            let ranges: Box<dyn Iterator<Item = (u64, u64, u64)>> = if contiguous {
-                Box::new(std::iter::once((op.src_offset, op.dst_offset, op.bytes())))
-            } else {
-                Box::new(op.ranges())
-            };
-            for (s, d, len) in ranges {
-                let mut done = 0;
-                while done < len {
-                    let piece = (len - done).min(max_piece);
-                    if local.len() == iov_limit || bytes + piece > self.info.max_msg_size {
-                        flush(&mut local, &mut remote, &mut bytes);
-                    }
-                    local.push(LocalRange { mr: src.mr, offset: s + done, len: piece });
-                    remote.push(RemoteIov { addr: dst.base + d + done, len: piece, key: dst.key });
-                    bytes += piece;
-                    done += piece;
-                }
+    /// Waits for a job's state; the error of a job that did not finish by the deadline.
+    async fn settle(&self, state: &TransferState, peer: PeerId, what: &str) -> Result<(), BackendError> {
+        // The job has the same deadline and stops itself; allow its completions a moment beyond it.
+        let deadline = Instant::now() + self.inner.opts.timeout + Duration::from_secs(1);
+        match state.settled(deadline).await {
+            TransferStatus::Done => Ok(()),
+            TransferStatus::Failed(e) => Err(e),
+            TransferStatus::Aborted => Err(BackendError::Aborted { backend: NAME, peer }),
+            TransferStatus::InFlight => {
+                Err(BackendError::Timeout { backend: NAME, what: what.to_owned(), after: self.inner.opts.timeout })
             }
         }
-        flush(&mut local, &mut remote, &mut bytes);
-        Ok(items)
-    }
-
-    /// Posts `items` to a peer as one batch and waits (until `deadline`) for all their completions.
-    async fn run_batch(&self, peer: PeerId, items: Vec<Item>, deadline: Instant) -> Result<(), BackendError> {
-        if items.is_empty() {
-            return Ok(());
-        }
-        let count = items.len();
-        let (tx, rx) = oneshot::channel();
-        let (id, fi_addr, identity) = {
-            let mut st = self.shared.lock();
-            let p = st.peers.get_mut(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
-            let (fi_addr, identity) = (p.fi_addr, p.identity);
-            if let Some(detail) = p.gone() {
-                if !p.lost {
-                    p.lost = true;
-                    let _ = self.shared.events.send(BackendEvent::PeerLost { identity, reason: detail.clone() });
-                }
-                return Err(BackendError::PeerLost { backend: NAME, peer: p.describe(peer), detail });
-            }
-            let id = st.next_batch;
-            st.next_batch += 1;
-            st.batches.insert(
-                id,
-                Batch { peer, identity, posted: 0, completed: 0, sealed: false, error: None, done: Some(tx) },
-            );
-            (id, fi_addr, identity)
-        };
-        let mut failure = None;
-        'items: for item in items {
-            let mut item = Some(item);
-            loop {
-                let r = {
-                    let mut st = self.shared.lock();
-                    // A heartbeat waiting for a queue slot goes first.
-                    let heartbeat_waits = !st.flush_heartbeats();
-                    let r = match item.as_ref().expect("item present until posted") {
-                        _ if heartbeat_waits => Err(PostError::Again),
-                        Item::Write { local, remote, data } => st.ep.write(fi_addr, local, remote, *data, id << 1),
-                        Item::Send(_) => match item.take() {
-                            Some(Item::Send(msg)) => {
-                                let keep = msg.clone();
-                                let r = st.ep.send(fi_addr, msg, (id << 1) | USER_SEND);
-                                if matches!(r, Err(PostError::Again)) {
-                                    item = Some(Item::Send(keep));
-                                }
-                                r
-                            }
-                            _ => unreachable!("matched Send above"),
-                        },
-                    };
-                    match &r {
-                        Ok(()) => {
-                            if let Some(b) = st.batches.get_mut(&id) {
-                                b.posted += 1;
-                            }
-                        }
-                        Err(PostError::Again) => {
-                            st.pump(&self.shared.events);
-                        }
-                        Err(PostError::Failed(_)) => {}
-                    }
-                    r
-                };
-                match r {
-                    Ok(()) => {
-                        self.shared.wake(&self.waker);
-                        continue 'items;
-                    }
-                    Err(PostError::Failed(e)) => {
-                        failure = Some(e);
-                        break 'items;
-                    }
-                    Err(PostError::Again) => {
-                        if Instant::now() >= deadline {
-                            failure = Some(BackendError::Timeout {
-                                backend: NAME,
-                                what: format!("posting to {peer} (identity {identity:#x}): the transmit queue stayed full (peer unreachable or gone?)"),
-                                after: self.opts.timeout,
-                            });
-                            break 'items;
-                        }
-                        self.shared.wake(&self.waker);
-                        tokio::task::yield_now().await;
-                    }
-                }
-            }
-        }
-        {
-            let mut st = self.shared.lock();
-            if let Some(b) = st.batches.get_mut(&id) {
-                b.sealed = true;
-                if let Some(e) = failure.take() {
-                    // Posted operations still complete; the batch drains without a waiter.
-                    b.done = None;
-                    if b.maybe_finish() {
-                        st.batches.remove(&id);
-                    }
-                    return Err(e);
-                }
-                if b.maybe_finish() {
-                    st.batches.remove(&id);
-                }
-            }
-        }
-        let wait = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(BackendError::Closed { backend: NAME }),
-            Err(_) => {
-                let mut st = self.shared.lock();
-                let (posted, completed) = st
-                    .batches
-                    .get_mut(&id)
-                    .map(|b| {
-                        b.done = None;
-                        (b.posted, b.completed)
-                    })
-                    .unwrap_or((count, count));
-                Err(BackendError::Timeout {
-                    backend: NAME,
-                    what: format!(
-                        "{} of {posted} operations to {peer} (identity {identity:#x}) completing",
-                        posted.saturating_sub(completed)
-                    ),
-                    after: self.opts.timeout,
-                })
-            }
-        }
-    }
-
-    fn next_seq(&self) -> u64 {
-        let mut st = self.shared.lock();
-        let s = st.next_seq;
-        st.next_seq += 1;
-        s
-    }
-
-    fn peer_limits(&self, peer: PeerId) -> Result<(usize, bool, u32), BackendError> {
-        let st = self.shared.lock();
-        let p = st.peers.get(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
-        Ok((p.recv_buf, p.cq_data, p.nonce))
-    }
-
-    fn encode(n: &Notification) -> Result<Vec<u8>, BackendError> {
-        n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })
     }
 }
 
@@ -909,42 +1317,45 @@ impl KvTransferBackend for FabricBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { attached: true, out_of_band: true, cross_process: true, cross_host: self.info.provider != "shm" }
+        self.inner.caps
     }
 
-    fn register(&self, id: RegionId, mem: MemRegion) -> Result<(), BackendError> {
-        let mut st = self.shared.lock();
-        if st.regions.contains_key(&id) {
-            return Err(BackendError::RegionInUse { backend: NAME, region: id });
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        self.inner.caps.check_memory(NAME, &mem.kind())?;
+        {
+            let mut st = self.inner.lock();
+            if st.mrs.contains_key(&id) {
+                // Still closing: the id is taken until its MR is closed.
+                return Err(BackendError::RegionInUse { backend: NAME, region: id });
+            }
+            let (mr, info) = st.ep.reg(&mem)?;
+            if let Err(e) = self.inner.regions.insert(id, mem.clone()) {
+                st.ep.dereg(mr);
+                return Err(e);
+            }
+            st.mrs.insert(id, (mr, info));
         }
-        let (mr, info) = st.ep.reg(&mem)?;
-        st.regions.insert(id, Region { mem, mr, info });
-        Ok(())
-    }
-
-    fn deregister(&self, id: RegionId) -> Result<(), BackendError> {
-        let mut st = self.shared.lock();
-        let r = st.regions.remove(&id).ok_or(BackendError::UnknownRegion { backend: NAME, region: id, peer: None })?;
-        st.ep.dereg(r.mr);
-        Ok(())
+        Ok(Registration::new(NAME, id, &mem, Box::new(Closer { inner: Arc::downgrade(&self.inner), id })))
     }
 
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
-        let st = self.shared.lock();
-        let mut regions: Vec<RegionMeta> = st
+        let st = self.inner.lock();
+        let regions: Vec<RegionMeta> = self
+            .inner
             .regions
-            .iter()
-            .map(|(id, r)| RegionMeta { id: id.0, len: r.mem.len() as u64, key: r.info.key, base: r.info.base })
+            .snapshot()
+            .into_iter()
+            .filter_map(|(id, len)| {
+                st.mrs.get(&id).map(|(_, i)| RegionMeta { id: id.0, len, key: i.key, base: i.base })
+            })
             .collect();
-        regions.sort_by_key(|r| r.id);
         let payload = Payload {
             wire: WIRE_VERSION,
-            provider: self.info.provider.clone(),
+            provider: self.inner.info.provider.clone(),
             addr: st.ep.name().to_vec(),
-            virt_addr: self.info.mr_mode.virt_addr,
             recv_buf: st.ep.recv_buf_size() as u32,
-            cq_data: self.cq_data_local,
-            nonce: self.nonce,
+            cq_data: self.inner.cq_data_local,
+            nonce: self.inner.nonce,
             pid: std::process::id(),
             regions,
         };
@@ -953,7 +1364,7 @@ impl KvTransferBackend for FabricBackend {
             context: "encoding metadata".into(),
             detail: e.to_string(),
         })?;
-        Ok(EndpointMetadata::new(NAME, self.identity, payload))
+        Ok(EndpointMetadata::new(NAME, self.inner.identity, payload))
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
@@ -964,135 +1375,145 @@ impl KvTransferBackend for FabricBackend {
         if p.wire != WIRE_VERSION {
             return Err(bad(format!("wire version {}, this build speaks {WIRE_VERSION}", p.wire)));
         }
-        if p.provider != self.info.provider {
+        if p.provider != self.inner.info.provider {
             return Err(bad(format!(
                 "peer uses provider {:?}, this endpoint {:?}; set the same provider on both",
-                p.provider, self.info.provider
+                p.provider, self.inner.info.provider
             )));
         }
-        if p.addr.is_empty() || (p.recv_buf as usize) < 4 * wire::HEADER {
+        let min_buf = 4 * (wire::HEADER + toolkit::FRAGMENT_HEADER);
+        if p.addr.is_empty() || (p.recv_buf as usize) < min_buf {
             return Err(bad(format!("empty address or receive buffers of {} bytes", p.recv_buf)));
         }
-        let (id, hello) = {
-            let mut st = self.shared.lock();
+        let connect_err = |detail: String| BackendError::Connect {
+            backend: NAME,
+            peer: format!("identity {:#x}", peer.identity),
+            detail,
+        };
+        let (id, target, state) = {
+            let mut st = self.inner.lock();
             let fi_addr = match st.addrs.get(&p.addr) {
                 Some(a) => *a,
                 None => {
-                    let a = st.ep.av_insert(&p.addr).map_err(|e| BackendError::Connect {
-                        backend: NAME,
-                        peer: format!("identity {:#x}", peer.identity),
-                        detail: e.to_string(),
-                    })?;
+                    let a = st.ep.av_insert(&p.addr).map_err(|e| connect_err(e.to_string()))?;
                     st.addrs.insert(p.addr.clone(), a);
                     a
                 }
             };
-            let id = PeerId(st.next_peer);
-            st.next_peer += 1;
-            st.peers.insert(
-                id,
-                Peer {
-                    identity: peer.identity,
-                    fi_addr,
-                    addr: p.addr,
-                    nonce: p.nonce,
-                    pid: p.pid,
-                    provider: p.provider,
-                    recv_buf: p.recv_buf as usize,
-                    cq_data: p.cq_data,
-                    regions: p.regions.into_iter().map(|r| (r.id, r)).collect(),
-                    lost: false,
-                },
+            let target = Peer {
+                identity: peer.identity,
+                fi_addr,
+                addr: p.addr,
+                nonce: p.nonce,
+                pid: p.pid,
+                provider: p.provider,
+                cq_data: p.cq_data,
+                frag: self.inner.fragmenter(p.recv_buf as usize),
+                regions: Mutex::new(p.regions.into_iter().map(|r| (r.id, r)).collect()),
+                lost: AtomicBool::new(false),
+            };
+            // Known from now on (the caller learns the id only when the hello arrived).
+            let id = self.inner.peers.reserve();
+            self.inner.peers.insert_at(id, target);
+            let target = self.inner.peers.get(id)?;
+            // Introduce ourselves (pid and address, so the peer can revoke its regions here) and wait
+            // for the hello to be delivered: an unreachable peer fails here.
+            let hello = wire::message(
+                Kind::Hello,
+                self.inner.nonce,
+                target.nonce,
+                self.inner.identity,
+                &wire::hello(std::process::id(), st.ep.name()),
             );
-            tracing::debug!(target: "kvxfer_fabric", "connected {}", st.peers[&id].describe(id));
-            let hello = wire::control(Kind::Heartbeat, self.nonce, st.peers[&id].nonce, self.identity);
-            (id, hello)
+            let phases = vec![Phase { items: VecDeque::from([Item::Send(hello)]), ordered: true }];
+            let state = self.inner.submit(&mut st, id, target.clone(), phases, Vec::new(), Vec::new());
+            (id, target, state)
         };
-        // Introduce ourselves (the first heartbeat) and wait for it to be delivered: the peer then
-        // knows us and reports us lost if we go away, and an unreachable peer fails here.
-        let deadline = Instant::now() + self.opts.timeout;
-        if let Err(e) = self.run_batch(id, vec![Item::Send(hello)], deadline).await {
-            self.shared.lock().peers.remove(&id);
-            return Err(BackendError::Connect {
-                backend: NAME,
-                peer: format!("identity {:#x}", peer.identity),
-                detail: format!("the first message did not arrive: {e}"),
-            });
+        if let Err(e) = self.settle(&state, id, "the hello to a new peer").await {
+            let _ = self.inner.peers.remove(id);
+            return Err(connect_err(format!("the first message did not arrive: {e}")));
         }
+        tracing::debug!(target: "kvxfer_fabric", "connected {}", target.describe(id));
         Ok(id)
     }
 
-    async fn write(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<(), BackendError> {
-        let deadline = Instant::now() + self.opts.timeout;
-        let mut items = {
-            let st = self.shared.lock();
-            self.plan(&st, peer, ops)?
-        };
-        let Some(n) = notify else {
-            return self.run_batch(peer, items, deadline).await;
-        };
-        let body = Self::encode(n)?;
-        let (recv_buf, peer_cq_data, dest) = self.peer_limits(peer)?;
-        if self.cq_data_local && peer_cq_data && !items.is_empty() {
-            let mut last = items.pop().expect("non-empty");
-            self.run_batch(peer, items, deadline).await?;
-            let token = (u64::from(self.nonce) << 32) | (self.next_seq() & 0xffff_ffff);
-            if let Item::Write { data, .. } = &mut last {
-                *data = Some(token);
-            }
-            let mut batch: Vec<Item> = wire::frames(Kind::Staged, self.nonce, dest, token, &body, recv_buf)
-                .into_iter()
-                .map(Item::Send)
-                .collect();
-            batch.push(last);
-            self.run_batch(peer, batch, deadline).await
-        } else {
-            self.run_batch(peer, items, deadline).await?;
-            let seq = self.next_seq();
-            let frames = wire::frames(Kind::Notify, self.nonce, dest, seq, &body, recv_buf)
-                .into_iter()
-                .map(Item::Send)
-                .collect();
-            self.run_batch(peer, frames, deadline).await
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        let inner = &self.inner;
+        let body = notify.map(|n| inner.encode(n, ops.len())).transpose()?;
+        if body.is_none() {
+            inner.caps.check_post(NAME, ops.len(), 0)?;
         }
+        let target = inner.target(peer)?;
+        let bytes: u64 = ops.iter().map(WriteOp::bytes).sum();
+        let mut st = inner.lock();
+        // Validated under the endpoint lock: a revoke from the peer changes its regions under it too.
+        let (refs, dst, mut items) = inner.plan(&st, peer, &target, ops)?;
+        let mut phases = Vec::new();
+        match body {
+            None if items.is_empty() => {
+                return Ok(Transfer::finished(NAME, peer, TransferStatus::Done, 0));
+            }
+            None => phases.push(Phase { items: items.into(), ordered: false }),
+            Some(body) if inner.cq_data_local && target.cq_data && !items.is_empty() => {
+                let mut last = items.pop().expect("non-empty");
+                let token = (u64::from(inner.nonce) << 32) | (st.next_seq & 0xffff_ffff);
+                st.next_seq += 1;
+                if let Item::Write { data, .. } = &mut last {
+                    *data = Some(token);
+                }
+                let mut tail: VecDeque<Item> = inner.frames(&target, Kind::Staged, token, &body)?.into();
+                tail.push_back(last);
+                phases.push(Phase { items: items.into(), ordered: false });
+                phases.push(Phase { items: tail, ordered: true });
+            }
+            Some(body) => {
+                let frames = inner.frames(&target, Kind::Notify, 0, &body)?;
+                phases.push(Phase { items: items.into(), ordered: false });
+                phases.push(Phase { items: frames.into(), ordered: true });
+            }
+        }
+        let state = inner.submit(&mut st, peer, target, phases, refs, dst);
+        Ok(Transfer::new(state, Arc::new(Aborter(Arc::downgrade(inner))), bytes))
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
-        let deadline = Instant::now() + self.opts.timeout;
-        let body = Self::encode(notification)?;
-        let (recv_buf, _, dest) = self.peer_limits(peer)?;
-        let seq = self.next_seq();
-        let frames =
-            wire::frames(Kind::Notify, self.nonce, dest, seq, &body, recv_buf).into_iter().map(Item::Send).collect();
-        self.run_batch(peer, frames, deadline).await
+        let body = self.inner.encode(notification, 0)?;
+        let target = self.inner.target(peer)?;
+        let frames = self.inner.frames(&target, Kind::Notify, 0, &body)?;
+        let phases = vec![Phase { items: frames.into(), ordered: true }];
+        let state = {
+            let mut st = self.inner.lock();
+            self.inner.submit(&mut st, peer, target, phases, Vec::new(), Vec::new())
+        };
+        self.settle(&state, peer, &format!("a notification to {peer}")).await
     }
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
-        let mut rx = self.events.lock().await;
-        let mut out = Vec::new();
-        while let Ok(e) = rx.try_recv() {
-            out.push(e);
-        }
-        if out.is_empty() {
-            match tokio::time::timeout(max_wait, rx.recv()).await {
-                Ok(Some(e)) => out.push(e),
-                Ok(None) => return Err(BackendError::Closed { backend: NAME }),
-                Err(_) => return Ok(out),
-            }
-            while let Ok(e) = rx.try_recv() {
-                out.push(e);
-            }
-        }
-        Ok(out)
+        Ok(self.inner.events.recv(max_wait).await)
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
-        let mut st = self.shared.lock();
-        let p = st.peers.remove(&peer).ok_or(BackendError::UnknownPeer { backend: NAME, peer })?;
-        if !st.peers.values().any(|q| q.fi_addr == p.fi_addr) {
-            let bye = wire::control(Kind::Bye, self.nonce, p.nonce, self.identity);
-            let _ = st.ep.send(p.fi_addr, bye, USER_CONTROL);
+        let p = self.inner.peers.remove(peer)?;
+        let states: Vec<Arc<TransferState>> =
+            self.inner.lock().jobs.values().filter(|j| j.peer == peer).map(|j| j.state.clone()).collect();
+        // Let them finish (each has its deadline, after which it stops and waits for what it posted).
+        let deadline = Instant::now() + self.inner.opts.timeout + Duration::from_secs(1);
+        for s in &states {
+            if !s.settled(deadline).await.is_final() {
+                return Err(BackendError::Timeout {
+                    backend: NAME,
+                    what: format!("disconnecting {}: its transfers becoming final", p.describe(peer)),
+                    after: self.inner.opts.timeout,
+                });
+            }
         }
+        let shared = self.inner.peers.all().iter().any(|(_, q)| q.fi_addr == p.fi_addr);
+        if !shared && !p.lost.load(Ordering::Acquire) && p.gone().is_none() {
+            let mut st = self.inner.lock();
+            st.queue(p.fi_addr, wire::message(Kind::Bye, self.inner.nonce, p.nonce, self.inner.identity, &[]));
+            st.flush_control();
+        }
+        self.inner.wake();
         Ok(())
     }
 }

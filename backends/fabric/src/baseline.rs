@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer_core::{BackendError, HostBuffer};
+use kvxfer_core::{BackendError, HostBuffer, MemDesc};
 
 use crate::ffi::{Event, Hints, LocalRange, PostError, RdmEndpoint, RemoteIov};
 use crate::NAME;
@@ -47,12 +47,12 @@ pub fn write_bandwidth(
     let hints = Hints { provider: Some(provider.to_owned()), node: addr.map(str::to_owned), wait_fd: false };
     let mut a = RdmEndpoint::open(&hints)?;
     let mut b = RdmEndpoint::open(&hints)?;
-    let src = HostBuffer::zeroed(size.max(1));
-    let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8 + 1).collect();
-    src.region().write(0, &pattern).expect("in bounds");
-    let dst = HostBuffer::zeroed(size.max(1));
-    let (src_mr, _) = a.reg(&src.region())?;
-    let (_, dst_info) = b.reg(&dst.region())?;
+    let mut pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8 + 1).collect();
+    pattern.resize(size.max(1), 1);
+    let src = HostBuffer::from_slice(&pattern).desc();
+    let dst = HostBuffer::zeroed(size.max(1)).desc();
+    let (src_mr, _) = a.reg(&src)?;
+    let (_, dst_info) = b.reg(&dst)?;
     let dest = a.av_insert(b.name())?;
     let local = LocalRange { mr: src_mr, offset: 0, len: size as u64 };
     let remote = RemoteIov { addr: dst_info.base, len: size as u64, key: dst_info.key };
@@ -100,7 +100,7 @@ pub fn write_bandwidth(
     let elapsed = start.elapsed();
     // Let the target finish placing bytes (providers without delivery completion) before checking.
     let check_end = Instant::now() + Duration::from_secs(5);
-    while dst.to_vec()[..size] != pattern[..] {
+    while !holds(&dst, &pattern[..size]) {
         b.poll(&mut Vec::new(), 16)?;
         if Instant::now() > check_end {
             return Err(BackendError::Protocol {
@@ -111,4 +111,9 @@ pub fn write_bandwidth(
         }
     }
     Ok(Measurement { size, writes, window, elapsed })
+}
+
+/// Whether `mem` starts with `want` (read under a guard; the provider writes without one).
+fn holds(mem: &MemDesc, want: &[u8]) -> bool {
+    mem.read_guard(0, want.len() as u64).is_ok_and(|g| g.as_slice() == want)
 }

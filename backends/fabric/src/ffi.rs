@@ -4,9 +4,13 @@
 //! fabric, info).
 //!
 //! This is the only module of the crate with `unsafe` code (`unsafe_code` is denied elsewhere): it
-//! calls the C library through `kvxfer-fabric-sys`. Calls that hand the provider a pointer it keeps
-//! past the call (posting writes, sends and receives) are `unsafe fn` with a `# Safety` section; the
-//! rest is safe.
+//! calls the C library through `kvxfer-fabric-sys`. Every public function here is safe to call: the
+//! posting functions ([`Endpoint::write`], [`Endpoint::send`], the receives) hand the provider
+//! pointers it keeps past the call, and they are sound because the endpoint itself keeps what those
+//! pointers point to alive until the operation's completion is read or the endpoint is closed: the
+//! [`MemDesc`] of every registration and of every write's source, the owned message of every send
+//! (copied into an owned, registered [`HostBuffer`] under `FI_MR_LOCAL`), the receive slab, and the
+//! boxed per-operation context. A caller cannot free that memory early from safe code.
 //!
 //! Threading: the domain is opened with `FI_THREAD_DOMAIN` (or better), which makes the application
 //! serialise every call on the domain's objects. `RdmEndpoint` methods take `&mut self`, so Rust's
@@ -20,7 +24,7 @@ use std::ptr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvxfer_core::{BackendError, HostBuffer, MemRegion};
+use kvxfer_core::{BackendError, HostBuffer, MemDesc};
 use kvxfer_fabric_sys as sys;
 
 use crate::NAME;
@@ -145,6 +149,8 @@ pub struct ProviderInfo {
     pub delivery_complete: bool,
     /// Whether sends are ordered after earlier writes (`FI_ORDER_SAW` in `tx_attr->msg_order`).
     pub order_saw: bool,
+    /// Whether writes are ordered after earlier writes (`FI_ORDER_WAW` in `tx_attr->msg_order`).
+    pub order_waw: bool,
     /// Whether the provider needs a posted receive for each write with remote CQ data (`FI_RX_CQ_DATA`).
     pub rx_cq_data: bool,
     /// `min(tx_attr->iov_limit, tx_attr->rma_iov_limit)`, at least 1.
@@ -264,6 +270,7 @@ fn provider_info(info: &Info) -> ProviderInfo {
             rma_event: i.caps & sys::FI_RMA_EVENT != 0,
             delivery_complete: tx.op_flags & u64::from(sys::FI_DELIVERY_COMPLETE) != 0,
             order_saw: tx.msg_order & u64::from(sys::FI_ORDER_SAW) != 0,
+            order_waw: tx.msg_order & u64::from(sys::FI_ORDER_WAW) != 0,
             rx_cq_data: i.mode & sys::FI_RX_CQ_DATA != 0,
             iov_limit: tx.iov_limit.min(tx.rma_iov_limit).max(1),
             max_msg_size: ep.max_msg_size as u64,
@@ -292,7 +299,7 @@ struct Mr {
     /// Registered through [`Endpoint::reg`] (a user region), closed when the endpoint is recycled.
     user: bool,
     /// The registered memory, kept alive as long as the registration.
-    mem: MemRegion,
+    mem: MemDesc,
 }
 
 /// Storage the provider may use per operation (`struct fi_context2`, for the `FI_CONTEXT2` mode). Its
@@ -303,9 +310,10 @@ struct OpContext(#[allow(dead_code)] sys::fi_context2);
 /// What an in-flight operation keeps alive until its completion.
 enum Keep {
     /// A write: the source memory.
-    Regions(#[allow(dead_code)] Vec<MemRegion>),
-    /// A send: the message and its registration (under `FI_MR_LOCAL`).
-    Send(#[allow(dead_code)] Vec<u8>, Option<MrHandle>),
+    Regions(#[allow(dead_code)] Vec<MemDesc>),
+    /// A send: the message (`None` under `FI_MR_LOCAL`, where it was copied into an owned buffer that
+    /// its registration keeps alive) and that registration.
+    Send(#[allow(dead_code)] Option<Vec<u8>>, Option<MrHandle>),
     /// A posted receive: its slot in the receive slab.
     Recv(usize),
 }
@@ -319,6 +327,8 @@ struct Op {
     /// The endpoint generation that posted it (see [`RdmEndpoint`]): completions of an earlier
     /// owner's operations are swallowed.
     generation: u64,
+    /// Bytes it carries.
+    bytes: u64,
 }
 
 /// A failed operation, as `fi_cq_readerr` described it.
@@ -356,6 +366,8 @@ pub enum Event {
         user: u64,
         /// The failure, if any.
         error: Option<FiError>,
+        /// Bytes the operation carried.
+        bytes: u64,
     },
     /// A message arrived in a posted receive buffer (its bytes, copied out; the buffer is reposted).
     Message(Vec<u8>),
@@ -413,12 +425,15 @@ pub struct Endpoint {
     name: Vec<u8>,
     /// In-flight operations by context address. Dropped after the handles are closed (Drop below).
     ops: HashMap<usize, Op>,
-    recv_slab: Option<(HostBuffer, MrHandle, usize)>,
+    recv_slab: Option<(MemDesc, MrHandle, usize)>,
     unposted: Vec<usize>,
     tx_in_flight: usize,
     generation: u64,
     pool_key: (Option<String>, Option<String>, bool),
     wait_fd: Option<i32>,
+    /// Whether [`Endpoint::write`] asks for `FI_DELIVERY_COMPLETE` (what the provider granted, unless
+    /// changed with [`Endpoint::set_delivery_complete`]).
+    delivery_complete: bool,
 }
 
 // SAFETY: libfabric objects opened with FI_THREAD_DOMAIN may be used from any thread as long as calls
@@ -471,10 +486,16 @@ impl Drop for RdmEndpoint {
                     e.dereg(MrHandle(k));
                 }
                 e.generation += 1;
+                e.delivery_complete = e.pinfo.delivery_complete;
                 recycled().push(e);
                 AT_EXIT.call_once(|| {
                     // SAFETY: registers a plain `extern "C" fn` that takes no arguments.
                     unsafe { sys::kvx_atexit(Some(close_recycled_at_exit)) };
+                    let spawned =
+                        std::thread::Builder::new().name("kvxfer-fabric-pool".into()).spawn(progress_recycled);
+                    if let Err(e) = spawned {
+                        tracing::warn!(target: "kvxfer_fabric", "no progress thread for recycled endpoints: {e}");
+                    }
                 });
             }
         }
@@ -482,6 +503,27 @@ impl Drop for RdmEndpoint {
 }
 
 static AT_EXIT: std::sync::Once = std::sync::Once::new();
+
+/// Keeps polling the recycled (idle) endpoints, discarding what they report.
+///
+/// An endpoint dropped while the provider still had work of it under way (a write in its
+/// segmentation-and-reassembly protocol, a peer's message half received) would otherwise hold the
+/// peer's shared buffers forever: shm then answers `-FI_EAGAIN` to every later post from or to that
+/// peer, which the conformance suite saw as a hello that never went out. Polls every 1-20 ms (backing
+/// off while nothing happens) for the life of the process.
+fn progress_recycled() {
+    let mut events = Vec::new();
+    let mut sleep = Duration::from_millis(1);
+    loop {
+        std::thread::sleep(sleep);
+        let mut worked = 0;
+        for e in recycled().iter_mut() {
+            worked += e.poll(&mut events, 64).unwrap_or(0);
+            events.clear();
+        }
+        sleep = if worked > 0 { Duration::from_millis(1) } else { (sleep * 2).min(Duration::from_millis(20)) };
+    }
+}
 
 /// Closes the recycled endpoints when the process exits, so the provider removes their shared-memory
 /// files (`/dev/shm`). Registered with `atexit` on first recycling.
@@ -585,7 +627,9 @@ impl Endpoint {
             generation: 0,
             pool_key: (hints.provider.clone(), hints.node.clone(), hints.wait_fd),
             wait_fd: None,
+            delivery_complete: false,
         };
+        me.delivery_complete = me.pinfo.delivery_complete;
         let prov = me.pinfo.provider.clone();
         let ctx = || format!("provider {prov}");
         let i = me._info.0;
@@ -635,6 +679,17 @@ impl Endpoint {
             me.name = buf;
         }
         Ok(me)
+    }
+
+    /// Whether [`Self::write`] asks for `FI_DELIVERY_COMPLETE` (default: when the provider granted
+    /// it). Only the completion probe (`tests/completion.rs`) turns it off.
+    pub fn set_delivery_complete(&mut self, on: bool) {
+        self.delivery_complete = on && self.pinfo.delivery_complete;
+    }
+
+    /// Whether [`Self::write`] asks for `FI_DELIVERY_COMPLETE`.
+    pub fn delivery_complete_requested(&self) -> bool {
+        self.delivery_complete
     }
 
     /// What the provider offers.
@@ -691,13 +746,14 @@ impl Endpoint {
         Ok(fi_addr)
     }
 
-    fn reg_access(&mut self, mem: &MemRegion, access: u64, user: bool) -> Result<(MrHandle, MrInfo), BackendError> {
+    fn reg_access(&mut self, mem: &MemDesc, access: u64, user: bool) -> Result<(MrHandle, MrInfo), BackendError> {
         let requested_key = if self.pinfo.mr_mode.prov_key { 0 } else { self.next_key };
         let mut mr: *mut sys::fid_mr = ptr::null_mut();
-        let (p, len) = (mem.as_ptr(), mem.len());
+        let (p, len) = (mem.addr(), mem.len());
         let ctx = || format!("registering {len} bytes at {p:p} (mr_mode {})", self.pinfo.mr_mode);
-        // SAFETY: MemRegion's contract keeps `p..p+len` valid while a clone lives; we keep one in the
-        // map with the registration until it is closed. `mr` is a valid out-pointer.
+        // SAFETY: MemDesc's contract (its unsafe constructor, or HostBuffer ownership) keeps
+        // `p..p+len` valid while a clone lives; we keep one in the map with the registration until it
+        // is closed. `mr` is a valid out-pointer.
         let ret = unsafe {
             sys::kvx_fi_mr_reg(self.domain, p.cast(), len, access, 0, requested_key, 0, &mut mr, ptr::null_mut())
         };
@@ -738,7 +794,7 @@ impl Endpoint {
     /// Registers `mem` for local use and remote writes, honouring the provider's `mr_mode` (requested
     /// key unless `FI_MR_PROV_KEY`, bind + enable under `FI_MR_ENDPOINT`). The registration keeps a
     /// clone of `mem` (and so the memory) until [`Self::dereg`] or drop.
-    pub fn reg(&mut self, mem: &MemRegion) -> Result<(MrHandle, MrInfo), BackendError> {
+    pub fn reg(&mut self, mem: &MemDesc) -> Result<(MrHandle, MrInfo), BackendError> {
         let access = u64::from(
             sys::FI_SEND | sys::FI_RECV | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
         );
@@ -753,13 +809,13 @@ impl Endpoint {
         }
     }
 
-    fn track(&mut self, ctx: Box<OpContext>, user: u64, keep: Keep) {
+    fn track(&mut self, ctx: Box<OpContext>, user: u64, keep: Keep, bytes: u64) {
         let addr = (&*ctx as *const OpContext) as usize;
         if !matches!(keep, Keep::Recv(_)) {
             self.tx_in_flight += 1;
         }
         let generation = self.generation;
-        self.ops.insert(addr, Op { ctx, user, keep, generation });
+        self.ops.insert(addr, Op { ctx, user, keep, generation, bytes });
     }
 
     fn post_ret(call: &'static str, ret: isize, ctx: impl FnOnce() -> String) -> Result<(), PostError> {
@@ -769,7 +825,7 @@ impl Endpoint {
         check(call, ret, ctx).map_err(PostError::Failed)
     }
 
-    fn local_ptr(&self, r: &LocalRange) -> Result<(*mut u8, *mut c_void, MemRegion), BackendError> {
+    fn local_ptr(&self, r: &LocalRange) -> Result<(*mut u8, *mut c_void, MemDesc), BackendError> {
         let mr = self.mrs.get(&r.mr.0).ok_or_else(|| BackendError::Config {
             backend: NAME,
             detail: format!("memory registration {} is closed", r.mr.0),
@@ -778,7 +834,7 @@ impl Endpoint {
             backend: NAME,
             detail: format!("local range outside its registration: {e}"),
         })?;
-        Ok((mr.mem.as_ptr().wrapping_add(r.offset as usize), mr.desc, mr.mem.clone()))
+        Ok((mr.mem.addr().wrapping_add(r.offset as usize), mr.desc, mr.mem.clone()))
     }
 
     /// Posts one RMA write of `local` (gathered) to `remote` (scattered) at `dest` with `fi_writemsg`,
@@ -816,7 +872,7 @@ impl Endpoint {
             data: data.unwrap_or(0),
         };
         let mut flags = u64::from(sys::FI_COMPLETION);
-        if self.pinfo.delivery_complete {
+        if self.delivery_complete {
             flags |= u64::from(sys::FI_DELIVERY_COMPLETE);
         }
         if data.is_some() {
@@ -828,7 +884,7 @@ impl Endpoint {
         let ret = unsafe { sys::kvx_fi_writemsg(self.ep, &msg, flags) };
         let total: u64 = local.iter().map(|l| l.len).sum();
         Self::post_ret("fi_writemsg", ret, || format!("{} iovs, {total} bytes", local.len()))?;
-        self.track(ctx, user, Keep::Regions(keep));
+        self.track(ctx, user, Keep::Regions(keep), total);
         Ok(())
     }
 
@@ -850,33 +906,34 @@ impl Endpoint {
             )
         };
         Self::post_ret("fi_write", ret, || format!("{} bytes", local.len))?;
-        self.track(ctx, user, Keep::Regions(vec![m]));
+        self.track(ctx, user, Keep::Regions(vec![m]), local.len);
         Ok(())
     }
 
-    /// Posts a message (owned until its completion, registered first under `FI_MR_LOCAL`).
+    /// Posts a message, owned by the endpoint until its completion. Under `FI_MR_LOCAL` it is copied
+    /// into an owned [`HostBuffer`] first and registered; the registration keeps that buffer's
+    /// descriptor (and so the memory) alive and is closed at the completion.
     pub fn send(&mut self, dest: u64, msg: Vec<u8>, user: u64) -> Result<(), PostError> {
-        let (mr, desc) = if self.pinfo.mr_mode.local && !msg.is_empty() {
-            // Describe the Vec's heap buffer; it is kept (unmoved) in `ops` until completion and the MR
-            // is closed before the Vec is dropped.
-            let region = crate::ffi_mem::vec_region(&msg);
-            let (h, _) = self.reg_access(&region, u64::from(sys::FI_SEND), false).map_err(PostError::Failed)?;
-            (Some(h), self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc))
+        let len = msg.len();
+        let (ptr_, desc, mr, keep) = if self.pinfo.mr_mode.local && !msg.is_empty() {
+            let mem = HostBuffer::from_slice(&msg).desc();
+            let (h, _) = self.reg_access(&mem, u64::from(sys::FI_SEND), false).map_err(PostError::Failed)?;
+            (mem.addr().cast_const(), self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc), Some(h), None)
         } else {
-            (None, ptr::null_mut())
+            (msg.as_ptr(), ptr::null_mut(), None, Some(msg))
         };
         let mut ctx = Box::<OpContext>::default();
-        // SAFETY: `msg`'s heap buffer and the context are stored in `ops` until completion.
-        let ret = unsafe {
-            sys::kvx_fi_send(self.ep, msg.as_ptr().cast(), msg.len(), desc, dest, (&mut *ctx as *mut OpContext).cast())
-        };
-        if let Err(e) = Self::post_ret("fi_send", ret, || format!("{} bytes", msg.len())) {
+        // SAFETY: the message (the Vec's heap buffer, or the registered copy that the registration
+        // keeps alive) and the context are stored in `ops` until the completion is read.
+        let ret =
+            unsafe { sys::kvx_fi_send(self.ep, ptr_.cast(), len, desc, dest, (&mut *ctx as *mut OpContext).cast()) };
+        if let Err(e) = Self::post_ret("fi_send", ret, || format!("{len} bytes")) {
             if let Some(h) = mr {
                 self.dereg(h);
             }
             return Err(e);
         }
-        self.track(ctx, user, Keep::Send(msg, mr));
+        self.track(ctx, user, Keep::Send(keep, mr), len as u64);
         Ok(())
     }
 
@@ -887,8 +944,8 @@ impl Endpoint {
             // A recycled endpoint keeps the buffers its first owner posted.
             return Ok(());
         }
-        let slab = HostBuffer::zeroed(count * size);
-        let (h, _) = self.reg_access(&slab.region(), u64::from(sys::FI_RECV), false)?;
+        let slab = HostBuffer::zeroed(count * size).desc();
+        let (h, _) = self.reg_access(&slab, u64::from(sys::FI_RECV), false)?;
         self.recv_slab = Some((slab, h, size));
         for slot in 0..count {
             match self.post_slot(slot) {
@@ -902,10 +959,9 @@ impl Endpoint {
 
     fn post_slot(&mut self, slot: usize) -> Result<(), PostError> {
         let Some((slab, h, size)) = &self.recv_slab else { return Ok(()) };
-        let region = slab.region();
         let (size, h) = (*size, *h);
         let desc = self.mrs.get(&h.0).map_or(ptr::null_mut(), |m| m.desc);
-        let p = region.as_ptr().wrapping_add(slot * size);
+        let p = slab.addr().wrapping_add(slot * size);
         let mut ctx = Box::<OpContext>::default();
         // SAFETY: the slot lies inside the slab (slot < count), which lives until after the endpoint is
         // closed; the context is stored in `ops` until completion or close.
@@ -913,7 +969,7 @@ impl Endpoint {
             sys::kvx_fi_recv(self.ep, p.cast(), size, desc, FI_ADDR_UNSPEC, (&mut *ctx as *mut OpContext).cast())
         };
         Self::post_ret("fi_recv", ret, || format!("{size} bytes"))?;
-        self.track(ctx, 0, Keep::Recv(slot));
+        self.track(ctx, 0, Keep::Recv(slot), 0);
         Ok(())
     }
 
@@ -995,19 +1051,19 @@ impl Endpoint {
                     tracing::debug!(target: "kvxfer_fabric", "completion for an unknown context {ctx:#x} (flags {flags:#x})");
                 }
             }
-            Some(Op { user, keep: Keep::Regions(_), generation, .. }) => {
+            Some(Op { user, keep: Keep::Regions(_), generation, bytes, .. }) => {
                 self.tx_in_flight -= 1;
                 if generation == self.generation {
-                    out.push(Event::Done { user, error });
+                    out.push(Event::Done { user, error, bytes });
                 }
             }
-            Some(Op { user, keep: Keep::Send(_, mr), generation, .. }) => {
+            Some(Op { user, keep: Keep::Send(_, mr), generation, bytes, .. }) => {
                 self.tx_in_flight -= 1;
                 if let Some(h) = mr {
                     self.dereg(h);
                 }
                 if generation == self.generation {
-                    out.push(Event::Done { user, error });
+                    out.push(Event::Done { user, error, bytes });
                 }
             }
             Some(Op { keep: Keep::Recv(slot), .. }) => {
@@ -1019,9 +1075,10 @@ impl Endpoint {
                         out.push(Event::RecvError(e));
                     }
                 } else if let Some((slab, _, size)) = &self.recv_slab {
-                    let mut bytes = vec![0u8; len.min(*size)];
-                    if slab.region().read((slot * size) as u64, &mut bytes).is_ok() {
-                        out.push(Event::Message(bytes));
+                    // The provider filled the slot and reports it done; it is not reposted until
+                    // after this copy, so no one writes it meanwhile.
+                    if let Ok(g) = slab.read_guard((slot * size) as u64, len.min(*size) as u64) {
+                        out.push(Event::Message(g.as_slice().to_vec()));
                     }
                 }
                 self.repost(slot);

@@ -3,67 +3,56 @@
 //! One libfabric RDM endpoint per backend instance (`FI_EP_RDM`, `FI_MSG | FI_RMA`), tested with the
 //! `tcp;ofi_rxm` and `shm` providers of libfabric 1.17:
 //!
-//! - data: `fi_writemsg` RMA writes from registered regions into the peer's registered regions, a
-//!   strided op as iovs within the provider's `iov_limit`; `write` returns after the writes'
-//!   completions (`FI_DELIVERY_COMPLETE` where the provider offers it);
-//! - attached notifications: remote CQ data on the batch's last write (`FI_REMOTE_CQ_DATA`, what
-//!   `fi_writedata` does), paired at the receiver with a staged message carrying the notification; or,
-//!   where the provider has no CQ data, a message sent after the writes completed;
-//! - out-of-band notifications: `fi_send` messages into receive buffers each endpoint keeps posted;
-//! - memory registration follows the provider's `mr_mode` bits (`FI_MR_LOCAL`, `FI_MR_VIRT_ADDR`,
-//!   `FI_MR_PROV_KEY`, `FI_MR_ENDPOINT`, `FI_MR_ALLOCATED`); the endpoint address and each region's key
-//!   (and base address under `FI_MR_VIRT_ADDR`) travel in the endpoint metadata;
+//! - data: `fi_writemsg` RMA writes from registered regions into the peer's registered regions
+//!   (pieces that follow each other on both sides coalesced, up to the provider's `iov_limit` ranges
+//!   per post), with `FI_DELIVERY_COMPLETE` where the provider grants it: only then does the endpoint
+//!   report [`kvxfer_core::Completion::Remote`] (and the out-of-band style); otherwise `Local`;
+//! - `post` returns a [`kvxfer_core::Transfer`] at once; abort stops posting and waits for the
+//!   completions of what was posted (libfabric 1.17's tcp and shm providers cannot cancel writes);
+//! - attached notifications: remote CQ data on the transfer's last write (`FI_REMOTE_CQ_DATA`),
+//!   paired at the receiver with a staged message carrying the notification; or, where the provider
+//!   has no CQ data, a message sent after the writes completed;
+//! - out-of-band notifications: `fi_send` messages into receive buffers each endpoint keeps posted,
+//!   fragmented with the toolkit's `Fragmenter` to the receiver's buffer size;
+//! - memory registration follows the provider's `mr_mode` bits; closing a registration revokes it at
+//!   every peer that connected here (acknowledged after their writes into it completed) before
+//!   `fi_close` of the MR;
 //! - progress: a dedicated thread polls the completion queue; every wait has a deadline;
 //! - liveness: hello on connect, heartbeats, "gone" on drop; receivers report silent peers lost.
 //!
-//! See README.md in this crate for the provider findings and the shm workarounds.
-//!
-//! Options (`BackendConfig::options`, env fallback in parentheses):
-//!
-//! | option | default | meaning |
-//! |---|---|---|
-//! | `provider` (env `FI_PROVIDER`) | `tcp` | libfabric provider; `tcp` means `tcp;ofi_rxm`; `shm` for same-host |
-//! | `addr` (env `KVXFER_FABRIC_ADDR`) | provider's first | local address to bind, e.g. `127.0.0.1` (not for shm) |
-//! | `timeout_ms` | 30000 | deadline of each `write` / `notify` / `connect` |
-//! | `peer_timeout_ms` | 5000 | silence after which a connected peer is reported lost |
-//! | `wait` (env `KVXFER_FABRIC_WAIT`) | `fd` (tcp), `poll` (shm) | how the idle progress thread waits |
-//! | `recv_buffers` | 64 | receive buffers kept posted |
-//! | `recv_buf_size` | 65536 | bytes per receive buffer (larger notifications are fragmented) |
-//! | `attached` | `auto` | `auto`, `cq-data` (remote CQ data) or `message` |
-//! | `idle_poll_us` | 200 | longest sleep of the idle progress thread |
-//!
+//! See README.md in this crate for the options, the provider findings and the shm workarounds.
 //! [`baseline`] measures a plain `fi_write` loop between two endpoints of one process, the reference
-//! the bench compares the backend with.
+//! the bench compares the backend with; `tests/completion.rs` probes what a write completion means on
+//! each provider.
 
 mod backend;
 pub mod baseline;
 pub mod ffi;
-mod ffi_mem;
 pub mod wire;
 
 use std::sync::Arc;
 
-use kvxfer_core::{BackendConfig, BackendError, Capabilities, KvTransferBackend};
+use kvxfer_core::{BackendConfig, BackendError, Capabilities, Completion, KvTransferBackend, Limits};
 
-pub use backend::{AttachedMode, FabricBackend, Options};
+pub use backend::{capabilities_for, AttachedMode, FabricBackend, Options, KNOWN_OPTIONS, MAX_NOTIFICATION};
 
 /// Registry name.
 pub const NAME: &str = "fabric";
 
-/// Capabilities of the default (`tcp;ofi_rxm`) endpoint; an `shm` endpoint reports `cross_host: false`.
-pub const CAPABILITIES: Capabilities =
-    Capabilities { attached: true, out_of_band: true, cross_process: true, cross_host: true };
+/// Capabilities of the default (`tcp;ofi_rxm`) endpoint, which grants `FI_DELIVERY_COMPLETE` on
+/// libfabric 1.17; every instance reports its own ([`capabilities_for`] its provider).
+pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
+    .with_limits(Limits::new(u64::MAX, MAX_NOTIFICATION as u64, u64::MAX))
+    .with_completion(Completion::Remote);
 
-/// Builds an endpoint from a config (see the option table above).
+/// Builds an endpoint from a config (see README.md for the options).
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
     backend::create_backend(config)
 }
 
-kvxfer_core::inventory::submit! {
-    kvxfer_core::BackendDescriptor {
-        name: NAME,
-        description: "libfabric RDM endpoint (FI_RMA writes, remote CQ data; providers tcp;ofi_rxm, shm, ...)",
-        capabilities: CAPABILITIES,
-        create,
-    }
-}
+kvxfer_core::register_backend!(
+    NAME,
+    "libfabric RDM endpoint (FI_RMA writes, remote CQ data; providers tcp;ofi_rxm, shm, ...)",
+    CAPABILITIES,
+    create
+);

@@ -1,12 +1,16 @@
-//! What travels besides the data: the endpoint-metadata payload and the framing of notification
-//! messages (fragmented to the receiver's posted buffer size, reassembled per sender).
+//! What travels besides the data: the endpoint-metadata payload and the messages between endpoints.
+//!
+//! Every message is a 20-byte header (kind, sender nonce, receiver nonce, sequence) and a body.
+//! Notification bodies are fragments of the toolkit's [`kvxfer_core::toolkit::Fragmenter`] (sized to
+//! the receiver's posted buffers) and are put back together by its `Reassembler`; [`Staged`] pairs
+//! an attached notification with the remote-CQ-data token of its last write.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Version of [`Payload`]; `connect` rejects others.
-pub const WIRE_VERSION: u32 = 1;
+/// Version of [`Payload`] and of the messages; `connect` rejects others.
+pub const WIRE_VERSION: u32 = 2;
 
 /// One registered region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,8 +34,6 @@ pub struct Payload {
     pub provider: String,
     /// The endpoint's `fi_getname` address.
     pub addr: Vec<u8>,
-    /// Whether remote writes use virtual addresses (`FI_MR_VIRT_ADDR`); informational, `base` carries it.
-    pub virt_addr: bool,
     /// Size of the receive buffers the endpoint posts: the largest message a peer may send it.
     pub recv_buf: u32,
     /// Whether the endpoint accepts attached notifications as remote CQ data on the last write.
@@ -45,36 +47,47 @@ pub struct Payload {
 }
 
 /// Bytes of a message header.
-pub const HEADER: usize = 28;
+pub const HEADER: usize = 20;
 const MAGIC: u8 = 0xfb;
 
 /// What a message carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// A notification to deliver as soon as it is complete.
+    /// A notification fragment, delivered as soon as the notification is complete.
     Notify = 1,
-    /// A notification to deliver once the remote CQ data with the same token has arrived (attached
-    /// style over `fi_writedata`).
+    /// A fragment of a notification to deliver once the remote CQ data `seq` has arrived (attached
+    /// style over remote CQ data).
     Staged = 2,
-    /// "I am alive": sent on connect and then periodically by every endpoint to the peers it connected
-    /// to; `seq` carries the sender's identity. A receiver that stops hearing it reports the peer lost.
+    /// "I am alive": sent periodically to the peers an endpoint connected to; `seq` is its identity.
     Heartbeat = 3,
-    /// The sending endpoint is closing (it was dropped): the receiver reports the peer lost at once.
+    /// The sending endpoint is closing (dropped): the receiver reports the peer lost at once.
     Gone = 4,
-    /// The sender disconnected on purpose: forget it without reporting a loss.
+    /// The sender disconnected on purpose and writes no more: forget it without reporting a loss.
     Bye = 5,
+    /// The first message after `connect`: `seq` is the identity, the body [`hello`] (pid, address),
+    /// so the receiver can send revokes back.
+    Hello = 6,
+    /// "Stop writing into my region (body: u32 id, then my address); acknowledge with `seq` once your
+    /// writes into it completed."
+    Revoke = 7,
+    /// The acknowledgement of the revoke `seq`.
+    RevokeAck = 8,
 }
 
 impl Kind {
-    /// Whether this kind is a liveness message (no notification body).
-    pub fn is_control(self) -> bool {
-        matches!(self, Kind::Heartbeat | Kind::Gone | Kind::Bye)
+    fn from_u8(k: u8) -> Option<Self> {
+        Some(match k {
+            1 => Kind::Notify,
+            2 => Kind::Staged,
+            3 => Kind::Heartbeat,
+            4 => Kind::Gone,
+            5 => Kind::Bye,
+            6 => Kind::Hello,
+            7 => Kind::Revoke,
+            8 => Kind::RevokeAck,
+            _ => return None,
+        })
     }
-}
-
-/// A liveness message ([`Kind::Heartbeat`], [`Kind::Gone`], [`Kind::Bye`]) carrying `identity`.
-pub fn control(kind: Kind, nonce: u32, dest: u32, identity: u64) -> Vec<u8> {
-    frames(kind, nonce, dest, identity, &[], HEADER).remove(0)
 }
 
 /// A parsed message header.
@@ -87,40 +100,35 @@ pub struct Header {
     /// The receiving endpoint's nonce (from its metadata): a message for an earlier owner of a recycled
     /// endpoint address is dropped.
     pub dest: u32,
-    /// Message sequence number (for [`Kind::Staged`], the CQ-data token).
+    /// Sequence (identity, CQ-data token or revoke number, by kind).
     pub seq: u64,
-    /// Length of the whole notification encoding.
-    pub total: u32,
-    /// Offset of this fragment in it.
-    pub offset: u32,
 }
 
-/// Splits an encoded notification into frames of at most `frame_max` bytes (header included).
-pub fn frames(kind: Kind, nonce: u32, dest: u32, seq: u64, body: &[u8], frame_max: usize) -> Vec<Vec<u8>> {
-    let room = frame_max.saturating_sub(HEADER).max(1);
-    let mut out = Vec::new();
-    let mut off = 0usize;
-    loop {
-        let end = (off + room).min(body.len());
-        let mut f = Vec::with_capacity(HEADER + end - off);
-        f.push(MAGIC);
-        f.push(kind as u8);
-        f.extend_from_slice(&[0, 0]);
-        f.extend_from_slice(&nonce.to_le_bytes());
-        f.extend_from_slice(&seq.to_le_bytes());
-        f.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        f.extend_from_slice(&(off as u32).to_le_bytes());
-        f.extend_from_slice(&dest.to_le_bytes());
-        f.extend_from_slice(&body[off..end]);
-        out.push(f);
-        off = end;
-        if off >= body.len() {
-            return out;
-        }
-    }
+/// A message: header and body.
+pub fn message(kind: Kind, nonce: u32, dest: u32, seq: u64, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(HEADER + body.len());
+    f.extend_from_slice(&[MAGIC, kind as u8, 0, 0]);
+    f.extend_from_slice(&nonce.to_le_bytes());
+    f.extend_from_slice(&dest.to_le_bytes());
+    f.extend_from_slice(&seq.to_le_bytes());
+    f.extend_from_slice(body);
+    f
 }
 
-/// Parses a frame into its header and fragment bytes.
+/// The body of a [`Kind::Hello`]: the sender's pid and address.
+pub fn hello(pid: u32, addr: &[u8]) -> Vec<u8> {
+    let mut b = pid.to_le_bytes().to_vec();
+    b.extend_from_slice(addr);
+    b
+}
+
+/// Splits a [`hello`] (or revoke: region id and address) body into its u32 and the address.
+pub fn split_u32(body: &[u8]) -> Option<(u32, &[u8])> {
+    let (n, rest) = body.split_first_chunk::<4>()?;
+    Some((u32::from_le_bytes(*n), rest))
+}
+
+/// Parses a message into its header and body.
 pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), String> {
     if frame.len() < HEADER {
         return Err(format!("message of {} bytes is shorter than the {HEADER}-byte header", frame.len()));
@@ -128,112 +136,52 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), String> {
     if frame[0] != MAGIC {
         return Err(format!("bad magic {:#x}", frame[0]));
     }
-    let kind = match frame[1] {
-        1 => Kind::Notify,
-        2 => Kind::Staged,
-        3 => Kind::Heartbeat,
-        4 => Kind::Gone,
-        5 => Kind::Bye,
-        k => return Err(format!("unknown message kind {k}")),
-    };
+    let kind = Kind::from_u8(frame[1]).ok_or_else(|| format!("unknown message kind {}", frame[1]))?;
     let u32_at = |i: usize| u32::from_le_bytes(frame[i..i + 4].try_into().expect("4 bytes"));
-    let nonce = u32_at(4);
-    let seq = u64::from_le_bytes(frame[8..16].try_into().expect("8 bytes"));
-    let total = u32_at(16);
-    let offset = u32_at(20);
-    let dest = u32_at(24);
-    let frag = &frame[HEADER..];
-    if u64::from(offset) + frag.len() as u64 > u64::from(total) {
-        return Err(format!("fragment at {offset} of {} bytes exceeds the total {total}", frag.len()));
-    }
-    Ok((Header { kind, nonce, dest, seq, total, offset }, frag))
+    let seq = u64::from_le_bytes(frame[12..20].try_into().expect("8 bytes"));
+    Ok((Header { kind, nonce: u32_at(4), dest: u32_at(8), seq }, &frame[HEADER..]))
 }
 
-/// Most partial messages or unmatched tokens kept at once; beyond it the oldest are dropped with a warning.
+/// Most staged notifications or unmatched tokens kept at once; beyond it the oldest are dropped.
 const MAX_PENDING: usize = 4096;
 
-struct Partial {
-    buf: Vec<u8>,
-    got: usize,
-    order: u64,
-}
-
-/// Reassembles fragmented notifications and pairs staged ones with their CQ-data tokens.
+/// Pairs staged notifications with their CQ-data tokens, whichever arrives first.
 #[derive(Default)]
-pub struct Reassembly {
-    partial: HashMap<(u32, u64), Partial>,
+pub struct Staged {
     staged: HashMap<u64, (Vec<u8>, u64)>,
     tokens: HashMap<u64, u64>,
     clock: u64,
 }
 
-fn evict<V>(map: &mut HashMap<u64, (V, u64)>) {
+fn evict<V>(map: &mut HashMap<u64, V>, order: impl Fn(&V) -> u64) {
     if map.len() > MAX_PENDING {
-        if let Some(k) = map.iter().min_by_key(|(_, (_, o))| *o).map(|(k, _)| *k) {
+        if let Some(k) = map.iter().min_by_key(|(_, v)| order(v)).map(|(k, _)| *k) {
             tracing::warn!(target: "kvxfer_fabric", "dropping unmatched attached-notification state for token {k:#x}");
             map.remove(&k);
         }
     }
 }
 
-impl Reassembly {
-    /// Feeds one frame; returns the encoded notification that became deliverable, if any.
-    pub fn frame(&mut self, frame: &[u8]) -> Result<Option<Vec<u8>>, String> {
-        let (h, frag) = parse(frame)?;
+impl Staged {
+    /// A whole staged notification arrived; returns it if its token arrived already.
+    pub fn notification(&mut self, token: u64, n: Vec<u8>) -> Option<Vec<u8>> {
         self.clock += 1;
-        let whole = if h.offset == 0 && frag.len() == h.total as usize {
-            frag.to_vec()
-        } else {
-            let key = (h.nonce, h.seq);
-            let p = self.partial.entry(key).or_insert_with(|| Partial {
-                buf: vec![0; h.total as usize],
-                got: 0,
-                order: self.clock,
-            });
-            if p.buf.len() != h.total as usize {
-                return Err(format!("fragment total {} disagrees with {} for message {}", h.total, p.buf.len(), h.seq));
-            }
-            let off = h.offset as usize;
-            p.buf[off..off + frag.len()].copy_from_slice(frag);
-            p.got += frag.len();
-            if p.got < p.buf.len() {
-                if self.partial.len() > MAX_PENDING {
-                    if let Some(k) = self.partial.iter().min_by_key(|(_, p)| p.order).map(|(k, _)| *k) {
-                        tracing::warn!(target: "kvxfer_fabric", "dropping an incomplete message {k:?}");
-                        self.partial.remove(&k);
-                    }
-                }
-                return Ok(None);
-            }
-            self.partial.remove(&key).map(|p| p.buf).unwrap_or_default()
-        };
-        match h.kind {
-            Kind::Heartbeat | Kind::Gone | Kind::Bye => Err(format!("{:?} is not a notification", h.kind)),
-            Kind::Notify => Ok(Some(whole)),
-            Kind::Staged => {
-                if self.tokens.remove(&h.seq).is_some() {
-                    Ok(Some(whole))
-                } else {
-                    self.staged.insert(h.seq, (whole, self.clock));
-                    evict(&mut self.staged);
-                    Ok(None)
-                }
-            }
+        if self.tokens.remove(&token).is_some() {
+            return Some(n);
         }
+        self.staged.insert(token, (n, self.clock));
+        evict(&mut self.staged, |v| v.1);
+        None
     }
 
-    /// Feeds one remote-CQ-data token; returns the staged notification it releases, if it arrived already.
+    /// A remote-CQ-data token arrived; returns the staged notification it releases, if any.
     pub fn token(&mut self, token: u64) -> Option<Vec<u8>> {
         self.clock += 1;
         if let Some((n, _)) = self.staged.remove(&token) {
             return Some(n);
         }
         self.tokens.insert(token, self.clock);
-        if self.tokens.len() > MAX_PENDING {
-            if let Some(k) = self.tokens.iter().min_by_key(|(_, o)| **o).map(|(k, _)| *k) {
-                self.tokens.remove(&k);
-            }
-        }
+        evict(&mut self.tokens, |v| *v);
         None
     }
 }
@@ -243,55 +191,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fragments_reassemble_in_any_order_and_interleaved() {
-        let a: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
-        let b: Vec<u8> = (0..700u32).map(|i| (i * 7) as u8).collect();
-        let fa = frames(Kind::Notify, 1, 0, 5, &a, 100);
-        let fb = frames(Kind::Notify, 2, 0, 5, &b, 64);
-        assert!(fa.len() > 10 && fa.iter().all(|f| f.len() <= 100));
-        let mut r = Reassembly::default();
-        let mut got = Vec::new();
-        let mut ib = fb.iter();
-        for f in fa.iter().rev() {
-            if let Some(x) = r.frame(f).unwrap() {
-                got.push(x);
-            }
-            if let Some(g) = ib.next() {
-                if let Some(x) = r.frame(g).unwrap() {
-                    got.push(x);
-                }
-            }
-        }
-        for g in ib {
-            if let Some(x) = r.frame(g).unwrap() {
-                got.push(x);
-            }
-        }
-        assert_eq!(got.len(), 2);
-        assert!(got.contains(&a) && got.contains(&b));
+    fn messages_round_trip_and_malformed_ones_are_errors() {
+        let m = message(Kind::Revoke, 7, 9, 0x1234, &[1, 2, 3]);
+        let (h, body) = parse(&m).unwrap();
+        assert_eq!(h, Header { kind: Kind::Revoke, nonce: 7, dest: 9, seq: 0x1234 });
+        assert_eq!(body, &[1, 2, 3]);
+        assert!(parse(&[0; 10]).is_err());
+        let mut bad = m.clone();
+        bad[0] = 0;
+        assert!(parse(&bad).is_err());
+        bad = m;
+        bad[1] = 99;
+        assert!(parse(&bad).is_err());
+        assert_eq!(split_u32(&hello(5, b"addr")), Some((5, &b"addr"[..])));
+        assert_eq!(split_u32(&[1, 2]), None);
     }
 
     #[test]
     fn staged_waits_for_its_token_either_way_round() {
-        let mut r = Reassembly::default();
-        let f = frames(Kind::Staged, 3, 0, 77, b"hello", 64);
-        assert_eq!(r.frame(&f[0]).unwrap(), None);
-        assert_eq!(r.token(78), None);
-        assert_eq!(r.token(77), Some(b"hello".to_vec()));
-        assert_eq!(r.frame(&frames(Kind::Staged, 3, 0, 78, b"x", 64)[0]).unwrap(), Some(b"x".to_vec()));
-    }
-
-    #[test]
-    fn malformed_frames_are_errors() {
-        assert!(parse(&[0; 10]).is_err());
-        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
-        f[0] = 0;
-        assert!(parse(&f).is_err());
-        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
-        f[1] = 9;
-        assert!(parse(&f).is_err());
-        let mut f = frames(Kind::Notify, 1, 0, 1, b"abc", 64).remove(0);
-        f[16] = 1; // total 1 < fragment 3
-        assert!(parse(&f).is_err());
+        let mut s = Staged::default();
+        assert_eq!(s.notification(77, b"hello".to_vec()), None);
+        assert_eq!(s.token(78), None);
+        assert_eq!(s.token(77), Some(b"hello".to_vec()));
+        assert_eq!(s.notification(78, b"x".to_vec()), Some(b"x".to_vec()));
     }
 }

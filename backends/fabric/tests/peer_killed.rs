@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, EndpointMetadata, HostBuffer, KvTransferBackend, RegionId, WriteOp,
+    BackendConfig, BackendError, BackendEvent, EndpointMetadata, HostBuffer, KvTransferBackend, PeerId, RegionId,
+    WriteOp,
 };
 use kvxfer_fabric::FabricBackend;
 
@@ -25,6 +26,11 @@ fn config(provider: &str, identity: u64) -> BackendConfig {
         c = c.with("addr", "127.0.0.1");
     }
     c
+}
+
+/// Posts `op` and waits for the transfer (bounded).
+async fn write(a: &FabricBackend, peer: PeerId, op: WriteOp) -> Result<(), BackendError> {
+    a.post(peer, &[op], None)?.wait(Instant::now() + Duration::from_secs(10)).await
 }
 
 fn spawn(role: &str, provider: &str) -> (Child, BufReader<std::process::ChildStdout>) {
@@ -77,11 +83,10 @@ async fn receiver_killed_mid_transfer_fails_the_writes() {
         let (child, mut out) = spawn("receiver", prov);
         let meta = read_meta(&mut out);
         let a = FabricBackend::new(&config(prov, 1)).unwrap();
-        let src = HostBuffer::filled(LEN, 5);
-        a.register(RegionId(1), src.region()).unwrap();
+        let _src = a.register(RegionId(1), HostBuffer::filled(LEN, 5).desc()).await.unwrap();
         let peer = a.connect(&meta).await.unwrap();
         let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, LEN as u64);
-        a.write(peer, &[op], None).await.expect("a write to the live peer");
+        write(&a, peer, op).await.expect("a write to the live peer");
         // tcp: kill it while writes keep going. shm: libfabric 1.17's shm provider spins forever inside
         // a post that is under way when the peer process dies (on the dead process's lock; seen with
         // gdb, and it hung this test once in ~10 runs), which no caller-side deadline can interrupt.
@@ -100,7 +105,7 @@ async fn receiver_killed_mid_transfer_fails_the_writes() {
         let t = Instant::now();
         let mut err = None;
         while t.elapsed() < Duration::from_secs(30) {
-            if let Err(e) = a.write(peer, &[op], None).await {
+            if let Err(e) = write(&a, peer, op).await {
                 err = Some(e);
                 break;
             }
@@ -122,15 +127,15 @@ async fn receiver_killed_mid_transfer_fails_the_writes() {
 async fn sender_killed_mid_transfer_is_reported_lost() {
     for prov in ["tcp", "shm"] {
         let b = FabricBackend::new(&config(prov, 2)).unwrap();
-        let dst = HostBuffer::zeroed(LEN);
-        b.register(RegionId(2), dst.region()).unwrap();
+        let dst = HostBuffer::zeroed(LEN).desc();
+        let _reg = b.register(RegionId(2), dst.clone()).await.unwrap();
         let (child, _out) = spawn("sender", prov);
         let mut stdin = child.stdin.as_ref().expect("stdin");
         writeln!(stdin, "{}", serde_json::to_string(&b.metadata().unwrap()).unwrap()).unwrap();
         stdin.flush().unwrap();
         // Wait until its writes are flowing (the first bytes landed), then kill it.
         let end = Instant::now() + Duration::from_secs(20);
-        while dst.to_vec()[LEN - 1] != 9 {
+        while dst.read_guard(LEN as u64 - 1, 1).unwrap().as_slice() != [9] {
             assert!(Instant::now() < end, "{prov}: the sender's writes never landed");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -159,8 +164,7 @@ async fn peer_process() {
     match role {
         "receiver" => {
             let b = FabricBackend::new(&config(prov, 2)).unwrap();
-            let dst = HostBuffer::zeroed(LEN);
-            b.register(RegionId(2), dst.region()).unwrap();
+            let _reg = b.register(RegionId(2), HostBuffer::zeroed(LEN).desc()).await.unwrap();
             println!("META:{}", serde_json::to_string(&b.metadata().unwrap()).unwrap());
             // Serve until killed (bounded, in case the parent died first).
             tokio::time::sleep(Duration::from_secs(60)).await;
@@ -170,13 +174,12 @@ async fn peer_process() {
             std::io::stdin().read_line(&mut line).unwrap();
             let meta: EndpointMetadata = serde_json::from_str(line.trim()).unwrap();
             let a = FabricBackend::new(&config(prov, 77)).unwrap();
-            let src = HostBuffer::filled(LEN, 9);
-            a.register(RegionId(1), src.region()).unwrap();
+            let _reg = a.register(RegionId(1), HostBuffer::filled(LEN, 9).desc()).await.unwrap();
             let peer = a.connect(&meta).await.unwrap();
             let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, LEN as u64);
             let end = Instant::now() + Duration::from_secs(60);
             while Instant::now() < end {
-                let _ = a.write(peer, &[op], None).await;
+                let _ = write(&a, peer, op).await;
             }
         }
         other => panic!("unknown role {other}"),
