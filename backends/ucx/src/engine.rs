@@ -31,9 +31,9 @@ const COLD: Duration = Duration::from_millis(1);
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
 /// Most requests (puts or data messages) one transfer has in flight; the rest wait, so an abort
 /// stops them.
-const WINDOW: usize = 16;
+const WINDOW: usize = 64;
 /// Most pieces one transfer posts per turn of the progress loop.
-const BURST: usize = 2;
+const BURST: usize = 64;
 
 /// Settings the thread starts with.
 pub(crate) struct Settings {

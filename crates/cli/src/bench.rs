@@ -4,27 +4,32 @@
 //!
 //! The bench process is the sender; it starts a peer process (`kvxfer bench-peer`, the receiver)
 //! and drives it over the peer's stdin/stdout with JSON lines. Workloads:
-//! - raw: `--block SIZE --total SIZE [--shuffle]`: TOTAL/BLOCK ops in one `write`, destination
-//!   blocks in a seeded permutation with `--shuffle`;
-//! - model-shaped: `--model PRESET` (+ TP sizes, layout, tokens): the ops prefill rank 0/0 writes
-//!   into its first decode rank for one request with shuffled pages, exactly as the planner makes them.
+//! - raw: `--block SIZE --total SIZE [--shuffle]`: TOTAL/BLOCK ops posted at once (split only where
+//!   the backend's ops-per-post limit says), destination blocks in a seeded permutation with
+//!   `--shuffle`;
+//! - model-shaped: `--model PRESET` (+ TP sizes, layout, tokens): prefill rank 0/0's share of one
+//!   request with shuffled pages, into every decode rank it feeds (one peer endpoint each). It is
+//!   measured twice: raw (the planner's ops posted at once per decode rank) and through the
+//!   sessions (`SenderSession::send_chunk`: planner, batching in a window, the attached
+//!   notification, and the decode side's tracker, which must report the request complete), with
+//!   `session_vs_raw` the ratio of the two medians.
 //!
-//! Each case: a warm-up, then `--runs` timed runs of each of backend write, memcpy (the same ops,
+//! Each case: a warm-up, then `--runs` timed runs of each of backend, memcpy (the same ops,
 //! locally) and plain socket (the same byte count, one stream); median and best. After the timed
 //! runs every byte of the peer's regions is compared (64-bit hash of each region) with the memcpy
 //! result, which applied the same ops to the same source.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::session::region_id;
+use kvxfer::session::{region_id, Chunk, ExpectOptions, KvPool, PoolBuffer, ReceiverSession, SenderSession};
 use kvxfer_core::plan::plan_sender;
 use kvxfer_core::{
-    BackendConfig, EndpointMetadata, HostBuffer, KvTransferBackend, MemRegion, RankId, RegionId, Side, WriteOp,
+    BackendConfig, EndpointMetadata, HostBuffer, KvTransferBackend, MemDesc, NotifyStyle, PeerId, RankId, RegionId,
+    Registration, RequestId, SenderKey, Side, Topology, Transfer, WriteOp,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -136,8 +141,13 @@ pub struct CaseResult {
     pub ops: u64,
     /// Timed runs.
     pub runs: u32,
-    /// The backend.
+    /// The backend, raw: every op posted at once.
     pub backend: Rate,
+    /// The backend through the sessions (model-shaped cases): one `send_chunk` of the whole
+    /// request, until the decode side's tracker reports it complete.
+    pub session: Option<Rate>,
+    /// session median / raw median.
+    pub session_vs_raw: Option<f64>,
     /// memcpy of the same ops in one process.
     pub memcpy: Rate,
     /// Plain socket copy of the same byte count over loopback, between the same two processes.
@@ -146,7 +156,8 @@ pub struct CaseResult {
     pub ratio_vs_socket: f64,
     /// backend median / memcpy median.
     pub ratio_vs_memcpy: f64,
-    /// Every byte of the peer's regions equals the memcpy result.
+    /// Every byte of the peer's regions equals the memcpy result (after the raw runs, and after the
+    /// session runs).
     pub verified: bool,
     /// The C library's own measurement at the same message size and transport, in the same run
     /// (ucx: `ucx_perftest -t ucp_put_bw`; fabric: a plain `fi_write` loop); raw cases only.
@@ -158,8 +169,12 @@ pub struct CaseResult {
 pub struct NativeBaseline {
     /// What ran.
     pub tool: String,
-    /// GB/s (1e9 bytes per second), or the error that stopped it.
-    pub gbps: Result<f64, String>,
+    /// GB/s (1e9 bytes per second) the tool reported (its own figure: median and best are the same).
+    pub median_gbps: Option<f64>,
+    /// Best GB/s.
+    pub best_gbps: Option<f64>,
+    /// Why it could not run.
+    pub error: Option<String>,
     /// Backend median / baseline.
     pub ratio: Option<f64>,
 }
@@ -200,13 +215,31 @@ fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, 
     }
 }
 
+/// One decode endpoint's share of a workload.
+struct PairWork {
+    /// The decode rank (model-shaped) it stands for.
+    rank: RankId,
+    ops: Vec<WriteOp>,
+}
+
 struct Workload {
     name: String,
     /// Bytes per op of a raw workload (None for model-shaped ones).
     block: Option<u64>,
     src: Vec<(RegionId, u64)>,
     dst: Vec<(RegionId, u64)>,
-    ops: Vec<WriteOp>,
+    pairs: Vec<PairWork>,
+    /// Model-shaped: the topology and the request's pages, for the session runs.
+    model: Option<(Topology, Vec<u32>, Vec<u32>, u32)>,
+}
+
+impl Workload {
+    fn ops(&self) -> usize {
+        self.pairs.iter().map(|p| p.ops.len()).sum()
+    }
+    fn bytes(&self) -> u64 {
+        self.pairs.iter().flat_map(|p| &p.ops).map(WriteOp::bytes).sum()
+    }
 }
 
 fn raw_workload(block: u64, total: u64, shuffle: bool, seed: u64) -> Result<Workload, String> {
@@ -226,7 +259,8 @@ fn raw_workload(block: u64, total: u64, shuffle: bool, seed: u64) -> Result<Work
         block: Some(block),
         src: vec![(RegionId(0), total)],
         dst: vec![(RegionId(0), total)],
-        ops,
+        pairs: vec![PairWork { rank: RankId::new(0, 0), ops }],
+        model: None,
     })
 }
 
@@ -256,8 +290,10 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
     let src_pages = crate::model::request_pages(&w, 0, 1);
     let dst_pages = crate::model::request_pages(&w, 0, 2);
     let me = RankId::new(0, 0);
-    let pairs = plan_sender(&topo, me, &src_pages, &dst_pages).map_err(|e| e.to_string())?;
-    let pair = pairs.first().ok_or("prefill rank 0 has no receiver")?;
+    let plan = plan_sender(&topo, me, &src_pages, &dst_pages).map_err(|e| e.to_string())?;
+    if plan.is_empty() {
+        return Err("prefill rank 0 has no receiver".into());
+    }
     let regions = |side: Side| -> Vec<(RegionId, u64)> {
         (0..topo.stage_layers(side))
             .flat_map(|layer| {
@@ -267,19 +303,26 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
             })
             .collect()
     };
-    let ops = pair
-        .ops()
-        .map(|op| WriteOp {
-            src: region_id(op.src_region),
-            src_offset: op.src_offset,
-            dst: region_id(op.dst_region),
-            dst_offset: op.dst_offset,
-            len: op.len,
-            count: op.count,
-            src_stride: op.src_stride,
-            dst_stride: op.dst_stride,
+    let pairs = plan
+        .iter()
+        .map(|pair| PairWork {
+            rank: pair.dst,
+            ops: pair
+                .ops()
+                .map(|op| WriteOp {
+                    src: region_id(op.src_region),
+                    src_offset: op.src_offset,
+                    dst: region_id(op.dst_region),
+                    dst_offset: op.dst_offset,
+                    len: op.len,
+                    count: op.count,
+                    src_stride: op.src_stride,
+                    dst_stride: op.dst_stride,
+                })
+                .collect(),
         })
-        .collect();
+        .collect::<Vec<_>>();
+    let ranks: Vec<String> = plan.iter().map(|p| p.dst.to_string()).collect();
     Ok(Workload {
         block: None,
         name: format!(
@@ -289,11 +332,12 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
             a.prefill_tp,
             a.decode_tp,
             a.tokens,
-            pair.dst
+            ranks.join(",")
         ),
         src: regions(Side::Prefill),
         dst: regions(Side::Decode),
-        ops,
+        pairs,
+        model: Some((topo, src_pages, dst_pages, pages)),
     })
 }
 
@@ -319,37 +363,72 @@ fn human(b: u64) -> String {
 }
 
 /// A 64-bit hash of a buffer (word-wise multiply-xorshift; every byte contributes).
-fn hash(r: &MemRegion) -> u64 {
-    let mut buf = vec![0u8; 1 << 20];
-    let mut h: u64 = 0x243F_6A88_85A3_08D3 ^ r.len() as u64;
-    let mut off = 0u64;
-    while off < r.len() as u64 {
-        let n = (r.len() as u64 - off).min(buf.len() as u64) as usize;
-        r.read(off, &mut buf[..n]).expect("in bounds");
-        for c in buf[..n].chunks(8) {
-            let mut w = [0u8; 8];
-            w[..c.len()].copy_from_slice(c);
-            h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            h ^= h >> 29;
-        }
-        off += n as u64;
+fn hash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0x243F_6A88_85A3_08D3 ^ bytes.len() as u64;
+    for c in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        h ^= h >> 29;
     }
     h
 }
 
-fn fill_pattern(h: &HostBuffer, seed: u64) {
+/// A hash of registered memory no transfer is writing.
+fn hash_desc(d: &MemDesc) -> Result<u64, String> {
+    let g = d.read_guard(0, d.len() as u64).map_err(|e| format!("reading a region to hash it: {e}"))?;
+    Ok(hash(g.as_slice()))
+}
+
+fn fill_pattern(bytes: &mut [u8], seed: u64) {
     let mut g = SplitMix(seed);
-    let mut buf = vec![0u8; 1 << 20];
-    let mut off = 0;
-    while off < h.len() {
-        let n = (h.len() - off).min(buf.len());
-        for c in buf[..n].chunks_mut(8) {
-            let w = g.next_u64().to_le_bytes();
-            c.copy_from_slice(&w[..c.len()]);
-        }
-        h.region().write(off as u64, &buf[..n]).expect("in bounds");
-        off += n;
+    for c in bytes.chunks_mut(8) {
+        let w = g.next_u64().to_le_bytes();
+        c.copy_from_slice(&w[..c.len()]);
     }
+}
+
+/// A registered buffer: the registration, and a descriptor to read it when nothing writes it.
+struct Region {
+    id: RegionId,
+    view: MemDesc,
+    _reg: Registration,
+    _host: HostBuffer,
+}
+
+async fn register_regions(
+    backend: &dyn KvTransferBackend,
+    regions: &[(RegionId, u64)],
+    fill: impl Fn(usize, &mut [u8]),
+) -> Result<Vec<Region>, String> {
+    let mut out = Vec::new();
+    for (i, (id, len)) in regions.iter().enumerate() {
+        let mut host = HostBuffer::zeroed(*len as usize);
+        fill(i, host.as_mut_slice().map_err(|e| e.to_string())?);
+        let view = host.desc();
+        let reg = backend.register(*id, view.clone()).await.map_err(|e| format!("registering {id}: {e}"))?;
+        out.push(Region { id: *id, view, _reg: reg, _host: host });
+    }
+    Ok(out)
+}
+
+/// Posts every op of every pair at once (split only at the backend's ops-per-post limit) and waits.
+async fn post_and_wait(
+    backend: &dyn KvTransferBackend,
+    pairs: &[(PeerId, &[WriteOp])],
+    deadline: Instant,
+) -> Result<(), String> {
+    let per = backend.capabilities().limits.max_ops_per_post.clamp(1, 1 << 20) as usize;
+    let mut ts: Vec<Transfer> = Vec::new();
+    for (peer, ops) in pairs {
+        for c in ops.chunks(per) {
+            ts.push(backend.post(*peer, c, None).map_err(|e| e.to_string())?);
+        }
+    }
+    for t in &ts {
+        t.wait(deadline).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 // ----- the peer process ---------------------------------------------------------------------
@@ -357,13 +436,20 @@ fn fill_pattern(h: &HostBuffer, seed: u64) {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
 enum PeerCmd {
-    Setup { regions: Vec<(u32, u64)> },
+    /// One endpoint per entry of `ranks`, each with `regions`; with `topology`, each also runs a
+    /// decode session for its rank.
+    Setup { regions: Vec<(u32, u64)>, ranks: Vec<RankId>, topology: Option<Topology>, pages: u32 },
+    /// Expect `request` on every decode session, landing in `pages`.
+    Expect { request: u64, pages: Vec<u32> },
+    /// Wait until `request` is complete on every decode session, then release it.
+    Wait { request: u64 },
     Clear,
     Hash,
     Quit,
 }
 
-/// The receiving process: registers regions, answers clear/hash, and serves the plain-socket baseline.
+/// The receiving process: registers regions, answers clear/hash, runs decode sessions for the
+/// model-shaped session runs, and serves the plain-socket baseline.
 pub fn peer(args: &PeerArgs) -> ExitCode {
     match peer_main(args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -393,11 +479,30 @@ fn plain_server(l: TcpListener) {
     }
 }
 
+/// One endpoint of the peer process.
+struct PeerEnd {
+    backend: Arc<dyn KvTransferBackend>,
+    regions: Vec<Region>,
+    session: Option<Arc<ReceiverSession>>,
+}
+
+fn pool_of(regions: &[(u32, u64)], topo: &Topology, pages: u32) -> KvPool {
+    let mut buffers = Vec::new();
+    for layer in 0..topo.stage_layers(Side::Decode) {
+        for &kind in topo.kv().kinds() {
+            let b = kvxfer_core::BufferRef { layer, kind };
+            let id = region_id(b);
+            if let Some((_, len)) = regions.iter().find(|(r, _)| *r == id.0) {
+                buffers.push(PoolBuffer { buffer: b, region: id, offset: 0, len: *len });
+            }
+        }
+    }
+    KvPool { pages, buffers }
+}
+
 fn peer_main(args: &PeerArgs) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let _g = rt.enter();
-    let config = BackendConfig { identity: 2, options: args.backend_opts.iter().cloned().collect() };
-    let backend = kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
     let plain = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = plain.local_addr().map_err(|e| e.to_string())?;
     std::thread::spawn(move || plain_server(plain));
@@ -408,34 +513,88 @@ fn peer_main(args: &PeerArgs) -> Result<(), String> {
         let _ = o.flush();
     };
     say(json!({"plain": addr.to_string()}));
-    let mut bufs: BTreeMap<u32, HostBuffer> = BTreeMap::new();
+    let mut ends: Vec<PeerEnd> = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| e.to_string())?;
-        match serde_json::from_str::<PeerCmd>(&line).map_err(|e| format!("bad command {line:?}: {e}"))? {
-            PeerCmd::Setup { regions } => {
-                for (id, len) in regions {
-                    let h = HostBuffer::zeroed(len as usize);
-                    backend.register(RegionId(id), h.region()).map_err(|e| e.to_string())?;
-                    bufs.insert(id, h);
+        let reply = match serde_json::from_str::<PeerCmd>(&line).map_err(|e| format!("bad command {line:?}: {e}"))? {
+            PeerCmd::Setup { regions, ranks, topology, pages } => {
+                let mut metas = Vec::new();
+                for (i, rank) in ranks.iter().enumerate() {
+                    let identity = (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp) | ((i as u64) << 32);
+                    let config = BackendConfig { identity, options: args.backend_opts.iter().cloned().collect() };
+                    let backend = kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
+                    let ids: Vec<(RegionId, u64)> = regions.iter().map(|(r, l)| (RegionId(*r), *l)).collect();
+                    let regs = rt.block_on(register_regions(backend.as_ref(), &ids, |_, _| {}))?;
+                    let (session, pool) = match &topology {
+                        Some(t) => {
+                            let pool = pool_of(&regions, t, pages);
+                            let s = ReceiverSession::new(Arc::clone(&backend), *t, *rank, pool.clone())
+                                .map_err(|e| e.to_string())?;
+                            (Some(Arc::new(s)), Some(pool))
+                        }
+                        None => (None, None),
+                    };
+                    metas.push(json!({"meta": backend.metadata().map_err(|e| e.to_string())?, "pool": pool}));
+                    ends.push(PeerEnd { backend, regions: regs, session });
                 }
-                say(json!({"meta": backend.metadata().map_err(|e| e.to_string())?}));
+                json!({"endpoints": metas})
+            }
+            PeerCmd::Expect { request, pages } => {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                for e in &ends {
+                    if let Some(s) = &e.session {
+                        // Only prefill rank 0 runs in the bench: its key is the one to wait for.
+                        let only = ExpectOptions {
+                            only_senders: Some(vec![SenderKey::of(RankId::new(0, 0))]),
+                            ..ExpectOptions::default()
+                        };
+                        s.expect(RequestId(request), &pages, only, deadline).map_err(|e| e.to_string())?;
+                    }
+                }
+                json!({"ok": true})
+            }
+            PeerCmd::Wait { request } => {
+                let mut failed = None;
+                for e in &ends {
+                    if let Some(s) = &e.session {
+                        if let Err(err) = rt.block_on(s.wait(RequestId(request))) {
+                            failed.get_or_insert(err.to_string());
+                        }
+                        s.release(RequestId(request));
+                    }
+                }
+                match failed {
+                    None => json!({"ok": true}),
+                    Some(e) => json!({"error": e}),
+                }
             }
             PeerCmd::Clear => {
-                for h in bufs.values() {
-                    h.region().write(0, &vec![0u8; h.len()]).expect("whole buffer");
+                for r in ends.iter().flat_map(|e| &e.regions) {
+                    let mut g = r.view.write_guard(0, r.view.len() as u64).map_err(|e| e.to_string())?;
+                    g.as_mut_slice().fill(0);
                 }
-                say(json!({"ok": true}));
+                json!({"ok": true})
             }
             PeerCmd::Hash => {
-                let hs: Vec<(u32, u64)> = bufs.iter().map(|(k, h)| (*k, hash(&h.region()))).collect();
-                say(json!({"hashes": hs}));
+                let mut hs = Vec::new();
+                for (i, e) in ends.iter().enumerate() {
+                    for r in &e.regions {
+                        hs.push((i, r.id.0, hash_desc(&r.view)?));
+                    }
+                }
+                json!({"hashes": hs})
             }
             PeerCmd::Quit => break,
-        }
+        };
+        say(reply);
     }
-    // Give the sender's streams time to close before the endpoint goes.
+    // Give the sender's streams time to close before the endpoints go.
     std::thread::sleep(Duration::from_millis(50));
-    drop(backend);
+    for e in ends {
+        drop(e.session);
+        drop(e.regions);
+        drop(e.backend);
+    }
     Ok(())
 }
 
@@ -450,7 +609,11 @@ struct Peer {
 impl Peer {
     fn send(&mut self, v: serde_json::Value) -> Result<serde_json::Value, String> {
         writeln!(self.stdin, "{v}").and_then(|_| self.stdin.flush()).map_err(|e| format!("peer: {e}"))?;
-        self.read()
+        let r = self.read()?;
+        match r.get("error") {
+            Some(e) => Err(format!("peer: {e}")),
+            None => Ok(r),
+        }
     }
     fn read(&mut self) -> Result<serde_json::Value, String> {
         let mut line = String::new();
@@ -503,6 +666,18 @@ pub fn run(args: &BenchArgs) -> ExitCode {
     }
 }
 
+fn timed<F: FnMut() -> Result<(), String>>(runs: u32, mut f: F) -> Result<Vec<f64>, String> {
+    let mut t = Vec::new();
+    for i in 0..=runs {
+        let start = Instant::now();
+        f()?;
+        if i > 0 {
+            t.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(t)
+}
+
 fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
     if args.runs == 0 {
         return Err("--runs must be at least 1".into());
@@ -516,8 +691,11 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
             .map(|b| raw_workload(*b, args.total, args.shuffle, args.seed))
             .collect::<Result<_, _>>()?,
     };
-    // Every case shares the regions of the first (raw cases all use region 0 of --total bytes).
-    let (src_regions, dst_regions) = (workloads[0].src.clone(), workloads[0].dst.clone());
+    // Every case shares the regions and peers of the first (raw cases all use region 0 of --total
+    // bytes and one peer endpoint).
+    let first = &workloads[0];
+    let (src_regions, dst_regions) = (first.src.clone(), first.dst.clone());
+    let ranks: Vec<RankId> = first.pairs.iter().map(|p| p.rank).collect();
 
     let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
     let mut cmd = Command::new(exe);
@@ -537,102 +715,157 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         child,
     };
     let plain_addr = peer.read()?["plain"].as_str().ok_or("peer did not report its socket address")?.to_owned();
-    let meta: EndpointMetadata = serde_json::from_value(
-        peer.send(json!({"cmd": "setup", "regions": dst_regions.iter().map(|(r, l)| (r.0, *l)).collect::<Vec<_>>()}))?
-            ["meta"]
-            .clone(),
-    )
-    .map_err(|e| format!("peer metadata: {e}"))?;
+    let setup = peer.send(json!({
+        "cmd": "setup",
+        "regions": dst_regions.iter().map(|(r, l)| (r.0, *l)).collect::<Vec<_>>(),
+        "ranks": ranks,
+        "topology": first.model.as_ref().map(|m| m.0),
+        "pages": first.model.as_ref().map(|m| m.3).unwrap_or(0),
+    }))?;
+    let endpoints = setup["endpoints"].as_array().ok_or("peer did not describe its endpoints")?.clone();
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let _g = rt.enter();
     let config = BackendConfig { identity: 1, options: args.backend_opts.iter().cloned().collect() };
     let backend: Arc<dyn KvTransferBackend> =
         kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
-    let mut src_bufs = Vec::new();
-    for (i, (id, len)) in src_regions.iter().enumerate() {
-        let h = HostBuffer::zeroed(*len as usize);
-        fill_pattern(&h, args.seed ^ (i as u64 + 1));
-        backend.register(*id, h.region()).map_err(|e| e.to_string())?;
-        src_bufs.push((*id, h));
+    // Registered (and kept so) for every run; the sessions and the raw posts read them.
+    let _src_bufs = rt.block_on(register_regions(backend.as_ref(), &src_regions, |i, b| {
+        fill_pattern(b, args.seed ^ (i as u64 + 1))
+    }))?;
+    let mut peer_ids = Vec::new();
+    let mut metas = Vec::new();
+    for e in &endpoints {
+        let meta: EndpointMetadata =
+            serde_json::from_value(e["meta"].clone()).map_err(|e| format!("peer metadata: {e}"))?;
+        peer_ids.push(rt.block_on(backend.connect(&meta)).map_err(|e| e.to_string())?);
+        metas.push((meta, e["pool"].clone()));
     }
-    let local_dst: Vec<(RegionId, HostBuffer)> =
-        dst_regions.iter().map(|(id, len)| (*id, HostBuffer::zeroed(*len as usize))).collect();
-    let peer_id = rt.block_on(backend.connect(&meta)).map_err(|e| e.to_string())?;
     let mut plain = TcpStream::connect(&plain_addr).map_err(|e| format!("plain socket: {e}"))?;
     let _ = plain.set_nodelay(true);
+    // memcpy baseline: the same ops between local copies of the same regions, one set per pair.
+    let mut local_src: Vec<(RegionId, HostBuffer)> = Vec::new();
+    for (i, (id, len)) in src_regions.iter().enumerate() {
+        let mut h = HostBuffer::zeroed(*len as usize);
+        fill_pattern(h.as_mut_slice().map_err(|e| e.to_string())?, args.seed ^ (i as u64 + 1));
+        local_src.push((*id, h));
+    }
 
     let mut results = Vec::new();
     for wl in &workloads {
-        let bytes: u64 = wl.ops.iter().map(WriteOp::bytes).sum();
+        let bytes = wl.bytes();
+        let deadline = || Instant::now() + Duration::from_secs(300);
+        let pairs: Vec<(PeerId, &[WriteOp])> =
+            wl.pairs.iter().zip(&peer_ids).map(|(p, id)| (*id, p.ops.as_slice())).collect();
         peer.send(json!({"cmd": "clear"}))?;
-        // Backend: warm-up, then timed runs of one write of every op.
-        let mut t_backend = Vec::new();
-        for i in 0..=args.runs {
-            let t = Instant::now();
-            rt.block_on(backend.write(peer_id, &wl.ops, None)).map_err(|e| format!("{}: {e}", wl.name))?;
-            if i > 0 {
-                t_backend.push(t.elapsed().as_secs_f64());
-            }
-        }
+        // Backend, raw: warm-up, then timed runs of every op posted at once.
+        let mut t_backend = timed(args.runs, || {
+            rt.block_on(post_and_wait(backend.as_ref(), &pairs, deadline())).map_err(|e| format!("{}: {e}", wl.name))
+        })?;
+        let theirs_raw = peer.send(json!({"cmd": "hash"}))?;
         // memcpy: the same ops, locally.
-        for (_, h) in &local_dst {
-            h.region().write(0, &vec![0u8; h.len()]).expect("whole buffer");
-        }
-        let src_of = |id: RegionId| src_bufs.iter().find(|(r, _)| *r == id).map(|(_, h)| h.region());
-        let dst_of = |id: RegionId| local_dst.iter().find(|(r, _)| *r == id).map(|(_, h)| h.region());
-        let resolved: Vec<(MemRegion, MemRegion, WriteOp)> = wl
-            .ops
+        let mut local_dst: Vec<Vec<(RegionId, HostBuffer)>> = wl
+            .pairs
             .iter()
-            .map(|op| Ok((src_of(op.src).ok_or("src region")?, dst_of(op.dst).ok_or("dst region")?, *op)))
-            .collect::<Result<_, &str>>()?;
-        let mut t_memcpy = Vec::new();
-        for i in 0..=args.runs {
-            let t = Instant::now();
-            for (s, d, op) in &resolved {
-                for (so, dofs, len) in op.ranges() {
-                    s.copy_to(so, d, dofs, len).map_err(|e| e.to_string())?;
+            .map(|_| dst_regions.iter().map(|(id, len)| (*id, HostBuffer::zeroed(*len as usize))).collect())
+            .collect();
+        let mut t_memcpy = timed(args.runs, || {
+            for (pair, dsts) in wl.pairs.iter().zip(local_dst.iter_mut()) {
+                for op in &pair.ops {
+                    let s = local_src.iter().find(|(r, _)| *r == op.src).ok_or("src region")?;
+                    let d = dsts.iter_mut().find(|(r, _)| *r == op.dst).ok_or("dst region")?;
+                    let (s, d) = (s.1.as_slice().map_err(|e| e.to_string())?, d.1.as_mut_slice().map_err(|e| e.to_string())?);
+                    for (so, dofs, len) in op.ranges() {
+                        let (so, dofs, len) = (so as usize, dofs as usize, len as usize);
+                        d[dofs..dofs + len].copy_from_slice(&s[so..so + len]);
+                    }
                 }
             }
-            if i > 0 {
-                t_memcpy.push(t.elapsed().as_secs_f64());
+            Ok(())
+        })?;
+        let mut ours = Vec::new();
+        for (i, dsts) in local_dst.iter().enumerate() {
+            for (id, h) in dsts {
+                ours.push((i, id.0, hash(h.as_slice().map_err(|e| e.to_string())?)));
             }
+        }
+        let ours = json!(ours);
+        let mut verified = theirs_raw["hashes"] == ours;
+        // Through the sessions (model-shaped): one chunk of the whole request, to completion.
+        let mut session = None;
+        if let Some((topo, src_pages, dst_pages, pages)) = &wl.model {
+            peer.send(json!({"cmd": "clear"}))?;
+            let me = RankId::new(0, 0);
+            let buffers = (0..topo.stage_layers(Side::Prefill))
+                .flat_map(|layer| {
+                    topo.kv().kinds().iter().map(move |&kind| {
+                        let b = kvxfer_core::BufferRef { layer, kind };
+                        let len = topo.buffer_bytes(Side::Prefill, kind, *pages);
+                        PoolBuffer { buffer: b, region: region_id(b), offset: 0, len }
+                    })
+                })
+                .collect();
+            let pool = KvPool { pages: *pages, buffers };
+            let sender = SenderSession::new(Arc::clone(&backend), *topo, me, pool, NotifyStyle::Attached)
+                .map_err(|e| e.to_string())?;
+            for (pair, (meta, pool)) in wl.pairs.iter().zip(&metas) {
+                let pool: KvPool = serde_json::from_value(pool.clone()).map_err(|e| format!("peer pool: {e}"))?;
+                rt.block_on(sender.connect(pair.rank, meta, pool)).map_err(|e| e.to_string())?;
+            }
+            let chunk = Chunk { index: 0, last: true, src_pages: src_pages.clone(), dst_pages: dst_pages.clone() };
+            let mut request = 0u64;
+            let mut t_session = Vec::new();
+            for i in 0..=args.runs {
+                request += 1;
+                peer.send(json!({"cmd": "expect", "request": request, "pages": dst_pages}))?;
+                let start = Instant::now();
+                let sent = rt.block_on(sender.send_chunk(RequestId(request), &chunk, deadline()));
+                let took = start.elapsed().as_secs_f64();
+                let sent = sent.map_err(|e| format!("{} through the sessions: {e}", wl.name))?;
+                if sent.bytes != bytes {
+                    return Err(format!("the session moved {} bytes, the raw ops {bytes}", sent.bytes));
+                }
+                peer.send(json!({"cmd": "wait", "request": request}))?;
+                if i > 0 {
+                    t_session.push(took);
+                }
+            }
+            let theirs = peer.send(json!({"cmd": "hash"}))?;
+            verified &= theirs["hashes"] == ours;
+            session = Some(rate(bytes, &mut t_session));
         }
         // Plain socket: the same number of bytes, one stream.
         let payload = vec![0x5au8; bytes as usize];
-        let mut t_socket = Vec::new();
-        for i in 0..=args.runs {
-            let t = Instant::now();
+        let mut t_socket = timed(args.runs, || {
             plain.write_all(&bytes.to_le_bytes()).map_err(|e| format!("plain socket: {e}"))?;
             plain.write_all(&payload).map_err(|e| format!("plain socket: {e}"))?;
             let mut ack = [0u8];
-            plain.read_exact(&mut ack).map_err(|e| format!("plain socket: {e}"))?;
-            if i > 0 {
-                t_socket.push(t.elapsed().as_secs_f64());
-            }
-        }
+            plain.read_exact(&mut ack).map_err(|e| format!("plain socket: {e}"))
+        })?;
         drop(payload);
-        // Verify every byte: the peer's regions against the memcpy result.
-        let theirs = peer.send(json!({"cmd": "hash"}))?;
-        let theirs: Vec<(u32, u64)> =
-            serde_json::from_value(theirs["hashes"].clone()).map_err(|e| format!("peer hashes: {e}"))?;
-        let ours: Vec<(u32, u64)> = local_dst.iter().map(|(id, h)| (id.0, hash(&h.region()))).collect();
         let (b, m, s) = (rate(bytes, &mut t_backend), rate(bytes, &mut t_memcpy), rate(bytes, &mut t_socket));
-        let native = wl
-            .block
-            .and_then(|block| native_baseline(args, block, bytes))
-            .map(|(tool, gbps)| NativeBaseline { ratio: gbps.as_ref().ok().map(|g| b.median_gbps / g), tool, gbps });
+        let native = wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, gbps)| {
+            NativeBaseline {
+                ratio: gbps.as_ref().ok().map(|g| b.median_gbps / g),
+                median_gbps: gbps.as_ref().ok().copied(),
+                best_gbps: gbps.as_ref().ok().copied(),
+                error: gbps.err(),
+                tool,
+            }
+        });
         results.push(CaseResult {
             name: wl.name.clone(),
             bytes,
-            ops: wl.ops.len() as u64,
+            ops: wl.ops() as u64,
             runs: args.runs,
             backend: b,
+            session,
+            session_vs_raw: session.map(|x| x.median_gbps / b.median_gbps),
             memcpy: m,
             socket: s,
             ratio_vs_socket: b.median_gbps / s.median_gbps,
             ratio_vs_memcpy: b.median_gbps / m.median_gbps,
-            verified: theirs == ours,
+            verified,
             native,
         });
     }
@@ -662,14 +895,17 @@ fn print_table(backend: &str, results: &[CaseResult]) {
             if r.verified { "yes" } else { "NO" }
         );
         if let Some(n) = &r.native {
-            match &n.gbps {
-                Ok(g) => println!(
+            match (&n.median_gbps, &n.error) {
+                (Some(g), _) => println!(
                     "    native baseline: {} {g:.2} GB/s; {backend} / native = {:.2}",
                     n.tool,
                     n.ratio.unwrap_or(f64::NAN)
                 ),
-                Err(e) => println!("    native baseline: {} failed: {e}", n.tool),
+                (None, e) => println!("    native baseline: {} failed: {}", n.tool, e.as_deref().unwrap_or("?")),
             }
+        }
+        if let (Some(x), Some(ratio)) = (&r.session, r.session_vs_raw) {
+            println!("    through the sessions: {:.2} ({:.2}) GB/s; session / raw = {ratio:.2}", x.median_gbps, x.best_gbps);
         }
     }
 }
@@ -692,7 +928,7 @@ mod tests {
     #[test]
     fn raw_shuffle_is_a_permutation() {
         let w = raw_workload(4096, 1 << 20, true, 3).unwrap();
-        let mut d: Vec<u64> = w.ops.iter().map(|o| o.dst_offset / 4096).collect();
+        let mut d: Vec<u64> = w.pairs[0].ops.iter().map(|o| o.dst_offset / 4096).collect();
         assert_ne!(d, (0..256).collect::<Vec<_>>());
         d.sort_unstable();
         assert_eq!(d, (0..256).collect::<Vec<_>>());

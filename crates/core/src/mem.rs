@@ -701,7 +701,8 @@ mod tests {
             let d = b.desc();
             // 0 free, otherwise (readers, writer) per byte
             let mut map = vec![(0u32, false); 1024];
-            let mut held: Vec<(Vec<usize>, bool, Option<StridedWriteGuard>, Option<ReadGuard>)> = Vec::new();
+            type Held = (Vec<usize>, bool, Option<StridedWriteGuard>, Option<ReadGuard>);
+            let mut held: Vec<Held> = Vec::new();
             for (offset, len, count, stride, write, release_first) in reqs {
                 if release_first && !held.is_empty() {
                     let (bytes, w, _, _) = held.remove(0);

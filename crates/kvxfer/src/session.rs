@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 /// Most ops handed to the backend per `post` (fewer when the backend's limit is lower); a plan is
 /// never materialised whole.
-pub const WRITE_BATCH: usize = 1024;
+pub const WRITE_BATCH: usize = 4096;
 
 /// How much of one (prefill, decode) pair's traffic may be in flight at once: posted batches whose
 /// transfers are not final yet. The session waits for the oldest batch before posting past either
@@ -657,12 +657,17 @@ impl Inflight {
 }
 
 /// What the receiver requires beyond the KV chunks.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExpectOptions {
     /// An aux notification is required.
     pub aux: bool,
     /// A state notification from every sender is required.
     pub state: bool,
+    /// Wait for these senders instead of every sender the topology gives this rank: for runs that
+    /// start only part of the prefill side (`kvxfer bench --model` runs prefill rank 0 alone). A
+    /// notification from any other key still fails the request. `None` (the default) is what a
+    /// serving engine wants.
+    pub only_senders: Option<Vec<SenderKey>>,
 }
 
 /// The decode side of one rank.
@@ -728,7 +733,11 @@ impl ReceiverSession {
             rank: self.rank,
             source,
         })?;
-        let spec = ExpectSpec { senders: self.expected_senders(), aux: options.aux, state: options.state, deadline };
+        let senders = match options.only_senders {
+            Some(keys) => keys,
+            None => self.expected_senders(),
+        };
+        let spec = ExpectSpec { senders, aux: options.aux, state: options.state, deadline };
         lock(&self.tracker).expect(request, spec).map_err(|source| SessionError::Tracker { rank: self.rank, source })
     }
 
