@@ -438,11 +438,21 @@ async fn post_and_wait(
 enum PeerCmd {
     /// One endpoint per entry of `ranks`, each with `regions`; with `topology`, each also runs a
     /// decode session for its rank.
-    Setup { regions: Vec<(u32, u64)>, ranks: Vec<RankId>, topology: Option<Topology>, pages: u32 },
+    Setup {
+        regions: Vec<(u32, u64)>,
+        ranks: Vec<RankId>,
+        topology: Option<Topology>,
+        pages: u32,
+    },
     /// Expect `request` on every decode session, landing in `pages`.
-    Expect { request: u64, pages: Vec<u32> },
+    Expect {
+        request: u64,
+        pages: Vec<u32>,
+    },
     /// Wait until `request` is complete on every decode session, then release it.
-    Wait { request: u64 },
+    Wait {
+        request: u64,
+    },
     Clear,
     Hash,
     Quit,
@@ -774,7 +784,8 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
                 for op in &pair.ops {
                     let s = local_src.iter().find(|(r, _)| *r == op.src).ok_or("src region")?;
                     let d = dsts.iter_mut().find(|(r, _)| *r == op.dst).ok_or("dst region")?;
-                    let (s, d) = (s.1.as_slice().map_err(|e| e.to_string())?, d.1.as_mut_slice().map_err(|e| e.to_string())?);
+                    let (s, d) =
+                        (s.1.as_slice().map_err(|e| e.to_string())?, d.1.as_mut_slice().map_err(|e| e.to_string())?);
                     for (so, dofs, len) in op.ranges() {
                         let (so, dofs, len) = (so as usize, dofs as usize, len as usize);
                         d[dofs..dofs + len].copy_from_slice(&s[so..so + len]);
@@ -844,15 +855,14 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         })?;
         drop(payload);
         let (b, m, s) = (rate(bytes, &mut t_backend), rate(bytes, &mut t_memcpy), rate(bytes, &mut t_socket));
-        let native = wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, gbps)| {
-            NativeBaseline {
+        let native =
+            wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, gbps)| NativeBaseline {
                 ratio: gbps.as_ref().ok().map(|g| b.median_gbps / g),
                 median_gbps: gbps.as_ref().ok().copied(),
                 best_gbps: gbps.as_ref().ok().copied(),
                 error: gbps.err(),
                 tool,
-            }
-        });
+            });
         results.push(CaseResult {
             name: wl.name.clone(),
             bytes,
@@ -905,7 +915,10 @@ fn print_table(backend: &str, results: &[CaseResult]) {
             }
         }
         if let (Some(x), Some(ratio)) = (&r.session, r.session_vs_raw) {
-            println!("    through the sessions: {:.2} ({:.2}) GB/s; session / raw = {ratio:.2}", x.median_gbps, x.best_gbps);
+            println!(
+                "    through the sessions: {:.2} ({:.2}) GB/s; session / raw = {ratio:.2}",
+                x.median_gbps, x.best_gbps
+            );
         }
     }
 }
