@@ -28,6 +28,13 @@ pub struct DemoArgs {
     /// Where the embedded bootstrap service listens.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub bootstrap_listen: String,
+    /// Use this metadata store instead of the embedded bootstrap service:
+    /// `etcd://host:port[,host:port...][/prefix]` (cargo feature `etcd`) or `bootstrap://host:port[/prefix]`.
+    #[arg(long)]
+    pub metadata: Option<String>,
+    /// Lease time to live of each worker's rank record, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub lease_ttl_s: f64,
     /// Deadline of the whole run, in seconds (workers are killed after it).
     #[arg(long, default_value_t = 300.0)]
     pub timeout_s: f64,
@@ -193,12 +200,26 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let server = match rt.block_on(BootstrapServer::start(&args.bootstrap_listen)) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("kvxfer demo: {e}");
-            return ExitCode::FAILURE;
-        }
+    // The embedded bootstrap service, unless a store is named; then the store must be reachable
+    // and hold no live rank under the prefix (another run, or one not yet expired).
+    let (server, store_args) = match &args.metadata {
+        None => match rt.block_on(BootstrapServer::start(&args.bootstrap_listen)) {
+            Ok(s) => {
+                let a = vec!["--bootstrap".to_string(), s.addr().to_string()];
+                (Some(s), a)
+            }
+            Err(e) => {
+                eprintln!("kvxfer demo: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Some(m) => match rt.block_on(check_store(m)) {
+            Ok(()) => (None, vec!["--metadata".to_string(), m.clone()]),
+            Err(e) => {
+                eprintln!("kvxfer demo: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
     };
     let exe = match std::env::current_exe() {
         Ok(p) => p,
@@ -220,7 +241,9 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     for (i, (side, rank)) in ranks.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.arg("worker")
-            .args(["--bootstrap", &server.addr().to_string(), "--role", &side.to_string()])
+            .args(&store_args)
+            .args(["--role", &side.to_string()])
+            .args(["--lease-ttl-s", &args.lease_ttl_s.to_string()])
             .args(["--tp-rank", &rank.tp.to_string(), "--pp-stage", &rank.pp.to_string()])
             .args(["--timeout-s", &args.timeout_s.to_string()])
             .args(w.to_args())
@@ -340,6 +363,24 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// Connects to the store `addr` names and checks that no rank is registered under its prefix.
+async fn check_store(addr: &str) -> Result<(), String> {
+    let a = kvxfer::metadata::MetadataAddr::parse(addr).map_err(|e| e.to_string())?;
+    let store = kvxfer::metadata::connect(&a, kvxfer::metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
+    let (ranks, _) = store.list("ranks/").await.map_err(|e| e.to_string())?;
+    if ranks.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = ranks.iter().map(|e| e.key.as_str()).collect();
+    Err(format!(
+        "{} already holds {} rank records ({}): another run uses this prefix, or its leases have not expired yet; \
+         use another prefix or wait for the lease TTL",
+        store.name(),
+        keys.len(),
+        keys.join(", ")
+    ))
 }
 
 fn summarize(

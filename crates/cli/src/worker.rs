@@ -1,6 +1,14 @@
-//! `kvxfer worker`: one prefill or decode rank of a run, meeting its peers through a bootstrap
-//! service. `kvxfer demo` spawns these; on separate hosts, start them by hand with the same workload
-//! flags and one `--bootstrap` address.
+//! `kvxfer worker`: one prefill or decode rank of a run, meeting its peers through a metadata store
+//! (the bootstrap service, `--bootstrap host:port`, or any store, `--metadata etcd://host:port/prefix`).
+//! `kvxfer demo` spawns these; on separate hosts, start them by hand with the same workload flags
+//! and one store address.
+//!
+//! Everything a worker publishes and looks up goes through [`kvxfer::metadata::MetadataStore`]: its
+//! rank record lives under a lease it keeps alive ([`Membership`]), and a watch on every rank record
+//! ([`MemberWatch`]) reports ranks that join, leave and are lost (`peer_joined`, `peer_left`,
+//! `peer_lost` progress lines). A lost peer this rank depends on ends its waits and fails its
+//! requests naming the rank; when the transport saw a peer go first, the worker waits (at most the
+//! lease TTL plus one second) for the store's verdict before it exits, so the report names the rank.
 //!
 //! Per request (decode-initiated, as in a serving engine): decode rank 0/0 picks the destination
 //! pages and publishes them under `req/<r>`; every decode rank calls `expect`, then puts
@@ -10,20 +18,25 @@
 //! writes the sentinel back, and puts `done/<r>/<tp>.<pp>`. A page slot is reused only after every
 //! decode rank is done with it. At the end each decode rank checks that its whole pool holds the
 //! sentinel again (no stray write anywhere) and puts `finished/<tp>.<pp>`; each prefill rank waits
-//! for its receivers' `finished`, puts `left/<tp>.<pp>`, and each decode rank exits only after its
-//! senders left (so no exit looks like a lost peer). Each rank prints a JSON summary line on stdout.
+//! for its receivers' `finished` and leaves (marks its rank record `left`, revokes its lease), and each
+//! decode rank exits only after its senders left (so no exit looks like a lost peer). Each rank prints
+//! a JSON summary line on stdout. Every key a rank puts lives under its lease: a finished or dead run
+//! leaves nothing behind once the leases are gone.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapClient, Registration};
-use kvxfer::session::{Chunk, ExpectOptions, KvPool, ReceiverSession, SenderSession};
-use kvxfer_core::oracle::{BufferGeom, SENTINEL};
-use kvxfer_core::{
-    BackendConfig, BufferRef, HostBuffer, KvTransferBackend, RankId, RequestId, SenderKey, Side, Topology,
+use kvxfer::bootstrap::Registration;
+use kvxfer::metadata::members::{rank_key as record_key, record_of};
+use kvxfer::metadata::{
+    wait_until, wait_value, LeaseId, Member, MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore,
 };
+use kvxfer::session::SessionError;
+use kvxfer::session::{Chunk, ExpectOptions, KvPool, PoolMemory, ReceiverSession, SenderSession};
+use kvxfer_core::oracle::{BufferGeom, SENTINEL};
+use kvxfer_core::{BackendConfig, BufferRef, Failure, KvTransferBackend, RankId, RequestId, SenderKey, Side, Topology};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -54,9 +67,17 @@ impl From<RoleArg> for Side {
 /// Arguments of `kvxfer worker`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
-    /// Bootstrap service address (`host:port`), printed by `kvxfer demo --serve-only` or the demo.
+    /// Bootstrap service address (`host:port`), printed by `kvxfer bootstrap`.
+    #[arg(long, required_unless_present = "metadata", conflicts_with = "metadata")]
+    pub bootstrap: Option<String>,
+    /// Metadata store instead of `--bootstrap`: `etcd://host:port[,host:port...][/prefix]` (cargo
+    /// feature `etcd`) or `bootstrap://host:port[/prefix]`. The prefix namespaces the cluster.
     #[arg(long)]
-    pub bootstrap: String,
+    pub metadata: Option<String>,
+    /// Lease time to live of this rank's record, seconds: a rank that dies is reported lost by its
+    /// peers within about this long.
+    #[arg(long, default_value_t = 5.0)]
+    pub lease_ttl_s: f64,
     /// Prefill or decode.
     #[arg(long, value_enum)]
     pub role: RoleArg,
@@ -158,6 +179,20 @@ pub fn make_backend(name: &str, identity: u64, w: &Workload) -> Result<Arc<dyn K
     kvxfer::backends::create(name, &config).map_err(|e| e.to_string())
 }
 
+/// The store a worker's flags name.
+pub fn metadata_addr(bootstrap: Option<&str>, metadata: Option<&str>) -> Result<MetadataAddr, String> {
+    match (metadata, bootstrap) {
+        (Some(m), _) => MetadataAddr::parse(m).map_err(|e| e.to_string()),
+        (None, Some(b)) => MetadataAddr::parse(b).map_err(|e| e.to_string()),
+        (None, None) => Err("give --bootstrap host:port or --metadata etcd://host:port/prefix".into()),
+    }
+}
+
+fn describe_member(m: &Member) -> serde_json::Value {
+    let r = &m.registration;
+    json!({"role": r.role.to_string(), "rank": r.rank.to_string(), "label": r.label, "epoch": m.epoch})
+}
+
 async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
     let w = &args.workload;
     let side = Side::from(args.role);
@@ -165,16 +200,20 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
     let local_topo = w.topology()?;
     local_topo.check_rank(side, rank).map_err(|e| e.to_string())?;
     let wait = Duration::from_secs_f64(args.timeout_s);
-    let client = BootstrapClient::new(args.bootstrap.clone());
+    let ttl = Duration::from_secs_f64(args.lease_ttl_s.max(0.1));
+    let addr = metadata_addr(args.bootstrap.as_deref(), args.metadata.as_deref())?;
+    let store =
+        kvxfer::metadata::connect(&addr, kvxfer::metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
 
     let backend = make_backend(&w.backend, identity(side, rank), w)?;
     let pages = w.pool_pages();
-    let init = |_: BufferRef, h: &HostBuffer| {
+    let init = |_: BufferRef, bytes: &mut [u8]| {
         if side == Side::Decode {
-            h.region().write(0, &vec![SENTINEL; h.len()]).expect("whole buffer");
+            bytes.fill(SENTINEL);
         }
     };
-    let (pool, bufs) = KvPool::allocate(&local_topo, side, rank, pages, &*backend, &init).map_err(|e| e.to_string())?;
+    let (pool, bufs) =
+        KvPool::allocate(&local_topo, side, rank, pages, &*backend, &init).await.map_err(|e| e.to_string())?;
     let me = Registration {
         role: side,
         rank,
@@ -184,18 +223,117 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
         spec: local_topo.side(side),
         label: format!("pid {}", std::process::id()),
     };
-    client.register(&me).await.map_err(|e| e.to_string())?;
+    let membership = Membership::join(Arc::clone(&store), me.clone(), ttl).await.map_err(|e| e.to_string())?;
+    // Watch from now on, so no peer that dies after registering goes unreported.
+    let (members, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
+    progress(
+        json!({"kind": "registered", "store": store.name(), "epoch": membership.epoch(), "lease": membership.lease().to_string()}),
+    );
     let other = match side {
         Side::Prefill => Side::Decode,
         Side::Decode => Side::Prefill,
     };
     let want = local_topo.ranks(other).len() as u32;
-    let (peers, topo) = client.handshake(&me, other, want, wait).await.map_err(|e| e.to_string())?;
-    let ctx =
-        Ctx { loss: Arc::new(Loss::default()), w: w.clone(), topo, rank, client, wait, bufs: Arc::new(bufs), pages };
-    match side {
+    let (peers, topo) =
+        kvxfer::metadata::handshake(&*store, &me, other, want, wait).await.map_err(|e| e.to_string())?;
+    let peers: Vec<Registration> = peers.into_iter().map(|m| m.registration).collect();
+    // The peers whose loss ends this rank's requests.
+    let deps: Vec<(Side, RankId)> = match side {
+        Side::Prefill => topo.receivers(rank).into_iter().map(|r| (Side::Decode, r)).collect(),
+        Side::Decode => topo.senders(rank).into_iter().map(|r| (Side::Prefill, r)).collect(),
+    };
+    let loss = Arc::new(Loss::default());
+    let watcher =
+        tokio::spawn(watch_members(Arc::clone(&store), members, deps, Arc::clone(&loss), membership.health()));
+    let ctx = Ctx {
+        loss: Arc::clone(&loss),
+        w: w.clone(),
+        topo,
+        rank,
+        store: Arc::clone(&store),
+        lease: membership.lease(),
+        wait,
+        bufs: Arc::new(bufs),
+        pages,
+    };
+    let result = match side {
         Side::Prefill => prefill(ctx, backend, pool, peers, args.inject_wrong_byte).await,
         Side::Decode => decode(ctx, backend, pool).await,
+    };
+    let failed = result.as_ref().map(|s| !s.errors.is_empty()).unwrap_or(true);
+    // The transport saw a peer go: wait (bounded) for the store to say which rank is gone.
+    if failed && loss.transport_lost() {
+        let verdict = loss.wait_verdict(ttl + Duration::from_secs(1)).await;
+        if verdict.is_none() {
+            eprintln!(
+                "kvxfer worker {side} {rank}: {} reported no lost rank within {:?}",
+                store.name(),
+                ttl + Duration::from_secs(1)
+            );
+        }
+    }
+    watcher.abort();
+    let verdicts = loss.verdicts();
+    if let Err(e) = membership.leave().await {
+        eprintln!("kvxfer worker {side} {rank}: leaving: {e}");
+    }
+    result.map(|mut s| {
+        if !s.errors.is_empty() {
+            s.errors.extend(verdicts);
+        }
+        s
+    })
+}
+
+/// Follows every rank record: prints joins, leaves and losses, and reports lost peers this rank
+/// depends on (and a store that can no longer keep this rank's lease). Runs until aborted.
+async fn watch_members(
+    store: Arc<dyn MetadataStore>,
+    mut mw: MemberWatch,
+    deps: Vec<(Side, RankId)>,
+    loss: Arc<Loss>,
+    mut health: tokio::sync::watch::Receiver<Option<String>>,
+) {
+    let started = Instant::now();
+    let mut health_open = true;
+    loop {
+        tokio::select! {
+            r = mw.next(Duration::from_millis(500)) => match r {
+                Ok(evs) => for e in evs {
+                    match e {
+                        MemberEvent::Joined(m) => progress(json!({"kind": "peer_joined", "peer": describe_member(&m)})),
+                        MemberEvent::Left(m) => progress(json!({"kind": "peer_left", "peer": describe_member(&m)})),
+                        MemberEvent::Lost(m) => {
+                            let r = &m.registration;
+                            let reason = format!("{} lost: its lease in {} expired", m.describe(), store.name());
+                            progress(json!({
+                                "kind": "peer_lost", "peer": describe_member(&m), "store": store.name(),
+                                "reason": reason, "watching_s": started.elapsed().as_secs_f64(),
+                            }));
+                            loss.verdict(reason.clone());
+                            if deps.contains(&(r.role, r.rank)) {
+                                loss.set(reason);
+                            }
+                        }
+                    }
+                },
+                Err(e) => {
+                    progress(json!({"kind": "store_error", "error": e.to_string()}));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            },
+            ch = health.changed(), if health_open => {
+                if ch.is_err() {
+                    // The keep-alive ended (leaving, or the lease is gone): nothing more to hear there.
+                    health_open = false;
+                    continue;
+                }
+                let h = health.borrow().clone();
+                if let Some(h) = h {
+                    progress(json!({"kind": "store_error", "error": h}));
+                }
+            }
+        }
     }
 }
 
@@ -204,12 +342,50 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
 struct Loss {
     reason: Mutex<Option<String>>,
     notify: tokio::sync::Notify,
+    /// The transport (or the session) reported a lost peer.
+    transport: std::sync::atomic::AtomicBool,
+    /// What the store said about lost ranks.
+    verdicts: Mutex<Vec<String>>,
+    verdict_notify: tokio::sync::Notify,
 }
 
 impl Loss {
     fn set(&self, reason: String) {
         self.reason.lock().expect("loss lock").get_or_insert(reason);
         self.notify.notify_waiters();
+    }
+
+    fn set_transport(&self) {
+        self.transport.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn transport_lost(&self) -> bool {
+        self.transport.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn verdict(&self, v: String) {
+        self.verdicts.lock().expect("loss lock").push(v);
+        self.verdict_notify.notify_waiters();
+    }
+
+    fn verdicts(&self) -> Vec<String> {
+        self.verdicts.lock().expect("loss lock").clone()
+    }
+
+    /// Waits at most `within` for the store to report a lost rank.
+    async fn wait_verdict(&self, within: Duration) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let n = self.verdict_notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if let Some(v) = self.verdicts.lock().expect("loss lock").first().cloned() {
+                return Some(v);
+            }
+            if tokio::time::timeout_at(deadline, n).await.is_err() {
+                return None;
+            }
+        }
     }
 
     fn get(&self) -> Option<String> {
@@ -234,14 +410,28 @@ impl Loss {
     }
 }
 
+impl Ctx {
+    /// Waits until `key` is put (at most the worker's timeout) and returns its value.
+    async fn get(&self, key: &str) -> Result<serde_json::Value, String> {
+        wait_value(&*self.store, key, self.wait).await.map_err(|e| e.to_string())
+    }
+
+    /// Puts `key` under this rank's lease.
+    async fn put(&self, key: &str, v: serde_json::Value) -> Result<(), String> {
+        self.store.put(key, &v, Some(self.lease)).await.map(|_| ()).map_err(|e| e.to_string())
+    }
+}
+
 struct Ctx {
     loss: Arc<Loss>,
     w: Workload,
     topo: Topology,
     rank: RankId,
-    client: BootstrapClient,
+    store: Arc<dyn MetadataStore>,
+    /// This rank's lease: every key it puts lives under it.
+    lease: LeaseId,
     wait: Duration,
-    bufs: Arc<Vec<(BufferRef, HostBuffer)>>,
+    bufs: Arc<Vec<PoolMemory>>,
     pages: u32,
 }
 
@@ -314,6 +504,7 @@ async fn prefill(
                         for e in evs {
                             if let kvxfer_core::BackendEvent::PeerLost { identity, reason } = e {
                                 let who = names.get(&identity).map(|r| format!("decode rank {r}")).unwrap_or_default();
+                                loss.set_transport();
                                 loss.set(format!("lost {who}: {reason}"));
                             }
                         }
@@ -366,14 +557,11 @@ async fn prefill(
     // Stay connected until every receiver has verified everything (a sender that leaves early
     // would look like a lost peer), then leave gracefully. After a failure, leave at once.
     for d in receivers.iter().filter(|_| !stopped(&summary)) {
-        ctx.loss.guard(ctx.client.get(&format!("finished/{}", rank_key(*d)), ctx.wait)).await?;
+        ctx.loss.guard(ctx.get(&format!("finished/{}", rank_key(*d)))).await?;
     }
     watch.abort();
-    // Tell the receivers we are done with them: they stay up until then, so their exit is never
-    // mistaken for a loss here.
-    if !stopped(&summary) {
-        ctx.client.put(&format!("left/{}", rank_key(ctx.rank)), json!(true)).await.map_err(|e| e.to_string())?;
-    }
+    // The caller then leaves (rank record marked `left`, lease revoked): the receivers stay up until
+    // then, so their exit is never mistaken for a loss here.
     let mut s = summary.lock().expect("summary lock").clone();
     s.seconds = elapsed;
     s.transfer_seconds = union(&mut s.intervals);
@@ -384,23 +572,24 @@ fn fill_source(ctx: &Ctx, src: &[u32], r: u32, inject: bool) {
     let map: HashMap<u32, u64> = kvxfer_core::oracle::token_map(src, ctx.w.page_size);
     let base = token_base(r);
     let tok = |p: u32| map.get(&p).map(|t| base + t);
-    for (b, host) in ctx.bufs.iter() {
+    for host in ctx.bufs.iter() {
+        let b = host.buffer;
         let geom = BufferGeom::new(&ctx.topo, Side::Prefill, ctx.rank, b.layer, b.kind, ctx.pages);
         let pb = geom.page_bytes();
         let hb = ctx.topo.kv().head_bytes(b.kind);
         let mut tmp = vec![0u8; pb as usize];
         for &p in src {
             page_pattern(&geom, hb, u64::from(p) * pb, &mut tmp, &tok);
-            host.region().write(u64::from(p) * pb, &tmp).expect("page inside the pool");
+            host.write(u64::from(p) * pb, &tmp).expect("page inside the pool, not being sent");
         }
     }
     if inject && r == 0 && ctx.rank == RankId::new(0, 0) {
-        if let (Some((_, host)), Some(&p)) = (ctx.bufs.first(), src.first()) {
-            let geom = BufferGeom::new(&ctx.topo, Side::Prefill, ctx.rank, 0, ctx.bufs[0].0.kind, ctx.pages);
+        if let (Some(host), Some(&p)) = (ctx.bufs.first(), src.first()) {
+            let geom = BufferGeom::new(&ctx.topo, Side::Prefill, ctx.rank, 0, host.buffer.kind, ctx.pages);
             let off = u64::from(p) * geom.page_bytes();
             let mut b = [0u8];
-            host.region().read(off, &mut b).expect("in pool");
-            host.region().write(off, &[b[0] ^ 0x5a]).expect("in pool");
+            host.read(off, &mut b).expect("in pool");
+            host.write(off, &[b[0] ^ 0x5a]).expect("in pool");
         }
     }
 }
@@ -419,10 +608,10 @@ async fn send_request(
             .await
             .map_err(|e| format!("filling source pages panicked: {e}"))?;
     }
-    let dst: Vec<u32> = serde_json::from_value(ctx.loss.guard(ctx.client.get(&format!("req/{r}"), ctx.wait)).await?)
+    let dst: Vec<u32> = serde_json::from_value(ctx.loss.guard(ctx.get(&format!("req/{r}"))).await?)
         .map_err(|e| format!("bad page list for request {r}: {e}"))?;
     for d in receivers {
-        ctx.loss.guard(ctx.client.get(&format!("ready/{r}/{}", rank_key(*d)), ctx.wait)).await?;
+        ctx.loss.guard(ctx.get(&format!("ready/{r}/{}", rank_key(*d)))).await?;
     }
     let t0 = Instant::now();
     let deadline = t0 + ctx.w.request_timeout();
@@ -474,7 +663,7 @@ async fn decode(ctx: Ctx, backend: Arc<dyn KvTransferBackend>, pool: KvPool) -> 
                 }
             }
             // Free the page slot whatever happened, so the stream goes on.
-            let _ = ctx.client.put(&format!("done/{r}/{}", rank_key(ctx.rank)), json!(res.is_ok())).await;
+            let _ = ctx.put(&format!("done/{r}/{}", rank_key(ctx.rank)), json!(res.is_ok())).await;
         }));
     }
     for h in window {
@@ -486,8 +675,13 @@ async fn decode(ctx: Ctx, backend: Arc<dyn KvTransferBackend>, pool: KvPool) -> 
     let ctx2 = Arc::clone(&ctx);
     let stray = tokio::task::spawn_blocking(move || {
         let mut wrong = Vec::new();
-        for (b, host) in ctx2.bufs.iter() {
-            let v = host.to_vec();
+        for host in ctx2.bufs.iter() {
+            let b = host.buffer;
+            let mut v = vec![0u8; host.len() as usize];
+            if let Err(e) = host.read(0, &mut v) {
+                wrong.push(format!("layer {} {}: cannot read the pool: {e}", b.layer, b.kind));
+                continue;
+            }
             if let Some(i) = v.iter().position(|x| *x != SENTINEL) {
                 let n = v.iter().filter(|x| **x != SENTINEL).count();
                 wrong.push(format!(
@@ -504,10 +698,17 @@ async fn decode(ctx: Ctx, backend: Arc<dyn KvTransferBackend>, pool: KvPool) -> 
     s.errors.extend(stray);
     s.seconds = elapsed;
     s.transfer_seconds = union(&mut s.intervals);
-    ctx.client.put(&format!("finished/{}", rank_key(ctx.rank)), json!(true)).await.map_err(|e| e.to_string())?;
+    ctx.put(&format!("finished/{}", rank_key(ctx.rank)), json!(true)).await?;
     if s.errors.is_empty() {
+        // Each sender leaves once it saw `finished` (or is gone): only then may this rank exit.
         for p in ctx.topo.senders(ctx.rank) {
-            ctx.client.get(&format!("left/{}", rank_key(p)), ctx.wait).await.map_err(|e| e.to_string())?;
+            let what = format!("prefill rank {p} leaving");
+            wait_until(&*ctx.store, &record_key(Side::Prefill, p), ctx.wait, &what, |e| match e {
+                None => true,
+                Some(e) => record_of(&e.value).is_some_and(|r| r.left),
+            })
+            .await
+            .map_err(|e| e.to_string())?;
         }
     }
     Ok(s)
@@ -524,24 +725,41 @@ async fn receive_request(
     let dst: Vec<u32> = if ctx.rank == RankId::new(0, 0) {
         if r >= w.inflight {
             for d in all {
-                ctx.client
-                    .get(&format!("done/{}/{}", r - w.inflight, rank_key(*d)), ctx.wait)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                ctx.get(&format!("done/{}/{}", r - w.inflight, rank_key(*d))).await?;
             }
         }
         let dst = request_pages(w, r, SALT_DECODE);
-        ctx.client.put(&key, json!(dst)).await.map_err(|e| e.to_string())?;
+        ctx.put(&key, json!(dst)).await?;
         dst
     } else {
-        serde_json::from_value(ctx.client.get(&key, ctx.wait).await.map_err(|e| e.to_string())?)
-            .map_err(|e| format!("bad page list: {e}"))?
+        serde_json::from_value(ctx.get(&key).await?).map_err(|e| format!("bad page list: {e}"))?
     };
     let req = RequestId(u64::from(r));
     let t0 = Instant::now();
     recv.expect(req, &dst, ExpectOptions::default(), t0 + w.request_timeout()).map_err(|e| e.to_string())?;
-    ctx.client.put(&format!("ready/{r}/{}", rank_key(ctx.rank)), json!(true)).await.map_err(|e| e.to_string())?;
-    let waited = recv.wait(req).await;
+    ctx.put(&format!("ready/{r}/{}", rank_key(ctx.rank)), json!(true)).await?;
+    // A sender the store reports lost (its lease expired: dead, frozen or cut off, even while its
+    // connection looks open) fails the request at once, naming the rank.
+    let waited = {
+        let lost = ctx.loss.notify.notified();
+        tokio::pin!(lost);
+        lost.as_mut().enable();
+        if let Some(reason) = ctx.loss.get() {
+            recv.abort(req, &reason);
+        }
+        tokio::select! {
+            r = recv.wait(req) => r,
+            _ = lost => {
+                if let Some(reason) = ctx.loss.get() {
+                    recv.abort(req, &reason);
+                }
+                recv.wait(req).await
+            }
+        }
+    };
+    if let Err(SessionError::Failed { failure: Failure::PeerLost { .. }, .. }) = &waited {
+        ctx.loss.set_transport();
+    }
     let latency = t0.elapsed();
     recv.release(req);
     let (ctx2, dst2) = (Arc::clone(ctx), dst.clone());
@@ -578,7 +796,8 @@ fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, 
     let tok = |p: u32| map.get(&p).map(|t| base + t);
     let mut bytes = 0;
     let mut first_err = None;
-    for (b, host) in ctx.bufs.iter() {
+    for host in ctx.bufs.iter() {
+        let b = host.buffer;
         let geom = BufferGeom::new(&ctx.topo, Side::Decode, ctx.rank, b.layer, b.kind, ctx.pages);
         let pb = geom.page_bytes();
         let hb = ctx.topo.kv().head_bytes(b.kind);
@@ -588,11 +807,11 @@ fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, 
         for &p in dst {
             let off = u64::from(p) * pb;
             if check {
-                host.region().read(off, &mut tmp).expect("page inside the pool");
+                host.read(off, &mut tmp).map_err(|e| format!("reading decode page {p}: {e}"))?;
                 page_pattern(&geom, hb, off, &mut want, &tok);
                 if tmp == want {
                     bytes += pb;
-                    host.region().write(off, &sentinel).expect("page inside the pool");
+                    host.write(off, &sentinel).map_err(|e| format!("resetting decode page {p}: {e}"))?;
                     continue;
                 }
                 // Slow path, for the message: the oracle's own byte-wise check names the coordinates.
@@ -601,7 +820,7 @@ fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, 
                 }
                 bytes += pb;
             }
-            host.region().write(off, &sentinel).expect("page inside the pool");
+            host.write(off, &sentinel).map_err(|e| format!("resetting decode page {p}: {e}"))?;
         }
     }
     match first_err {

@@ -11,8 +11,13 @@
 //!                                                     -> {"ok":true,"entries":[<Registration>...]}
 //! {"op":"put","key":"req/7","value":<any JSON>}       -> {"ok":true}
 //! {"op":"get","key":"req/7","timeout_ms":30000}       -> {"ok":true,"value":<JSON>}
+//! {"op":"store","call":<StoreCall>}                   -> {"ok":true,"result":{"Ok":<JSON>}|{"Err":<MemError>}}
 //! any failure                                         -> {"ok":false,"error":"<what and what to do>"}
 //! ```
+//!
+//! `store` carries the [`crate::metadata::MetadataStore`] interface (leases, put, create, get, list,
+//! delete, watch with a revision) to an in-memory store ([`crate::metadata::memory`]) kept apart from
+//! the `register`/`put`/`get` table; [`crate::metadata::bootstrap::BootstrapStore`] is its client.
 //!
 //! A [`Registration`] carries the rank's role, TP rank and PP stage, backend name, endpoint
 //! metadata, KV pool description, and its [`SideSpec`] (KV layout plus parallel config). `register`
@@ -31,16 +36,26 @@ use kvxfer_core::model::kv_mismatches;
 use kvxfer_core::{EndpointMetadata, RankId, Side, SideSpec, Topology};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::metadata::memory::{MemShared, StoreCall};
 use crate::session::KvPool;
 
 /// Longest a single bootstrap wait may be asked to last.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
 
-/// Longest request or response line.
+/// Longest response line a client reads.
 const MAX_LINE: usize = 64 << 20;
+
+/// Longest request line the service reads, newline excluded. The limit applies while reading: a client
+/// that sends more without a newline is answered an error and disconnected once it passes the limit, so
+/// one connection never holds more than this much of the service's memory.
+pub const MAX_REQUEST_LINE: usize = 16 << 20;
+
+/// How long the service keeps reading (and discarding) from a client it refused, so that the client can
+/// read the error before the connection closes.
+const REFUSED_LINGER: Duration = Duration::from_secs(2);
 
 /// What a rank publishes about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -132,7 +147,7 @@ pub fn check_compatible(prefill: &SideSpec, decode: &SideSpec) -> Result<Topolog
     Err(problems)
 }
 
-fn describe(r: &Registration) -> String {
+pub(crate) fn describe(r: &Registration) -> String {
     let mut s = format!("{} rank {}", r.role, r.rank);
     if !r.label.is_empty() {
         s.push_str(&format!(" ({})", r.label));
@@ -141,7 +156,7 @@ fn describe(r: &Registration) -> String {
 }
 
 /// Checks a new registration against one already there.
-fn check_pair(a: &Registration, b: &Registration) -> Result<(), BootstrapError> {
+pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), BootstrapError> {
     let (p, d) = if a.role == Side::Prefill { (a, b) } else { (b, a) };
     let mut problems = Vec::new();
     if a.backend != b.backend {
@@ -170,6 +185,7 @@ enum Request {
     Peers { role: Side, want: u32, timeout_ms: u64 },
     Put { key: String, value: Value },
     Get { key: String, timeout_ms: u64 },
+    Store { call: StoreCall },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -181,6 +197,8 @@ struct Response {
     entries: Option<Vec<Registration>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     value: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    result: Option<Value>,
 }
 
 #[derive(Default)]
@@ -199,6 +217,7 @@ fn side_key(s: Side) -> u8 {
 struct Service {
     state: Mutex<State>,
     changed: tokio::sync::Notify,
+    store: MemShared,
 }
 
 impl Service {
@@ -257,6 +276,13 @@ impl Service {
                 self.changed.notify_waiters();
                 Response { ok: true, ..Default::default() }
             }
+            Request::Store { call } => {
+                let r = self.store.call(call).await;
+                match serde_json::to_value(r) {
+                    Ok(v) => Response { ok: true, result: Some(v), ..Default::default() },
+                    Err(e) => err(format!("cannot encode the store's answer: {e}")),
+                }
+            }
             Request::Get { key, timeout_ms } => {
                 let deadline = Instant::now() + Duration::from_millis(timeout_ms).min(MAX_WAIT);
                 loop {
@@ -286,7 +312,11 @@ impl BootstrapServer {
         let io = |detail: String| BootstrapError::Io { addr: addr.to_owned(), detail };
         let listener = TcpListener::bind(addr).await.map_err(|e| io(format!("cannot listen: {e}")))?;
         let local = listener.local_addr().map_err(|e| io(e.to_string()))?;
-        let svc = Arc::new(Service { state: Mutex::new(State::default()), changed: tokio::sync::Notify::new() });
+        let svc = Arc::new(Service {
+            state: Mutex::new(State::default()),
+            changed: tokio::sync::Notify::new(),
+            store: MemShared::new(),
+        });
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -319,8 +349,25 @@ async fn serve_conn(svc: &Service, stream: TcpStream) -> std::io::Result<()> {
     let mut r = BufReader::new(r);
     let mut line = String::new();
     // A request line must arrive promptly; the answer may wait (peers / get carry their own deadline).
-    let n = match tokio::time::timeout(Duration::from_secs(30), read_line(&mut r, &mut line)).await {
-        Ok(r) => r?,
+    let n = match tokio::time::timeout(Duration::from_secs(30), read_line(&mut r, &mut line, MAX_REQUEST_LINE)).await {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+            // Too long or not UTF-8: say so, then close.
+            let resp = Response { ok: false, error: Some(format!("malformed request: {e}")), ..Default::default() };
+            let mut out = serde_json::to_vec(&resp).map_err(std::io::Error::other)?;
+            out.push(b'\n');
+            w.write_all(&out).await?;
+            w.shutdown().await?;
+            // Closing with unread input would reset the connection and could destroy the answer before
+            // the client reads it: discard what it still sends for a moment (constant memory).
+            let mut sink = [0u8; 8192];
+            let _ = tokio::time::timeout(REFUSED_LINGER, async {
+                while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
+            })
+            .await;
+            return Ok(());
+        }
+        Ok(Err(e)) => return Err(e),
         Err(_) => return Ok(()),
     };
     if n == 0 {
@@ -336,11 +383,25 @@ async fn serve_conn(svc: &Service, stream: TcpStream) -> std::io::Result<()> {
     w.shutdown().await
 }
 
-async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R, line: &mut String) -> std::io::Result<usize> {
-    let n = r.read_line(line).await?;
-    if line.len() > MAX_LINE {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "line too long"));
+/// Reads one line (up to and including `\n`, or up to the end of the stream) into `line` and returns
+/// the bytes read. The limit applies while reading: at most `limit + 1` bytes (the line and its newline)
+/// are ever buffered; a longer line is an `InvalidData` error, as is a line that is not UTF-8.
+async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(
+    r: &mut R,
+    line: &mut String,
+    limit: usize,
+) -> std::io::Result<usize> {
+    let mut buf = Vec::new();
+    let n = (&mut *r).take(limit as u64 + 1).read_until(b'\n', &mut buf).await?;
+    if buf.len() > limit && buf.last() != Some(&b'\n') {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("line longer than {limit} bytes without a newline; send one JSON request of at most {limit} bytes per line"),
+        ));
     }
+    let text = String::from_utf8(buf)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("line is not UTF-8: {e}")))?;
+    line.push_str(&text);
     Ok(n)
 }
 
@@ -356,6 +417,12 @@ impl BootstrapClient {
     /// A client of the service at `addr` (`host:port`). Nothing is sent until the first call.
     pub fn new(addr: impl Into<String>) -> Self {
         Self { addr: addr.into(), timeout: Duration::from_secs(30) }
+    }
+
+    /// The same client with another bound on connecting and on calls that do not wait for others.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// The service address.
@@ -377,7 +444,9 @@ impl BootstrapClient {
             w.write_all(&line).await.map_err(|e| io(format!("sending {op}: {e}")))?;
             let mut r = BufReader::new(r);
             let mut resp = String::new();
-            let n = read_line(&mut r, &mut resp).await.map_err(|e| io(format!("reading the answer to {op}: {e}")))?;
+            let n = read_line(&mut r, &mut resp, MAX_LINE)
+                .await
+                .map_err(|e| io(format!("reading the answer to {op}: {e}")))?;
             if n == 0 {
                 return Err(io(format!("the service closed the connection without answering {op}")));
             }
@@ -437,6 +506,12 @@ impl BootstrapClient {
             problems,
         })?;
         Ok((peers, topo))
+    }
+
+    /// One call of the metadata-store interface (the `store` request): the in-memory store's answer.
+    pub(crate) async fn store_call(&self, call: StoreCall, wait: Duration) -> Result<Value, BootstrapError> {
+        let op = call.describe();
+        Ok(self.call(&op, &Request::Store { call }, wait).await?.result.unwrap_or(Value::Null))
     }
 
     /// Stores `value` under `key` (overwrites).
@@ -540,5 +615,50 @@ mod tests {
         drop(server);
         let e = BootstrapClient::new("127.0.0.1:1").put("x", Value::Null).await.unwrap_err().to_string();
         assert!(e.contains("127.0.0.1:1"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn read_line_applies_its_limit_while_reading() {
+        async fn read(input: &[u8], limit: usize) -> std::io::Result<(usize, String, Vec<u8>)> {
+            let mut r = BufReader::with_capacity(3, input);
+            let mut line = String::new();
+            let n = read_line(&mut r, &mut line, limit).await?;
+            let mut rest = Vec::new();
+            r.read_to_end(&mut rest).await?;
+            Ok((n, line, rest))
+        }
+        // At the limit, with its newline; the next line stays unread.
+        assert_eq!(read(b"abcd\nef", 4).await.unwrap(), (5, "abcd\n".into(), b"ef".to_vec()));
+        // The end of the stream ends a line too.
+        assert_eq!(read(b"abcd", 4).await.unwrap(), (4, "abcd".into(), vec![]));
+        assert_eq!(read(b"", 4).await.unwrap(), (0, String::new(), vec![]));
+        // One byte over: refused after reading limit + 1 bytes, not the whole line.
+        let mut long = vec![b'x'; 1 << 20];
+        long.push(b'\n');
+        let mut r = BufReader::with_capacity(8, &long[..]);
+        let mut line = String::new();
+        let e = read_line(&mut r, &mut line, 4).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("longer than 4 bytes"), "{e}");
+        assert!(line.is_empty());
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest.len(), long.len() - 5, "read more than the limit");
+        // Not UTF-8.
+        let e = read(b"\xff\xfe\n", 4).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn an_over_long_request_is_answered_and_the_service_keeps_serving() {
+        let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+        let mut s = TcpStream::connect(server.addr()).await.unwrap();
+        s.write_all(&vec![b'{'; MAX_REQUEST_LINE + 10]).await.unwrap();
+        let mut answer = String::new();
+        BufReader::new(&mut s).read_line(&mut answer).await.unwrap();
+        assert!(answer.contains("\"ok\":false") && answer.contains("longer than"), "{answer}");
+        let c = BootstrapClient::new(server.addr().to_string());
+        c.put("k", Value::Bool(true)).await.unwrap();
+        assert_eq!(c.get("k", Duration::from_secs(1)).await.unwrap(), Value::Bool(true));
     }
 }

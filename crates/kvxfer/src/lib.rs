@@ -3,9 +3,12 @@
 //! - [`session`]: sender and receiver sessions that drive the planner, the completion tracker and a
 //!   backend. Both notification styles go through the same code, chosen by the backend's capability.
 //! - [`bootstrap`]: how ranks of different processes and hosts find each other.
+//! - [`metadata`]: the metadata-store interface (leases, watches) over the embedded bootstrap or
+//!   etcd (cargo feature `etcd`), and rank membership that names a dead rank.
 //! - [`backends`]: the backends compiled in (cargo features `local`, `tcp`, `ucx`, `fabric`, `verbs`).
 
 pub mod bootstrap;
+pub mod metadata;
 pub mod session;
 
 pub use kvxfer_core as core;

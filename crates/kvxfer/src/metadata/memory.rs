@@ -1,0 +1,400 @@
+//! The in-memory store behind the embedded bootstrap service: keys with revisions, leases that
+//! expire, and a bounded history that watches read from. [`MemState`] is the state machine (no IO,
+//! time passed in); [`MemShared`] serves [`StoreCall`]s on it, waking watchers on every change.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::{Entry, EventKind, LeaseId, StoreEvent};
+
+/// Changes kept for watches; a watch further behind must re-read.
+pub const HISTORY: usize = 1 << 16;
+
+/// Longest a single watch call may wait.
+pub const MAX_WATCH_WAIT: Duration = Duration::from_secs(30);
+
+/// How often waiting watches look for expired leases.
+const EXPIRY_TICK: Duration = Duration::from_millis(50);
+
+/// A store call, as the bootstrap service receives it (keys are full, prefix included).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum StoreCall {
+    /// Grant a lease.
+    Grant {
+        /// Time to live, milliseconds.
+        ttl_ms: u64,
+    },
+    /// Refresh a lease.
+    KeepAlive {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Revoke a lease and delete its keys.
+    Revoke {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Set a key.
+    Put {
+        /// Key.
+        key: String,
+        /// Value.
+        value: Value,
+        /// Lease.
+        #[serde(default)]
+        lease: Option<LeaseId>,
+    },
+    /// Set a key only if absent.
+    Create {
+        /// Key.
+        key: String,
+        /// Value.
+        value: Value,
+        /// Lease.
+        #[serde(default)]
+        lease: Option<LeaseId>,
+    },
+    /// Read a key.
+    Get {
+        /// Key.
+        key: String,
+    },
+    /// Read every key under a prefix.
+    List {
+        /// Prefix.
+        prefix: String,
+    },
+    /// Delete a key.
+    Delete {
+        /// Key.
+        key: String,
+    },
+    /// Changes under a prefix after a revision; waits up to `timeout_ms` for the first.
+    Watch {
+        /// Prefix.
+        prefix: String,
+        /// Revision after which to report.
+        after: u64,
+        /// Longest wait, milliseconds.
+        timeout_ms: u64,
+    },
+}
+
+impl StoreCall {
+    /// What error messages call this call: `put /kvxfer/req/3`.
+    pub fn describe(&self) -> String {
+        match self {
+            StoreCall::Grant { .. } => "lease grant".to_owned(),
+            StoreCall::KeepAlive { lease } => format!("keep-alive of lease {lease}"),
+            StoreCall::Revoke { lease } => format!("revoke of lease {lease}"),
+            StoreCall::Put { key, .. } => format!("put {key}"),
+            StoreCall::Create { key, .. } => format!("create {key}"),
+            StoreCall::Get { key } => format!("get {key}"),
+            StoreCall::List { prefix } => format!("list {prefix}"),
+            StoreCall::Delete { key } => format!("delete {key}"),
+            StoreCall::Watch { prefix, .. } => format!("watch {prefix}"),
+        }
+    }
+}
+
+/// A refusal of the in-memory store (typed, so clients map it back).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "snake_case")]
+pub enum MemError {
+    /// The lease expired, was revoked, or never existed.
+    #[error("lease {lease} not found (expired or revoked)")]
+    LeaseNotFound {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// History before the asked revision is gone.
+    #[error("history up to revision {compacted} is compacted")]
+    Compacted {
+        /// The newest revision no longer kept.
+        compacted: u64,
+    },
+}
+
+#[derive(Debug)]
+struct LeaseState {
+    ttl: Duration,
+    expires: Instant,
+    keys: BTreeSet<String>,
+}
+
+/// Keys, revisions, leases and history. Every method takes the time; nothing here reads a clock.
+#[derive(Debug)]
+pub struct MemState {
+    rev: u64,
+    kv: BTreeMap<String, Entry>,
+    log: VecDeque<StoreEvent>,
+    compacted: u64,
+    leases: HashMap<LeaseId, LeaseState>,
+    next_lease: u64,
+}
+
+impl Default for MemState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemState {
+    /// An empty store at revision 1.
+    pub fn new() -> Self {
+        Self {
+            rev: 1,
+            kv: BTreeMap::new(),
+            log: VecDeque::new(),
+            compacted: 0,
+            leases: HashMap::new(),
+            next_lease: 0x6b76_0000,
+        }
+    }
+
+    /// The current revision.
+    pub fn revision(&self) -> u64 {
+        self.rev
+    }
+
+    fn record(&mut self, kind: EventKind, key: String, entry: Option<Entry>) {
+        self.log.push_back(StoreEvent { kind, key, entry, revision: self.rev });
+        while self.log.len() > HISTORY {
+            if let Some(e) = self.log.pop_front() {
+                self.compacted = e.revision;
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &str) -> bool {
+        let Some(old) = self.kv.remove(key) else { return false };
+        if let Some(l) = old.lease {
+            if let Some(ls) = self.leases.get_mut(&l) {
+                ls.keys.remove(key);
+            }
+        }
+        self.rev += 1;
+        self.record(EventKind::Delete, key.to_owned(), Some(old));
+        true
+    }
+
+    /// Deletes the keys of every lease that expired by `now`; returns how many leases expired.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let gone: Vec<LeaseId> = self.leases.iter().filter(|(_, l)| l.expires <= now).map(|(id, _)| *id).collect();
+        for id in &gone {
+            self.drop_lease(*id);
+        }
+        gone.len()
+    }
+
+    fn drop_lease(&mut self, id: LeaseId) -> bool {
+        let Some(l) = self.leases.remove(&id) else { return false };
+        for k in l.keys {
+            self.remove(&k);
+        }
+        true
+    }
+
+    fn check_lease(&self, lease: Option<LeaseId>) -> Result<(), MemError> {
+        match lease {
+            Some(l) if !self.leases.contains_key(&l) => Err(MemError::LeaseNotFound { lease: l }),
+            _ => Ok(()),
+        }
+    }
+
+    fn set(&mut self, key: String, value: Value, lease: Option<LeaseId>) -> u64 {
+        self.rev += 1;
+        let rev = self.rev;
+        let old = self.kv.get(&key).cloned();
+        if let Some(ol) = old.as_ref().and_then(|o| o.lease) {
+            if Some(ol) != lease {
+                if let Some(ls) = self.leases.get_mut(&ol) {
+                    ls.keys.remove(&key);
+                }
+            }
+        }
+        if let Some(l) = lease {
+            if let Some(ls) = self.leases.get_mut(&l) {
+                ls.keys.insert(key.clone());
+            }
+        }
+        let entry = Entry {
+            key: key.clone(),
+            value,
+            create_revision: old.map(|o| o.create_revision).unwrap_or(rev),
+            mod_revision: rev,
+            lease,
+        };
+        self.kv.insert(key.clone(), entry.clone());
+        self.record(EventKind::Put, key, Some(entry));
+        rev
+    }
+
+    /// Events under `prefix` with a revision above `after`.
+    pub fn events_after(&self, prefix: &str, after: u64) -> Result<Vec<StoreEvent>, MemError> {
+        if after < self.compacted {
+            return Err(MemError::Compacted { compacted: self.compacted });
+        }
+        let start = self.log.partition_point(|e| e.revision <= after);
+        Ok(self.log.iter().skip(start).filter(|e| e.key.starts_with(prefix)).cloned().collect())
+    }
+
+    /// Applies one call that does not wait (`Watch` answers with what is there now).
+    pub fn apply(&mut self, call: StoreCall, now: Instant) -> Result<Value, MemError> {
+        self.expire(now);
+        Ok(match call {
+            StoreCall::Grant { ttl_ms } => {
+                self.next_lease += 1;
+                let id = LeaseId(self.next_lease);
+                let ttl = Duration::from_millis(ttl_ms.max(1));
+                self.leases.insert(id, LeaseState { ttl, expires: now + ttl, keys: BTreeSet::new() });
+                json!({"lease": id, "ttl_ms": ttl.as_millis() as u64})
+            }
+            StoreCall::KeepAlive { lease } => {
+                let l = self.leases.get_mut(&lease).ok_or(MemError::LeaseNotFound { lease })?;
+                l.expires = now + l.ttl;
+                json!({"ttl_ms": l.ttl.as_millis() as u64})
+            }
+            StoreCall::Revoke { lease } => json!({"revoked": self.drop_lease(lease)}),
+            StoreCall::Put { key, value, lease } => {
+                self.check_lease(lease)?;
+                json!({"revision": self.set(key, value, lease)})
+            }
+            StoreCall::Create { key, value, lease } => {
+                self.check_lease(lease)?;
+                match self.kv.get(&key) {
+                    Some(e) => json!({"created": false, "existing": e, "revision": self.rev}),
+                    None => json!({"created": true, "revision": self.set(key, value, lease)}),
+                }
+            }
+            StoreCall::Get { key } => json!({"entry": self.kv.get(&key), "revision": self.rev}),
+            StoreCall::List { prefix } => {
+                let entries: Vec<&Entry> = self
+                    .kv
+                    .range(prefix.clone()..)
+                    .take_while(|(k, _)| k.starts_with(&prefix))
+                    .map(|(_, e)| e)
+                    .collect();
+                json!({"entries": entries, "revision": self.rev})
+            }
+            StoreCall::Delete { key } => json!({"deleted": self.remove(&key), "revision": self.rev}),
+            StoreCall::Watch { prefix, after, .. } => {
+                json!({"events": self.events_after(&prefix, after)?, "revision": self.rev})
+            }
+        })
+    }
+}
+
+/// A [`MemState`] shared by the callers of one process, with waiting watches.
+#[derive(Debug, Default)]
+pub struct MemShared {
+    state: Mutex<MemState>,
+    changed: tokio::sync::Notify,
+}
+
+impl MemShared {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Serves one call. A `Watch` with nothing to report waits (at most its timeout, at most
+    /// [`MAX_WATCH_WAIT`]) for the first change, checking lease expiry meanwhile.
+    pub async fn call(&self, call: StoreCall) -> Result<Value, MemError> {
+        if let StoreCall::Watch { prefix, after, timeout_ms } = &call {
+            let deadline = Instant::now() + Duration::from_millis(*timeout_ms).min(MAX_WATCH_WAIT);
+            loop {
+                let notified = self.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let (expired, answer) = {
+                    let mut st = self.lock();
+                    let expired = st.expire(Instant::now());
+                    let evs = st.events_after(prefix, *after)?;
+                    (expired, (!evs.is_empty() || Instant::now() >= deadline).then(|| (evs, st.revision())))
+                };
+                if expired > 0 {
+                    self.changed.notify_waiters();
+                }
+                if let Some((evs, rev)) = answer {
+                    return Ok(json!({"events": evs, "revision": rev}));
+                }
+                let tick = (deadline - Instant::now().min(deadline)).min(EXPIRY_TICK);
+                let _ = tokio::time::timeout(tick, notified).await;
+            }
+        }
+        let r = self.lock().apply(call, Instant::now());
+        self.changed.notify_waiters();
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(s: &mut MemState, k: &str, lease: Option<LeaseId>, now: Instant) -> Result<Value, MemError> {
+        s.apply(StoreCall::Put { key: k.into(), value: json!(k), lease }, now)
+    }
+
+    #[test]
+    fn leases_expire_their_keys_and_history_says_what_was_there() {
+        let t0 = Instant::now();
+        let mut s = MemState::new();
+        let g = s.apply(StoreCall::Grant { ttl_ms: 1000 }, t0).unwrap();
+        let lease: LeaseId = serde_json::from_value(g["lease"].clone()).unwrap();
+        put(&mut s, "/a/ranks/x", Some(lease), t0).unwrap();
+        put(&mut s, "/a/other", None, t0).unwrap();
+        let r0 = s.revision();
+        // Kept alive at 0.8 s: still there at 1.5 s.
+        s.apply(StoreCall::KeepAlive { lease }, t0 + Duration::from_millis(800)).unwrap();
+        assert_eq!(s.expire(t0 + Duration::from_millis(1500)), 0);
+        // Not refreshed again: gone at 1.9 s, with a delete event that carries the old entry.
+        assert_eq!(s.expire(t0 + Duration::from_millis(1900)), 1);
+        let evs = s.events_after("/a/ranks/", r0).unwrap();
+        assert_eq!(evs.len(), 1);
+        assert_eq!(evs[0].kind, EventKind::Delete);
+        assert_eq!(evs[0].entry.as_ref().unwrap().value, json!("/a/ranks/x"));
+        // The lease is gone: keep-alive and puts under it are refused; other keys stay.
+        let t2 = t0 + Duration::from_secs(2);
+        assert_eq!(s.apply(StoreCall::KeepAlive { lease }, t2), Err(MemError::LeaseNotFound { lease }));
+        assert!(put(&mut s, "/a/y", Some(lease), t2).is_err());
+        let l = s.apply(StoreCall::List { prefix: "/a/".into() }, t2).unwrap();
+        assert_eq!(l["entries"].as_array().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn create_is_exclusive_and_revisions_only_grow() {
+        let t = Instant::now();
+        let mut s = MemState::new();
+        let c = s.apply(StoreCall::Create { key: "k".into(), value: json!(1), lease: None }, t).unwrap();
+        assert_eq!(c["created"], true);
+        let first = c["revision"].as_u64().unwrap();
+        let c = s.apply(StoreCall::Create { key: "k".into(), value: json!(2), lease: None }, t).unwrap();
+        assert_eq!(c["created"], false);
+        assert_eq!(c["existing"]["value"], json!(1));
+        s.apply(StoreCall::Delete { key: "k".into() }, t).unwrap();
+        let c = s.apply(StoreCall::Create { key: "k".into(), value: json!(3), lease: None }, t).unwrap();
+        assert!(c["revision"].as_u64().unwrap() > first);
+    }
+
+    #[test]
+    fn a_watch_too_far_behind_is_told_so() {
+        let t = Instant::now();
+        let mut s = MemState::new();
+        for i in 0..HISTORY + 10 {
+            put(&mut s, &format!("k{}", i % 7), None, t).unwrap();
+        }
+        assert!(matches!(s.events_after("k", 1), Err(MemError::Compacted { .. })));
+        assert_eq!(s.events_after("k", s.revision() - 3).unwrap().len(), 3);
+    }
+}
