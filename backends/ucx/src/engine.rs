@@ -846,7 +846,11 @@ impl Engine {
         for (pid, p) in self.peers.iter_mut().filter(|(_, p)| p.instance == instance) {
             p.remote.remove(&id);
             lock(&p.shared.regions).remove(&id);
-            for j in p.jobs.iter_mut().filter(|j| j.started && !j.posted && j.dsts.contains_key(&id)) {
+            // Every job that could still post into the region, started or still queued (a queued
+            // job already holds the region's key): its puts after our acknowledgement would land
+            // in memory the peer considers closed.
+            for j in p.jobs.iter_mut().filter(|j| !j.posted && j.dsts.contains_key(&id)) {
+                j.dsts.remove(&id);
                 j.fail(BackendError::UnknownRegion { backend: NAME, region: id, peer: Some(*pid) });
             }
             if p.lost.is_none() {
