@@ -153,13 +153,13 @@ async fn session(script: &Arc<Script>, window: Window, pages: u32) -> SenderSess
 async fn batches_overlap_within_the_window_and_the_notification_waits() {
     let script = Arc::new(Script::default());
     let window = Window { bytes: u64::MAX, ops: 4 * WRITE_BATCH as u64 };
-    let pages = 2048; // 4 layers x K/V x 2048 pages = 16384 ops = 16 batches
+    let pages = 2 * WRITE_BATCH as u32; // 4 layers x K/V x pages = 16 batches of ops
     let s = session(&script, window, pages).await;
     let stats = s.send_chunk(RequestId(1), &chunk(pages), Instant::now() + Duration::from_secs(30)).await.unwrap();
     assert_eq!(stats.ops, 8 * u64::from(pages));
     let posts = script.posts.lock().unwrap().clone();
     assert_eq!(posts.len(), 16, "{posts:?}");
-    assert_eq!(posts.iter().map(|p| p.ops).sum::<usize>(), 16384);
+    assert_eq!(posts.iter().map(|p| p.ops).sum::<usize>(), 16 * WRITE_BATCH);
     assert!(posts.iter().all(|p| p.ops <= WRITE_BATCH));
     let most = posts.iter().map(|p| p.in_flight).max().unwrap();
     assert!(most >= 2, "batches never overlapped: {posts:?}");
@@ -172,8 +172,9 @@ async fn batches_overlap_within_the_window_and_the_notification_waits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_of_one_batch_posts_one_at_a_time() {
     let script = Arc::new(Script::default());
-    let s = session(&script, Window { bytes: 1, ops: 1 }, 512).await;
-    s.send_chunk(RequestId(2), &chunk(512), Instant::now() + Duration::from_secs(30)).await.unwrap();
+    let pages = WRITE_BATCH as u32 / 2; // four batches
+    let s = session(&script, Window { bytes: 1, ops: 1 }, pages).await;
+    s.send_chunk(RequestId(2), &chunk(pages), Instant::now() + Duration::from_secs(30)).await.unwrap();
     let posts = script.posts.lock().unwrap().clone();
     assert!(posts.len() >= 4);
     assert!(posts.iter().all(|p| p.in_flight == 0), "{posts:?}");
@@ -182,8 +183,9 @@ async fn a_window_of_one_batch_posts_one_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_batch_fails_the_send_and_nothing_stays_in_flight() {
     let script = Arc::new(Script { fail_at: Some(3), ..Default::default() });
-    let s = session(&script, Window::default(), 2048).await;
-    let e = s.send_chunk(RequestId(3), &chunk(2048), Instant::now() + Duration::from_secs(30)).await.unwrap_err();
+    let pages = 2 * WRITE_BATCH as u32;
+    let s = session(&script, Window::default(), pages).await;
+    let e = s.send_chunk(RequestId(3), &chunk(pages), Instant::now() + Duration::from_secs(30)).await.unwrap_err();
     assert!(e.to_string().contains("closed"), "{e}");
     let live = script.live.lock().unwrap();
     assert!(live.iter().all(|(st, _)| st.status() != TransferStatus::InFlight), "a transfer was left in flight");
