@@ -78,6 +78,22 @@ pub enum ConfigError {
         /// The maximum.
         max: u64,
     },
+    /// A geometry whose byte sizes do not fit the 64-bit sizes and offsets every buffer is addressed with:
+    /// the product of `factors` exceeds `max` bytes.
+    #[error(
+        "{side}: {what} = {factors} exceeds the {max} bytes kvxfer can address; \
+         check these sizes (no real KV cache is this large): a smaller page size, head dim, dtype, layer count or page count"
+    )]
+    SizeOverflow {
+        /// Which side.
+        side: Side,
+        /// Which size.
+        what: &'static str,
+        /// The factors, named with their values, and their product when it is representable.
+        factors: String,
+        /// The largest accepted value of the product.
+        max: u64,
+    },
 }
 
 /// One field on which prefill and decode disagree.

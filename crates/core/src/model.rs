@@ -147,10 +147,13 @@ impl KvSpec {
         }
     }
 
-    /// KV bytes of one token over all layers and all heads (the model's KV footprint per token).
+    /// KV bytes of one token over all layers and all heads (the model's KV footprint per token). Exact
+    /// for the spec of a [`Topology`] (validated to fit); saturates at `u64::MAX` for a spec that does not.
     pub fn bytes_per_token(&self) -> u64 {
         let heads = u64::from(self.kv_heads());
-        self.kinds().iter().map(|k| self.head_bytes(*k) * heads).sum::<u64>() * u64::from(self.layers)
+        let per_layer =
+            self.kinds().iter().fold(0u64, |acc, k| acc.saturating_add(self.head_bytes(*k).saturating_mul(heads)));
+        per_layer.saturating_mul(u64::from(self.layers))
     }
 }
 
@@ -293,6 +296,71 @@ fn check_side(side: Side, s: &SideSpec) -> Result<(), ConfigError> {
     if kv.layers % s.parallel.pp != 0 {
         return Err(ConfigError::LayersNotDivisible { side, layers: kv.layers, pp: s.parallel.pp });
     }
+    check_sizes(side, s)
+}
+
+/// The largest byte size of one page of one (layer, kind) buffer of one rank: `u64::MAX / u32::MAX`
+/// (4 GiB + 1), so that a buffer of any page count a `u32` can name has a byte size that fits in a `u64`.
+pub const MAX_PAGE_BUFFER_BYTES: u64 = u64::MAX / u32::MAX as u64;
+
+/// `factors` (name, value) multiplied, checked against `max`: the product, or a
+/// [`ConfigError::SizeOverflow`] that names every factor.
+fn product(side: Side, what: &'static str, factors: &[(&str, u64)], max: u64) -> Result<u64, ConfigError> {
+    let exact = factors.iter().try_fold(1u128, |acc, (_, v)| acc.checked_mul(u128::from(*v)));
+    match exact {
+        Some(p) if p <= u128::from(max) => Ok(p as u64),
+        _ => {
+            let mut text = factors.iter().map(|(n, v)| format!("{n} {v}")).collect::<Vec<_>>().join(" x ");
+            match exact {
+                Some(p) => text.push_str(&format!(" = {p}")),
+                None => text.push_str(" = more than 2^128"),
+            }
+            Err(ConfigError::SizeOverflow { side, what, factors: text, max })
+        }
+    }
+}
+
+/// Byte sizes of a side (SEMANTICS §1): one rank's page of one (layer, kind) buffer is at most
+/// [`MAX_PAGE_BUFFER_BYTES`], and the model's KV bytes per token and per page (every layer, head and
+/// kind) fit in a `u64`. Every size the planner and the sessions compute from a validated topology then
+/// fits: buffer sizes for any `u32` page count, offsets inside them, bytes per token and per page.
+fn check_sizes(side: Side, s: &SideSpec) -> Result<(), ConfigError> {
+    let kv = &s.kv;
+    let local = if kv.is_mla() { 1 } else { heads::local(kv.kv_heads(), s.parallel.tp) };
+    let dim = |kind: KvKind| -> (&'static str, u64) {
+        match (kv.attention, kind) {
+            (Attention::Gqa { head_dim_k, .. }, KvKind::K) => ("head_dim_k", head_dim_k.into()),
+            (Attention::Gqa { head_dim_v, .. }, KvKind::V) => ("head_dim_v", head_dim_v.into()),
+            (Attention::Mla { latent_dim }, _) => ("latent_dim", latent_dim.into()),
+            (Attention::Gqa { .. }, KvKind::Latent) => ("latent_dim", 0),
+        }
+    };
+    for kind in kv.kinds() {
+        product(
+            side,
+            "bytes of one page of one layer's buffer on one rank",
+            &[
+                ("page_size", kv.page_size.into()),
+                ("local heads", local.into()),
+                (dim(*kind).0, dim(*kind).1),
+                ("dtype_bytes", kv.dtype_bytes.into()),
+            ],
+            MAX_PAGE_BUFFER_BYTES,
+        )?;
+    }
+    // Every layer, head and kind of one token, then of one page.
+    let dims: u64 = kv.kinds().iter().map(|k| dim(*k).1).sum();
+    let dims_name = if kv.is_mla() { "latent_dim" } else { "(head_dim_k + head_dim_v)" };
+    let per_token = [
+        ("kv_heads", u64::from(kv.kv_heads())),
+        (dims_name, dims),
+        ("dtype_bytes", kv.dtype_bytes.into()),
+        ("layers", kv.layers.into()),
+    ];
+    product(side, "KV bytes per token", &per_token, u64::MAX)?;
+    let mut per_page = vec![("page_size", u64::from(kv.page_size))];
+    per_page.extend(per_token);
+    product(side, "KV bytes per page", &per_page, u64::MAX)?;
     Ok(())
 }
 
@@ -399,9 +467,45 @@ impl Topology {
         }
     }
 
-    /// Bytes of one rank's buffer for one layer and kind, holding `pages` pages.
+    /// Bytes of one rank's buffer for one layer and kind, holding `pages` pages. Never overflows for a
+    /// topology built by [`Topology::new`] (one page of a buffer is at most [`MAX_PAGE_BUFFER_BYTES`]);
+    /// saturates at `u64::MAX` otherwise. [`Topology::checked_buffer_bytes`] says so with an error.
     pub fn buffer_bytes(&self, side: Side, kind: KvKind, pages: u32) -> u64 {
-        u64::from(pages) * u64::from(self.kv.page_size) * u64::from(self.local_heads(side)) * self.kv.head_bytes(kind)
+        self.checked_buffer_bytes(side, kind, pages).unwrap_or(u64::MAX)
+    }
+
+    /// [`Topology::buffer_bytes`], or a [`ConfigError::SizeOverflow`] naming the values when the size does
+    /// not fit in a `u64`.
+    pub fn checked_buffer_bytes(&self, side: Side, kind: KvKind, pages: u32) -> Result<u64, ConfigError> {
+        product(
+            side,
+            "bytes of one layer's buffer on one rank",
+            &[
+                ("pages", pages.into()),
+                ("page_size", self.kv.page_size.into()),
+                ("local heads", self.local_heads(side).into()),
+                ("bytes per head", self.kv.head_bytes(kind)),
+            ],
+            u64::MAX,
+        )
+    }
+
+    /// Bytes of one rank's whole pool of `pages` pages: every layer of its stage and every kind. A
+    /// [`ConfigError::SizeOverflow`] naming the values when it does not fit in a `u64`.
+    pub fn checked_pool_bytes(&self, side: Side, pages: u32) -> Result<u64, ConfigError> {
+        let head_bytes = self.kv.kinds().iter().fold(0u64, |acc, k| acc.saturating_add(self.kv.head_bytes(*k)));
+        product(
+            side,
+            "bytes of one rank's pool",
+            &[
+                ("pages", pages.into()),
+                ("page_size", self.kv.page_size.into()),
+                ("local heads", self.local_heads(side).into()),
+                ("bytes per head of every kind", head_bytes),
+                ("stage layers", self.stage_layers(side).into()),
+            ],
+            u64::MAX,
+        )
     }
 
     /// Prefill TP ranks that feed decode TP rank `d` (SEMANTICS §3), within one stage.

@@ -8,7 +8,7 @@
 //!            or the deadline passed (the error names the keys still missing)
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::Instant;
 
@@ -191,20 +191,28 @@ impl Req {
 
     fn check_deadline(&mut self, now: Instant) {
         if self.outcome.is_none() && now >= self.deadline {
-            self.outcome = Some(Status::Failed(self.deadline_failure()));
+            // Every state change settles a request that is done, so one still pending here misses
+            // something and the failure names it; settle a done one as done all the same.
+            self.outcome = Some(if self.is_done() { Status::Done } else { Status::Failed(self.deadline_failure()) });
         }
     }
 }
 
-/// How many released request ids the tracker remembers to tell late notifications from unknown ones.
+/// How many releases the tracker remembers to tell late notifications from unknown ones: an id counts
+/// as released while its latest release is among the last `RELEASED_MEMORY`.
 const RELEASED_MEMORY: usize = 4096;
 
 /// Tracks completion of every request of one decode rank.
 #[derive(Debug, Default)]
 pub struct CompletionTracker {
     reqs: HashMap<RequestId, Req>,
-    released: HashSet<RequestId>,
-    released_order: VecDeque<RequestId>,
+    /// Released ids, each with the sequence number of its latest release.
+    released: HashMap<RequestId, u64>,
+    /// The last `RELEASED_MEMORY` releases, oldest first. An entry whose sequence number is no longer
+    /// its id's (the id was expected or released again since) is stale and evicts nothing.
+    released_order: VecDeque<(RequestId, u64)>,
+    /// Releases so far (the next release's sequence number).
+    release_seq: u64,
     stats: TrackerStats,
 }
 
@@ -243,7 +251,7 @@ impl CompletionTracker {
     /// Feeds one notification received at `now`.
     pub fn handle(&mut self, n: &Notification, now: Instant) -> Handled {
         let Some(req) = self.reqs.get_mut(&n.request) else {
-            if self.released.contains(&n.request) {
+            if self.released.contains_key(&n.request) {
                 self.stats.released += 1;
                 return Handled::Released;
             }
@@ -277,10 +285,13 @@ impl CompletionTracker {
                     req.outcome = Some(Status::Failed(Failure::InconsistentChunks { key: n.sender, detail }));
                     return Handled::Failed;
                 }
+                // A `last` flag on any copy sets expected[key] (SEMANTICS §5): a copy that brings the
+                // flag is news even when the chunk itself already arrived.
+                let announces = last && ks.expected.is_none();
                 if last {
                     ks.expected = Some(chunk.saturating_add(1));
                 }
-                ks.received.insert(chunk)
+                ks.received.insert(chunk) | announces
             }
             NotificationBody::Aux(p) => {
                 let fresh = req.aux.is_none();
@@ -383,12 +394,16 @@ impl CompletionTracker {
     pub fn release(&mut self, request: RequestId, now: Instant) -> Option<Status> {
         let status = self.status(request, now);
         if self.reqs.remove(&request).is_some() {
-            if self.released.insert(request) {
-                self.released_order.push_back(request);
-            }
+            let seq = self.release_seq;
+            self.release_seq += 1;
+            self.released.insert(request, seq);
+            self.released_order.push_back((request, seq));
             while self.released_order.len() > RELEASED_MEMORY {
-                if let Some(old) = self.released_order.pop_front() {
-                    self.released.remove(&old);
+                if let Some((old, old_seq)) = self.released_order.pop_front() {
+                    // Forget the id only if this was its latest release.
+                    if self.released.get(&old) == Some(&old_seq) {
+                        self.released.remove(&old);
+                    }
                 }
             }
         }

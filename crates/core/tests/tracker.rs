@@ -189,3 +189,234 @@ proptest! {
         prop_assert_eq!(t.status(R, t0), Some(Status::Done));
     }
 }
+
+/// Issue 10, defect 1 (SEMANTICS §5: "a `last` flag seen on any copy sets expected[key]"): chunk 0 then
+/// chunk 0 with `last`, in either order, completes the same way; a deadline error always names what is missing.
+#[test]
+fn a_last_flag_on_a_resent_chunk_completes_in_either_order() {
+    let t0 = Instant::now();
+    let k = key(0, 0);
+    for order in [[false, true], [true, false]] {
+        let mut t = CompletionTracker::new();
+        t.expect(R, spec(&[k], t0)).unwrap();
+        let hs: Vec<Handled> = order.iter().map(|last| t.handle(&Notification::chunk(R, k, 0, *last), t0)).collect();
+        assert!(hs.contains(&Handled::Completed), "order {order:?}: {hs:?}");
+        assert_eq!(t.status(R, t0), Some(Status::Done), "order {order:?}");
+        // Once the flag has been seen, a further copy of either kind is a duplicate.
+        assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::AfterOutcome);
+    }
+    // With two senders, the re-sent chunk with `last` is progress, not a duplicate, and a later
+    // deadline names only the sender still missing.
+    let mut t = CompletionTracker::new();
+    t.expect(R, spec(&[key(0, 0), key(1, 0)], t0)).unwrap();
+    assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, false), t0), Handled::Progress);
+    assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0), Handled::Progress);
+    assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, false), t0), Handled::Duplicate);
+    assert_eq!(t.stats().accepted, 2);
+    let late = t0 + Duration::from_secs(10);
+    let Some(Status::Failed(f)) = t.status(R, late) else { panic!("expected the deadline to fail the request") };
+    assert_eq!(f, Failure::DeadlineExceeded { missing: vec![key(1, 0)], missing_state: vec![], missing_aux: false });
+}
+
+/// A deadline error never says "missing []": whatever keeps a request pending is named.
+#[test]
+fn a_deadline_error_always_names_what_is_missing() {
+    let t0 = Instant::now();
+    let late = t0 + Duration::from_secs(10);
+    let k = key(0, 0);
+    let streams: Vec<Vec<(u32, bool)>> = vec![
+        vec![],
+        vec![(0, false)],
+        vec![(1, true)],
+        vec![(0, false), (0, false)],
+        vec![(0, false), (0, true)],
+        vec![(2, true), (0, false)],
+        vec![(0, false), (2, true), (0, true)],
+    ];
+    for s in streams {
+        let mut t = CompletionTracker::new();
+        t.expect(R, spec(&[k], t0)).unwrap();
+        for (c, last) in &s {
+            t.handle(&Notification::chunk(R, k, *c, *last), t0);
+        }
+        match t.status(R, late) {
+            Some(Status::Failed(f @ Failure::DeadlineExceeded { .. })) => {
+                let Failure::DeadlineExceeded { missing, missing_state, missing_aux } = &f else { unreachable!() };
+                assert!(!missing.is_empty() || !missing_state.is_empty() || *missing_aux, "{s:?}: {f}");
+            }
+            other => assert!(matches!(other, Some(Status::Done | Status::Failed(_))), "{s:?}: {other:?}"),
+        }
+    }
+}
+
+/// Issue 10, defect 6: an id released, expected again and released again is remembered as released for
+/// as long as any other release (the memory holds the last RELEASED_MEMORY = 4096 releases).
+#[test]
+fn a_reused_id_is_remembered_from_its_latest_release() {
+    let t0 = Instant::now();
+    let k = key(0, 0);
+    let mut t = CompletionTracker::new();
+    let cycle = |t: &mut CompletionTracker, id: RequestId| {
+        t.expect(id, spec(&[k], t0)).unwrap();
+        t.handle(&Notification::chunk(id, k, 0, true), t0);
+        assert_eq!(t.release(id, t0), Some(Status::Done));
+    };
+    cycle(&mut t, R);
+    cycle(&mut t, R);
+    // 4095 other releases: R's latest release is still among the last 4096.
+    for i in 0..4095 {
+        cycle(&mut t, RequestId(1_000_000 + i));
+    }
+    let before = t.stats();
+    assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::Released);
+    assert_eq!((t.stats().released, t.stats().unknown_request), (before.released + 1, before.unknown_request));
+    // One more release pushes R's out of the memory: then it is unknown (bounded memory).
+    cycle(&mut t, RequestId(2_000_000));
+    assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::UnknownRequest);
+    // And a re-used id that is tracked again is not "released" while tracked.
+    cycle(&mut t, RequestId(3));
+    t.expect(RequestId(3), spec(&[k], t0)).unwrap();
+    assert_eq!(t.handle(&Notification::chunk(RequestId(3), k, 0, false), t0), Handled::Progress);
+}
+
+/// The events of the exhaustive check: what one sender may emit about the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ev {
+    /// Chunk 0 without `last`.
+    C0,
+    /// Chunk 0 with `last`.
+    C0Last,
+    /// Chunk 1 with `last`.
+    C1Last,
+    /// A copy of the `i`-th event of the sequence so far (of any sender).
+    Dup(usize),
+}
+
+/// An independent model of SEMANTICS §5 for one request: per key, the chunks received and the last
+/// chunk announced by any copy; inconsistent chunk sets fail.
+#[derive(Debug, Clone, Default)]
+struct Model {
+    received: [Vec<u32>; 2],
+    last: [Option<u32>; 2],
+    failed: bool,
+    done: bool,
+}
+
+impl Model {
+    fn apply(&mut self, k: usize, chunk: u32, last: bool) {
+        if self.failed || self.done {
+            return;
+        }
+        if !self.received[k].contains(&chunk) {
+            self.received[k].push(chunk);
+        }
+        if last {
+            match self.last[k] {
+                Some(l) if l != chunk => {
+                    self.failed = true;
+                    return;
+                }
+                _ => self.last[k] = Some(chunk),
+            }
+        }
+        if let Some(l) = self.last[k] {
+            if self.received[k].iter().any(|c| *c > l) {
+                self.failed = true;
+                return;
+            }
+        }
+        self.done = (0..2).all(|k| {
+            self.last[k].is_some_and(|l| (0..=l).all(|c| self.received[k].contains(&c)))
+                && self.received[k].len() as u32 == self.last[k].unwrap_or(0) + 1
+        });
+    }
+}
+
+/// Every interleaving of up to 5 events from two senders, drawn from {chunk 0, chunk 0 with `last`,
+/// chunk 1 with `last`, a copy of an earlier event}: the tracker ends Done exactly when both senders'
+/// chunks 0..=last arrived with a `last` seen, Failed only on inconsistent chunks, else Pending; and it
+/// reports Completed exactly once, on the event that completes it.
+#[test]
+fn exhaustive_two_senders_up_to_five_events() {
+    let t0 = Instant::now();
+    let keys = [key(0, 0), key(1, 0)];
+    // Each step: (sender, event); a duplicate's sender is the copied event's.
+    fn extend(seqs: &mut Vec<Vec<(usize, Ev)>>, cur: &mut Vec<(usize, Ev)>, max: usize) {
+        seqs.push(cur.clone());
+        if cur.len() == max {
+            return;
+        }
+        for s in 0..2 {
+            for ev in [Ev::C0, Ev::C0Last, Ev::C1Last] {
+                cur.push((s, ev));
+                extend(seqs, cur, max);
+                cur.pop();
+            }
+        }
+        for i in 0..cur.len() {
+            cur.push((cur[i].0, Ev::Dup(i)));
+            extend(seqs, cur, max);
+            cur.pop();
+        }
+    }
+    let mut seqs = Vec::new();
+    extend(&mut seqs, &mut Vec::new(), 5);
+    let mut outcomes = [0usize; 3];
+    for seq in &seqs {
+        // Resolve duplicates to the concrete (sender, chunk, last) they copy.
+        let mut concrete: Vec<(usize, u32, bool)> = Vec::new();
+        for (s, ev) in seq {
+            concrete.push(match ev {
+                Ev::C0 => (*s, 0, false),
+                Ev::C0Last => (*s, 0, true),
+                Ev::C1Last => (*s, 1, true),
+                Ev::Dup(i) => concrete[*i],
+            });
+        }
+        let mut t = CompletionTracker::new();
+        t.expect(R, spec(&keys, t0)).unwrap();
+        let mut m = Model::default();
+        let mut completed = 0;
+        for (s, c, last) in &concrete {
+            let was_done = m.done;
+            m.apply(*s, *c, *last);
+            let h = t.handle(&Notification::chunk(R, keys[*s], *c, *last), t0);
+            if h == Handled::Completed {
+                completed += 1;
+                assert!(m.done && !was_done, "{concrete:?}: Completed at the wrong event");
+            }
+            if m.done && !was_done {
+                assert_eq!(h, Handled::Completed, "{concrete:?}");
+            }
+        }
+        let want = if m.failed {
+            outcomes[2] += 1;
+            "failed"
+        } else if m.done {
+            outcomes[1] += 1;
+            "done"
+        } else {
+            outcomes[0] += 1;
+            "pending"
+        };
+        let got = match t.status(R, t0) {
+            Some(Status::Pending) => "pending",
+            Some(Status::Done) => "done",
+            Some(Status::Failed(Failure::InconsistentChunks { .. })) => "failed",
+            other => panic!("{concrete:?}: {other:?}"),
+        };
+        assert_eq!(got, want, "{concrete:?}");
+        assert_eq!(completed, usize::from(m.done), "{concrete:?}");
+        // A pending request fails at its deadline naming at least one missing key.
+        if want == "pending" {
+            let Some(Status::Failed(Failure::DeadlineExceeded { missing, .. })) =
+                t.status(R, t0 + Duration::from_secs(10))
+            else {
+                panic!("{concrete:?}: deadline did not fail it")
+            };
+            assert!(!missing.is_empty(), "{concrete:?}: deadline names no missing key");
+        }
+    }
+    // The space really covers all three outcomes.
+    assert!(outcomes.iter().all(|n| *n > 0), "{outcomes:?}");
+}

@@ -396,7 +396,7 @@ async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(
     if buf.len() > limit && buf.last() != Some(&b'\n') {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("line longer than {limit} bytes without a newline; send one JSON request of at most {limit} bytes per line"),
+            format!("line longer than {limit} bytes without a newline; a bootstrap message is one JSON line of at most {limit} bytes"),
         ));
     }
     let text = String::from_utf8(buf)
