@@ -1101,7 +1101,14 @@ async fn close_region(inner: Weak<Inner>, id: RegionId) -> Result<(), BackendErr
     if tokio::time::timeout_at(deadline, drained.wait()).await.is_err() {
         return Err(timeout(format!("closing {id}: transfers from it still in flight")));
     }
-    let rx = inner.lock().revoke(id);
+    let rx = {
+        let mut st = inner.lock();
+        // Take in what already arrived first: a peer whose connect returned has had its hello
+        // delivered here, but the progress thread may not have read it yet, and a peer we do not
+        // know of would get no revoke.
+        st.advance(&inner);
+        st.revoke(id)
+    };
     inner.wake();
     if let Some(rx) = rx {
         match tokio::time::timeout_at(deadline, rx).await {
