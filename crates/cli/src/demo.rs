@@ -33,10 +33,10 @@ pub struct DemoArgs {
     #[arg(long)]
     pub metadata: Option<String>,
     /// Lease time to live of each worker's rank record, seconds.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = crate::model::parse_seconds)]
     pub lease_ttl_s: f64,
     /// Deadline of the whole run, in seconds (workers are killed after it).
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = 300.0, value_parser = crate::model::parse_seconds)]
     pub timeout_s: f64,
     /// Test-only: corrupt one source byte, so verification fails and the demo exits non-zero.
     #[arg(long, hide = true)]
@@ -50,7 +50,7 @@ pub struct BootstrapArgs {
     #[arg(long, default_value = "127.0.0.1:7878")]
     pub listen: String,
     /// Stop after this many seconds (default: run until killed).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::model::parse_seconds)]
     pub for_s: Option<f64>,
 }
 

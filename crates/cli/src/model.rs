@@ -72,6 +72,19 @@ impl From<NotifyArg> for NotifyStyle {
     }
 }
 
+/// Longest duration any flag takes, in seconds (one day).
+pub const MAX_SECONDS: f64 = 86_400.0;
+
+/// Parses a duration in seconds: a finite number in (0, [`MAX_SECONDS`]]. NaN, infinities, zero,
+/// negative and absurdly large values are refused with the range in the message (instead of a panic
+/// converting them to a `Duration`, or a run that ends at once).
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= MAX_SECONDS => Ok(v),
+        _ => Err(format!("`{s}` is not a number of seconds in (0, {MAX_SECONDS}]")),
+    }
+}
+
 /// Parses `key=value`.
 pub fn parse_kv(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
@@ -135,7 +148,7 @@ pub struct Workload {
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
     /// Deadline of each request, in seconds.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
     pub request_timeout_s: f64,
 }
 
@@ -285,4 +298,19 @@ pub fn request_pages(w: &Workload, r: u32, salt: u64) -> Vec<u32> {
 /// from the wrong request is caught).
 pub fn token_base(r: u32) -> u64 {
     u64::from(r) << 24
+}
+
+#[cfg(test)]
+mod seconds_tests {
+    use super::*;
+
+    #[test]
+    fn seconds_are_finite_positive_and_bounded() {
+        assert_eq!(parse_seconds("2.5").unwrap(), 2.5);
+        assert_eq!(parse_seconds("86400").unwrap(), 86_400.0);
+        for bad in ["nan", "NaN", "inf", "-1", "0", "1e300", "86401", "", "5s"] {
+            let e = parse_seconds(bad).unwrap_err();
+            assert!(e.contains("(0, 86400]"), "{bad}: {e}");
+        }
+    }
 }

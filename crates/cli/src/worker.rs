@@ -76,7 +76,7 @@ pub struct WorkerArgs {
     pub metadata: Option<String>,
     /// Lease time to live of this rank's record, seconds: a rank that dies is reported lost by its
     /// peers within about this long.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = crate::model::parse_seconds)]
     pub lease_ttl_s: f64,
     /// Prefill or decode.
     #[arg(long, value_enum)]
@@ -88,7 +88,7 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 0)]
     pub pp_stage: u32,
     /// Deadline of every bootstrap wait (peers, page lists, readiness), in seconds.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0, value_parser = crate::model::parse_seconds)]
     pub timeout_s: f64,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
