@@ -16,6 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "etcd")]
+mod support;
+
 const EXE: &str = env!("CARGO_BIN_EXE_kvxfer");
 const TTL_S: f64 = 2.0;
 
@@ -320,70 +323,35 @@ mod etcd {
         assert!(ep.contains(&name), "prefill: {ep}");
     }
 
-    fn ip(args: &[&str]) -> Result<(), String> {
-        let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-        if o.status.success() {
-            Ok(())
-        } else {
-            Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
-        }
-    }
-
-    struct Netns(Vec<String>);
-
-    impl Drop for Netns {
-        fn drop(&mut self) {
-            for ns in &self.0 {
-                let _ = ip(&["netns", "del", ns]);
-            }
-        }
-    }
-
     #[test]
     fn etcd_and_decode_in_one_namespace_prefill_in_another() {
         if kvxfer::metadata::testing::etcd_binary().is_none() {
             eprintln!("SKIPPED etcd_and_decode_in_one_namespace_prefill_in_another: no etcd binary");
             return;
         }
-        let tag = std::process::id() % 100_000;
-        let (a, b) = (format!("kvea{tag}"), format!("kveb{tag}"));
-        let guard = Netns(vec![a.clone(), b.clone()]);
-        let setup = || -> Result<(), String> {
-            ip(&["netns", "add", &a])?;
-            ip(&["netns", "add", &b])?;
-            let (va, vb) = (format!("kea{tag}"), format!("keb{tag}"));
-            ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-            ip(&["link", "set", &va, "netns", &a])?;
-            ip(&["link", "set", &vb, "netns", &b])?;
-            ip(&["-n", &a, "addr", "add", "10.231.9.1/24", "dev", &va])?;
-            ip(&["-n", &b, "addr", "add", "10.231.9.2/24", "dev", &vb])?;
-            for (ns, v) in [(&a, &va), (&b, &vb)] {
-                ip(&["-n", ns, "link", "set", v, "up"])?;
-                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        let ns = match super::support::NetnsPair::create("kve", 9) {
+            Ok(ns) => ns,
+            Err(e) => {
+                eprintln!("SKIPPED etcd_and_decode_in_one_namespace_prefill_in_another: cannot create network namespaces here ({e})");
+                return;
             }
-            Ok(())
         };
-        if let Err(e) = setup() {
-            eprintln!("SKIPPED etcd_and_decode_in_one_namespace_prefill_in_another: cannot create network namespaces here ({e})");
-            return;
-        }
-        let etcd = kvxfer::metadata::testing::EtcdServer::start_on("10.231.9.1", 23790, Some(&a))
+        let (a, b) = (ns.a.clone(), ns.b.clone());
+        let (listen_a, listen_b) = (format!("listen={}:0", ns.addr_a), format!("listen={}:0", ns.addr_b));
+        let etcd_at = format!("etcd at {}:23790 (prefix /ns)", ns.addr_a);
+        let etcd = kvxfer::metadata::testing::EtcdServer::start_on(&ns.addr_a, 23790, Some(&a))
             .unwrap_or_else(|e| panic!("etcd in namespace {a}: {e}"));
         let addr = etcd.address("ns");
         let w = ["--requests", "4", "--tokens", "64"];
-        let d = worker(&addr, "decode", &[&w[..], &["--backend-opt", "listen=10.231.9.1:0"]].concat(), Some(&a))
-            .spawn()
-            .unwrap();
-        let p = worker(&addr, "prefill", &[&w[..], &["--backend-opt", "listen=10.231.9.2:0"]].concat(), Some(&b))
-            .spawn()
-            .unwrap();
+        let d = worker(&addr, "decode", &[&w[..], &["--backend-opt", &listen_a]].concat(), Some(&a)).spawn().unwrap();
+        let p = worker(&addr, "prefill", &[&w[..], &["--backend-opt", &listen_b]].concat(), Some(&b)).spawn().unwrap();
         let (d, p) = (d.wait_with_output().unwrap(), p.wait_with_output().unwrap());
         drop(etcd);
-        drop(guard);
+        drop(ns);
         assert!(p.status.success(), "prefill: {}", String::from_utf8_lossy(&p.stderr));
         assert!(d.status.success(), "decode: {}", String::from_utf8_lossy(&d.stderr));
         let summary = String::from_utf8_lossy(&d.stdout);
         assert!(summary.contains("\"verified_bytes\"") && !summary.contains("\"verified_bytes\":0"), "{summary}");
-        assert!(summary.contains("etcd at 10.231.9.1:23790 (prefix /ns)"), "{summary}");
+        assert!(summary.contains(&etcd_at), "{summary}");
     }
 }

@@ -8,6 +8,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod support;
+
 const EXE: &str = env!("CARGO_BIN_EXE_kvxfer");
 
 /// Small but real shapes: few layers keep the oracle's byte-wise fill and check quick.
@@ -255,62 +257,25 @@ fn a_decode_process_killed_mid_stream_fails_the_sender_naming_the_peer() {
     let _ = boot.wait();
 }
 
-/// Runs `ip` with arguments; Ok if it exits 0.
-fn ip(args: &[&str]) -> Result<(), String> {
-    let o = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-    if o.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
-    }
-}
-
-struct Netns(Vec<String>);
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for ns in &self.0 {
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
-}
-
 #[test]
 fn prefill_and_decode_in_two_network_namespaces_over_a_veth_pair() {
-    let tag = std::process::id() % 100_000;
-    let (a, b) = (format!("kvxa{tag}"), format!("kvxb{tag}"));
-    let guard = Netns(vec![a.clone(), b.clone()]);
-    let setup = || -> Result<(), String> {
-        ip(&["netns", "add", &a])?;
-        ip(&["netns", "add", &b])?;
-        let (va, vb) = (format!("kva{tag}"), format!("kvb{tag}"));
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        ip(&["link", "set", &va, "netns", &a])?;
-        ip(&["link", "set", &vb, "netns", &b])?;
-        ip(&["-n", &a, "addr", "add", "10.231.7.1/24", "dev", &va])?;
-        ip(&["-n", &b, "addr", "add", "10.231.7.2/24", "dev", &vb])?;
-        for (ns, v) in [(&a, &va), (&b, &vb)] {
-            ip(&["-n", ns, "link", "set", v, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    let ns = match support::NetnsPair::create("kvx", 7) {
+        Ok(ns) => ns,
+        Err(e) => {
+            eprintln!("SKIPPED prefill_and_decode_in_two_network_namespaces_over_a_veth_pair: cannot create network namespaces here ({e})");
+            return;
         }
-        Ok(())
     };
-    if let Err(e) = setup() {
-        eprintln!("SKIPPED prefill_and_decode_in_two_network_namespaces_over_a_veth_pair: cannot create network namespaces here ({e})");
-        return;
-    }
-    let (mut boot, addr) = bootstrap("10.231.7.1:0", Some(&a));
+    let (a, b) = (ns.a.clone(), ns.b.clone());
+    let (listen_a, listen_b) = (format!("listen={}:0", ns.addr_a), format!("listen={}:0", ns.addr_b));
+    let (mut boot, addr) = bootstrap(&format!("{}:0", ns.addr_a), Some(&a));
     let w = ["--requests", "4", "--tokens", "64"];
-    let d = worker(&addr, "decode", &[&w[..], &["--backend-opt", "listen=10.231.7.1:0"]].concat(), Some(&a))
-        .spawn()
-        .unwrap();
-    let p = worker(&addr, "prefill", &[&w[..], &["--backend-opt", "listen=10.231.7.2:0"]].concat(), Some(&b))
-        .spawn()
-        .unwrap();
+    let d = worker(&addr, "decode", &[&w[..], &["--backend-opt", &listen_a]].concat(), Some(&a)).spawn().unwrap();
+    let p = worker(&addr, "prefill", &[&w[..], &["--backend-opt", &listen_b]].concat(), Some(&b)).spawn().unwrap();
     let (d, p) = (d.wait_with_output().unwrap(), p.wait_with_output().unwrap());
     let _ = boot.kill();
     let _ = boot.wait();
-    drop(guard);
+    drop(ns);
     assert!(p.status.success(), "prefill: {}", String::from_utf8_lossy(&p.stderr));
     assert!(d.status.success(), "decode: {}", String::from_utf8_lossy(&d.stderr));
     let summary = String::from_utf8_lossy(&d.stdout);
