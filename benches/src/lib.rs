@@ -42,10 +42,7 @@ pub fn llama70b_kv(layout: Layout) -> KvSpec {
 /// Prefill TP `p` to decode TP `d`, PP 1 on both sides.
 pub fn llama70b_topology(p: u32, d: u32, layout: Layout) -> Result<Topology, ConfigError> {
     let kv = llama70b_kv(layout);
-    Topology::new(
-        &SideSpec { kv, parallel: Parallel { tp: p, pp: 1 } },
-        &SideSpec { kv, parallel: Parallel { tp: d, pp: 1 } },
-    )
+    Topology::new(&SideSpec { kv, parallel: Parallel::new(p, 1) }, &SideSpec { kv, parallel: Parallel::new(d, 1) })
 }
 
 /// Source and destination page lists of `pages` pages. Contiguous: `0..pages` on both sides (one run).
@@ -69,11 +66,11 @@ pub fn page_lists(pages: u32, shuffled: bool) -> (Vec<u32>, Vec<u32>) {
 }
 
 /// Ops an engine posting one op per token per layer per K/V for every (prefill, decode) pair would post
-/// (SGLang's head-slice transfer path): tokens x stage layers x kinds x pairs.
+/// (SGLang's head-slice transfer path): tokens x kinds x the sum over pairs of the sending stage's layers.
 pub fn one_op_per_token(topo: &Topology, plan: &ChunkPlan) -> u64 {
     let tokens: u64 = plan.runs.iter().map(|r| u64::from(r.len)).sum::<u64>() * u64::from(topo.kv().page_size);
-    let layers = u64::from(topo.stage_layers(kvxfer_core::Side::Prefill));
-    tokens * layers * topo.kv().kinds().len() as u64 * plan.pairs.len() as u64
+    let pair_layers: u64 = plan.pairs.iter().map(|p| u64::from(p.layers)).sum();
+    tokens * pair_layers * topo.kv().kinds().len() as u64
 }
 
 #[cfg(test)]

@@ -282,7 +282,7 @@ fn gqa(h: u32, hk: u32, hv: u32, layers: u32, page: u32, layout: Layout, tp: u32
             page_size: page,
             layout,
         },
-        parallel: Parallel { tp, pp },
+        parallel: Parallel::new(tp, pp),
     }
 }
 
@@ -295,7 +295,7 @@ fn mla(latent: u32, layers: u32, page: u32, tp: u32, pp: u32) -> SideSpec {
             page_size: page,
             layout: Layout::Nhd,
         },
-        parallel: Parallel { tp, pp },
+        parallel: Parallel::new(tp, pp),
     }
 }
 
@@ -366,6 +366,26 @@ pub fn scenarios() -> Vec<(String, Scenario)> {
                 let (a, b) = (gqa(h, 4, 2, 8, 4, layout, p, pp), gqa(h, 4, 2, 8, 4, layout, d, dpp));
                 let name = format!("pp::pp{pp}_dpp{dpp}_p{p}_d{d}_h{h}_{}_{}", layout_name(layout), style_name(style));
                 out.push((name, base(a, b, style, u64::from(pp * 7 + p))));
+            }
+        }
+    }
+    // pp, uneven stages (explicit layer partitions): into decode PP 1, which holds every layer, and into
+    // equal PP with the same partition.
+    for (stages, dpp) in [(&[3u32, 2][..], 1), (&[2, 3], 2), (&[1, 3, 2], 1), (&[1, 3, 2], 3)] {
+        for (p, d, h) in [(2, 4, 8), (4, 2, 2), (2, 1, 2)] {
+            for style in [Attached, OutOfBand] {
+                let layout = if (p + d + dpp) % 2 == 0 { Layout::Hnd } else { Layout::Nhd };
+                let layers: u32 = stages.iter().sum();
+                let mut a = gqa(h, 4, 2, layers, 4, layout, p, stages.len() as u32);
+                a.parallel = Parallel::with_stage_layers(p, stages).expect("a few stages");
+                let mut b = gqa(h, 4, 2, layers, 4, layout, d, dpp);
+                if dpp > 1 {
+                    b.parallel = Parallel::with_stage_layers(d, stages).expect("a few stages");
+                }
+                let split = stages.iter().map(u32::to_string).collect::<Vec<_>>().join("-");
+                let name =
+                    format!("pp::split{split}_dpp{dpp}_p{p}_d{d}_h{h}_{}_{}", layout_name(layout), style_name(style));
+                out.push((name, base(a, b, style, u64::from(layers * 7 + p))));
             }
         }
     }
@@ -452,7 +472,8 @@ async fn notify_unknown_request(f: Arc<dyn BackendFactory>, style: NotifyStyle) 
     let sc = Scenario { style, ..small(1, 2, 2) };
     let rig = Rig::build(f.as_ref(), &sc).await?;
     let s = rig.senders.values().next().expect("one sender");
-    // Before anything is expected: a notification for a request nobody tracks.
+    // Before anything is expected: a notification for a request nobody tracks (kept as early, never
+    // applied, and it must not disturb the real request).
     resend(s, &Notification::chunk(RequestId(999_999), s.key(), 0, true)).await?;
     rig.expect_all(Instant::now() + Duration::from_secs(20))?;
     rig.send_all(&sc, Instant::now() + Duration::from_secs(20), None).await?;
@@ -461,7 +482,7 @@ async fn notify_unknown_request(f: Arc<dyn BackendFactory>, style: NotifyStyle) 
     // The stray notification went out of band, on another connection than the request's own
     // (attached) ones, so it may be taken in after the request completed: pump until it is
     // counted, bounded.
-    let counted = || rig.receivers.values().map(|r| r.stats().unknown_request).sum::<u64>();
+    let counted = || rig.receivers.values().map(|r| r.stats().early_kept).sum::<u64>();
     let until = Instant::now() + Duration::from_secs(5);
     while counted() < 2 && Instant::now() < until {
         for r in rig.receivers.values() {
@@ -471,7 +492,7 @@ async fn notify_unknown_request(f: Arc<dyn BackendFactory>, style: NotifyStyle) 
     let dropped = counted();
     if dropped != 2 {
         return Err(format!(
-            "expected 2 dropped unknown-request notifications (one per decode rank), counted {dropped}"
+            "expected 2 kept early notifications for the unknown request (one per decode rank, SEMANTICS §5), counted {dropped}"
         ));
     }
     Ok(())

@@ -217,6 +217,7 @@ async fn notifications_keep_their_order_in_both_styles() {
         }
         // The largest notification the codec makes fits the claimed limit and arrives whole.
         let aux = Notification {
+            generation: 0,
             request: RequestId(3),
             sender: SenderKey::from_u64(7),
             body: NotificationBody::Aux(vec![5; kvxfer_core::notify::MAX_PAYLOAD]),

@@ -224,6 +224,7 @@ mod tests {
             let mut owner: Vec<Option<u64>> = vec![None; slots as usize]; // fragment seq occupying a slot
             let (mut seq, mut consumed_seq) = (0u64, 0u64);
             let sent: Vec<Notification> = payloads.iter().enumerate().map(|(i, p)| Notification {
+                generation: 0,
                 request: RequestId(i as u64), sender: SenderKey::from_u64(3), body: NotificationBody::Aux(p.clone()),
             }).collect();
             let mut got = Vec::new();

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use kvxfer_core::{Attention, KvSpec, NotifyStyle, Parallel, SideSpec, Topology};
+use kvxfer_core::{Attention, KvSpec, LayerPartition, NotifyStyle, Parallel, SideSpec, Topology};
 
 use crate::plan::LayoutArg;
 
@@ -92,6 +92,62 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("`{s}` is not key=value"))
 }
 
+/// Parses per-stage layer counts, comma-separated (`31,30`), into a [`LayerPartition`]. Whether they fit
+/// the model and the PP size is checked with the topology (the core's errors name the numbers).
+pub fn parse_stage_layers(s: &str) -> Result<LayerPartition, String> {
+    let counts = s
+        .split(',')
+        .map(|t| {
+            let t = t.trim();
+            t.parse::<u32>().map_err(|e| format!("layer count `{t}` in `{s}` is not a number of layers: {e}"))
+        })
+        .collect::<Result<Vec<u32>, String>>()?;
+    LayerPartition::new(&counts).map_err(|e| e.to_string())
+}
+
+/// Explicit per-stage layer counts of the two pipelines (uneven stages, SEMANTICS §1). Shared by the
+/// workload flags and `kvxfer plan`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::Args)]
+pub struct StageLayersArgs {
+    /// Layers of each prefill pipeline stage, comma-separated, one count per stage (as many as
+    /// --prefill-pp), each at least 1, summing to the layer count: e.g. `31,30` for 61 layers on
+    /// --prefill-pp 2. Default: the layers split evenly over the stages (a remainder is refused).
+    #[arg(long, value_name = "L0,L1,..", value_parser = parse_stage_layers)]
+    pub prefill_layers: Option<LayerPartition>,
+    /// Layers of each decode pipeline stage, same form. With --decode-pp equal to --prefill-pp the two
+    /// partitions must be identical, and this defaults to --prefill-layers; with --decode-pp 1 the decode
+    /// ranks hold every layer.
+    #[arg(long, value_name = "L0,L1,..", value_parser = parse_stage_layers)]
+    pub decode_layers: Option<LayerPartition>,
+}
+
+impl StageLayersArgs {
+    /// The prefill side's parallel config.
+    pub fn prefill(&self, tp: u32, pp: u32) -> Parallel {
+        Parallel { layer_partition: self.prefill_layers, ..Parallel::new(tp, pp) }
+    }
+
+    /// The decode side's parallel config: `--decode-layers`, or with decode PP equal to prefill PP (> 1)
+    /// the prefill partition (the only one that fits).
+    pub fn decode(&self, tp: u32, pp: u32, prefill_pp: u32) -> Parallel {
+        let inherited = if pp == prefill_pp && pp > 1 { self.prefill_layers } else { None };
+        Parallel { layer_partition: self.decode_layers.or(inherited), ..Parallel::new(tp, pp) }
+    }
+
+    /// The flags that reproduce these partitions.
+    pub fn to_args(&self) -> Vec<String> {
+        let list = |p: &LayerPartition| p.as_slice().iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let mut a = Vec::new();
+        if let Some(p) = &self.prefill_layers {
+            a.extend(["--prefill-layers".to_owned(), list(p)]);
+        }
+        if let Some(p) = &self.decode_layers {
+            a.extend(["--decode-layers".to_owned(), list(p)]);
+        }
+        a
+    }
+}
+
 /// The model shape, the two sides' parallel configs and the request stream. Every worker of one
 /// run must get the same values (`kvxfer demo` passes them on; by hand, pass the same flags).
 #[derive(Debug, Clone, clap::Args)]
@@ -114,6 +170,9 @@ pub struct Workload {
     /// Decode pipeline stages (1 or equal to --prefill-pp).
     #[arg(long, default_value_t = 1)]
     pub decode_pp: u32,
+    /// Explicit per-stage layer counts (uneven pipeline stages).
+    #[command(flatten)]
+    pub stage_layers: StageLayersArgs,
     /// Page layout of both pools.
     #[arg(long, value_enum, default_value = "nhd")]
     pub layout: LayoutArg,
@@ -170,12 +229,12 @@ impl Workload {
 
     /// Prefill side.
     pub fn prefill(&self) -> SideSpec {
-        self.side(Parallel { tp: self.prefill_tp, pp: self.prefill_pp })
+        self.side(self.stage_layers.prefill(self.prefill_tp, self.prefill_pp))
     }
 
     /// Decode side.
     pub fn decode(&self) -> SideSpec {
-        self.side(Parallel { tp: self.decode_tp, pp: self.decode_pp })
+        self.side(self.stage_layers.decode(self.decode_tp, self.decode_pp, self.prefill_pp))
     }
 
     /// Validated topology.
@@ -255,6 +314,7 @@ impl Workload {
         if let Some(l) = self.layers {
             a.extend(["--layers".into(), l.to_string()]);
         }
+        a.extend(self.stage_layers.to_args());
         for (k, v) in &self.backend_opts {
             a.extend(["--backend-opt".into(), format!("{k}={v}")]);
         }
@@ -298,6 +358,56 @@ pub fn request_pages(w: &Workload, r: u32, salt: u64) -> Vec<u32> {
 /// from the wrong request is caught).
 pub fn token_base(r: u32) -> u64 {
     u64::from(r) << 24
+}
+
+#[cfg(test)]
+mod stage_layers_tests {
+    use clap::Parser;
+    use kvxfer_core::Side;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        w: Workload,
+    }
+
+    fn parse(args: &[&str]) -> Workload {
+        Cli::try_parse_from(std::iter::once("kvxfer").chain(args.iter().copied())).unwrap().w
+    }
+
+    #[test]
+    fn partitions_reach_the_topology_and_the_worker_flags() {
+        let w = parse(&["--model", "deepseek-v3", "--prefill-pp", "2", "--prefill-layers", "31, 30"]);
+        let topo = w.topology().unwrap();
+        assert_eq!(topo.layer_partition(Side::Prefill), [31, 30]);
+        assert_eq!(topo.layer_partition(Side::Decode), [61]);
+        // Workers spawned with `to_args` build the same topology.
+        let args = w.to_args();
+        assert!(args.windows(2).any(|a| a == ["--prefill-layers", "31,30"]), "{args:?}");
+        let again = parse(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(again.topology().unwrap(), topo);
+        // Equal PP: decode takes the prefill partition unless told otherwise.
+        let equal_pp = ["--layers", "5", "--prefill-pp", "2", "--decode-pp", "2", "--prefill-layers", "3,2"];
+        let w = parse(&equal_pp);
+        assert_eq!(w.topology().unwrap().layer_partition(Side::Decode), [3, 2]);
+        assert!(!w.to_args().contains(&"--decode-layers".to_owned()));
+        let w = parse(&[&equal_pp[..], &["--decode-layers", "2,3"]].concat());
+        let e = w.topology().unwrap_err();
+        assert!(e.contains("[3, 2]") && e.contains("[2, 3]"), "{e}");
+        // Without the flags nothing changes.
+        let w = parse(&["--prefill-pp", "2"]);
+        assert_eq!(w.topology().unwrap().layer_partition(Side::Prefill), [16, 16]);
+        assert!(!w.to_args().iter().any(|a| a.ends_with("-layers")));
+    }
+
+    #[test]
+    fn malformed_lists_name_the_count() {
+        assert!(parse_stage_layers("31,x").unwrap_err().contains("layer count `x` in `31,x`"));
+        assert!(parse_stage_layers("").unwrap_err().contains("layer count ``"));
+        assert_eq!(parse_stage_layers(" 4 ,5").unwrap().as_slice(), [4, 5]);
+    }
 }
 
 #[cfg(test)]

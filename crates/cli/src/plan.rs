@@ -17,9 +17,11 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 
 use kvxfer_core::plan::{plan_chunk, ChunkPlan, PairPlan};
-use kvxfer_core::{Attention, KvSpec, Layout, Parallel, Side, SideSpec, Topology};
+use kvxfer_core::{Attention, KvSpec, Layout, Side, SideSpec, Topology};
 use serde::ser::{SerializeMap, SerializeStruct};
 use serde::{Serialize, Serializer};
+
+use crate::model::StageLayersArgs;
 
 /// Page layout as a command-line value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -127,6 +129,9 @@ pub struct PlanArgs {
     /// Decode pipeline-parallel size (1 or the prefill PP size).
     #[arg(long, default_value_t = 1)]
     pub decode_pp: u32,
+    /// Explicit per-stage layer counts (uneven pipeline stages).
+    #[command(flatten)]
+    pub stage_layers: StageLayersArgs,
     /// Page layout of both KV pools.
     #[arg(long, value_enum, default_value_t = LayoutArg::Nhd)]
     pub layout: LayoutArg,
@@ -173,8 +178,9 @@ impl PlanArgs {
     /// The validated topology (the core's errors on an invalid configuration).
     pub fn topology(&self) -> Result<Topology, kvxfer_core::ConfigError> {
         let kv = self.kv_spec();
-        let prefill = SideSpec { kv, parallel: Parallel { tp: self.prefill_tp, pp: self.prefill_pp } };
-        let decode = SideSpec { kv, parallel: Parallel { tp: self.decode_tp, pp: self.decode_pp } };
+        let prefill = SideSpec { kv, parallel: self.stage_layers.prefill(self.prefill_tp, self.prefill_pp) };
+        let decode =
+            SideSpec { kv, parallel: self.stage_layers.decode(self.decode_tp, self.decode_pp, self.prefill_pp) };
         Topology::new(&prefill, &decode)
     }
 }
@@ -291,6 +297,15 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+/// The per-stage layer counts of an uneven side joined with `sep`; `None` when every stage holds the same.
+fn stage_layers(topo: &Topology, side: Side, sep: &str) -> Option<String> {
+    let counts = topo.layer_partition(side);
+    if counts.windows(2).all(|w| w[0] == w[1]) {
+        return None;
+    }
+    Some(counts.iter().map(u32::to_string).collect::<Vec<_>>().join(sep))
+}
+
 fn describe(topo: &Topology) -> String {
     let kv = topo.kv();
     let p = topo.parallel(Side::Prefill);
@@ -304,9 +319,23 @@ fn describe(topo: &Topology) -> String {
         }
         Attention::Mla { latent_dim } => format!("MLA latent_dim={latent_dim}"),
     };
+    // Uneven stages: each stage's layer count after the PP size.
+    let stages = |side: Side| match stage_layers(topo, side, "+") {
+        Some(counts) => format!(" (layers {counts})"),
+        None => String::new(),
+    };
     format!(
-        "prefill TP {} x PP {} -> decode TP {} x PP {}; {attn}; {} layers; dtype {} B; page size {}; layout {}",
-        p.tp, p.pp, d.tp, d.pp, kv.layers, kv.dtype_bytes, kv.page_size, kv.layout
+        "prefill TP {} x PP {}{} -> decode TP {} x PP {}{}; {attn}; {} layers; dtype {} B; page size {}; layout {}",
+        p.tp,
+        p.pp,
+        stages(Side::Prefill),
+        d.tp,
+        d.pp,
+        stages(Side::Decode),
+        kv.layers,
+        kv.dtype_bytes,
+        kv.page_size,
+        kv.layout
     )
 }
 
@@ -320,7 +349,7 @@ pub fn write_table(out: &mut impl Write, topo: &Topology, plan: &ChunkPlan, args
         "chunk: {pages} pages ({} tokens) in {} run(s) of consecutive pages; {} layer(s) per prefill stage",
         pages * u64::from(kv.page_size),
         plan.runs.len(),
-        topo.stage_layers(Side::Prefill)
+        stage_layers(topo, Side::Prefill, "/").unwrap_or_else(|| topo.stage_layers(Side::Prefill, 0).to_string())
     )?;
     writeln!(
         out,
@@ -377,11 +406,8 @@ pub fn write_table(out: &mut impl Write, topo: &Topology, plan: &ChunkPlan, args
     let total_bytes: u64 = plan.pairs.iter().map(PairPlan::bytes).sum();
     let writing = plan.pairs.iter().filter(|p| p.writes()).count();
     // SGLang posts one op per token per layer per K/V for every pair (it also has replicas re-send).
-    let per_token: u64 = plan.pairs.len() as u64
-        * pages
-        * u64::from(kv.page_size)
-        * u64::from(topo.stage_layers(Side::Prefill))
-        * kv.kinds().len() as u64;
+    let pair_layers: u64 = plan.pairs.iter().map(|p| u64::from(p.layers)).sum();
+    let per_token: u64 = pair_layers * pages * u64::from(kv.page_size) * kv.kinds().len() as u64;
     writeln!(
         out,
         "totals: {} pair(s) ({writing} moving bytes), {} op(s), {}; one op per token per layer per kind would be {per_token}",

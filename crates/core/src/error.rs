@@ -43,8 +43,11 @@ pub enum ConfigError {
         /// Decode PP size.
         decode_pp: u32,
     },
-    /// The layer count is not divisible by a side's PP size.
-    #[error("{side}: {layers} layers cannot be split evenly over PP {pp}")]
+    /// The layer count is not divisible by a side's PP size, and the side gives no explicit partition.
+    #[error(
+        "{side}: {layers} layers cannot be split evenly over PP {pp}; \
+         give an explicit layer partition ({pp} per-stage layer counts that sum to {layers})"
+    )]
     LayersNotDivisible {
         /// Which side.
         side: Side,
@@ -52,6 +55,62 @@ pub enum ConfigError {
         layers: u32,
         /// PP size.
         pp: u32,
+    },
+    /// An explicit layer partition does not name one layer count per pipeline stage.
+    #[error(
+        "{side}: layer partition {} names {} stage(s) but PP is {pp}; give one layer count per stage",
+        render_layers(.partition), .partition.len()
+    )]
+    PartitionLength {
+        /// Which side.
+        side: Side,
+        /// The partition as given.
+        partition: Vec<u32>,
+        /// PP size.
+        pp: u32,
+    },
+    /// An explicit layer partition gives a stage no layer.
+    #[error(
+        "{side}: stage {stage} of layer partition {} has 0 layers; every stage owns at least one layer",
+        render_layers(.partition)
+    )]
+    EmptyStage {
+        /// Which side.
+        side: Side,
+        /// The partition as given.
+        partition: Vec<u32>,
+        /// The first empty stage.
+        stage: u32,
+    },
+    /// An explicit layer partition does not cover the model's layers.
+    #[error(
+        "{side}: layer partition {} sums to {sum} layers but the model has {layers}",
+        render_layers(.partition)
+    )]
+    PartitionSum {
+        /// Which side.
+        side: Side,
+        /// The partition as given.
+        partition: Vec<u32>,
+        /// Its sum.
+        sum: u64,
+        /// Layers of the model.
+        layers: u32,
+    },
+    /// Decode PP equals prefill PP, but the stages own different layers: a prefill stage's layers must
+    /// land on the decode stage that owns them.
+    #[error(
+        "prefill layer partition {} and decode layer partition {} differ; with decode PP equal to prefill \
+         PP {pp}, each decode stage receives the layers of the same prefill stage, so the partitions must be identical",
+        render_layers(.prefill), render_layers(.decode)
+    )]
+    PartitionMismatch {
+        /// PP size of both sides.
+        pp: u32,
+        /// Per-stage layer counts of prefill (explicit or the even split).
+        prefill: Vec<u32>,
+        /// Per-stage layer counts of decode (explicit or the even split).
+        decode: Vec<u32>,
     },
     /// The two sides disagree on fields that must match.
     #[error("prefill and decode are incompatible: {}", .0.iter().map(|m| m.to_string()).collect::<Vec<_>>().join("; "))]
@@ -96,6 +155,11 @@ pub enum ConfigError {
     },
 }
 
+/// Per-stage layer counts as `[31, 30]`.
+pub(crate) fn render_layers(counts: &[u32]) -> String {
+    format!("[{}]", counts.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))
+}
+
 /// One field on which prefill and decode disagree.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field} differs (prefill {prefill}, decode {decode})")]
@@ -118,6 +182,14 @@ pub enum PlanError {
         src: usize,
         /// Destination pages.
         dst: usize,
+    },
+    /// A prefill rank asked to write a decode rank it does not feed (SEMANTICS §3).
+    #[error("prefill rank {src} does not feed decode rank {dst} in this topology")]
+    NotAReceiver {
+        /// The prefill rank.
+        src: RankId,
+        /// The decode rank.
+        dst: RankId,
     },
     /// A destination page appears twice in one chunk.
     #[error("destination page {page} appears twice in the chunk; two source pages cannot land on one page")]
@@ -199,9 +271,24 @@ pub enum CodecError {
 /// The tracker refused a call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TrackerError {
-    /// `expect` for a request that is already tracked.
-    #[error("request {0} is already being tracked; release it before expecting it again")]
-    AlreadyTracked(RequestId),
+    /// `expect` for a room that is already tracked.
+    #[error(
+        "request {request} is already being tracked (generation {generation}); release it before expecting it again"
+    )]
+    AlreadyTracked {
+        /// The room.
+        request: RequestId,
+        /// The generation tracked now.
+        generation: u64,
+    },
+    /// `expect` for a (room, generation) that was already released: generations are unique per use.
+    #[error("request {request} generation {generation} was already used and released; give every use of a room a new generation")]
+    GenerationReleased {
+        /// The room.
+        request: RequestId,
+        /// The generation.
+        generation: u64,
+    },
     /// `expect` with an empty sender set.
     #[error("request {0}: the expected sender set is empty")]
     NoSenders(RequestId),

@@ -32,10 +32,13 @@ pub use backend::{
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
 pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, StridedWriteGuard, WriteGuard};
-pub use model::{Attention, KvKind, KvSpec, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology};
+pub use model::{
+    Attention, KvKind, KvSpec, LayerPartition, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology,
+    MAX_PARTITION_STAGES,
+};
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
-pub use tracker::{CompletionTracker, ExpectSpec, Failure, Handled, Status, TrackerStats};
+pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Status, TrackerConfig, TrackerStats};
 
 /// Re-exported so backend crates submit descriptors without naming `inventory` themselves.
 pub use inventory;

@@ -157,6 +157,128 @@ impl KvSpec {
     }
 }
 
+/// Most stages an explicit [`LayerPartition`] may name.
+pub const MAX_PARTITION_STAGES: usize = 64;
+
+/// An explicit layer partition of one side: the layer count of each pipeline stage, in stage order
+/// (SEMANTICS §1), e.g. `[31, 30]` for DeepSeek-V3's 61 layers on PP 2. Stage `s` owns the global
+/// layers `[ls, ls + L)` with `ls` the sum of the earlier counts and `L` its own count.
+///
+/// Holds at most [`MAX_PARTITION_STAGES`] counts, inline, so that [`Parallel`], [`SideSpec`] and
+/// [`Topology`] stay `Copy`. Serialized as an array of layer counts (`[31, 30]`). Whether it fits a
+/// side (one count per stage, summing to the layer count, no empty stage) is checked by
+/// [`Topology::new`], which names the numbers.
+#[derive(Clone, Copy)]
+pub struct LayerPartition {
+    len: u8,
+    layers: [u32; MAX_PARTITION_STAGES],
+}
+
+impl LayerPartition {
+    /// A partition with the given per-stage layer counts, or a [`ConfigError::TooLarge`] when it names
+    /// more than [`MAX_PARTITION_STAGES`] stages.
+    pub fn new(stage_layers: &[u32]) -> Result<Self, ConfigError> {
+        if stage_layers.len() > MAX_PARTITION_STAGES {
+            return Err(ConfigError::TooLarge {
+                what: "stages of an explicit layer partition",
+                value: stage_layers.len() as u64,
+                max: MAX_PARTITION_STAGES as u64,
+            });
+        }
+        let mut layers = [0; MAX_PARTITION_STAGES];
+        layers[..stage_layers.len()].copy_from_slice(stage_layers);
+        Ok(Self { len: stage_layers.len() as u8, layers })
+    }
+
+    /// The per-stage layer counts, stage 0 first.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.layers[..usize::from(self.len)]
+    }
+
+    /// Number of stages named.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Whether no stage is named.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The sum of the counts (the layers the partition covers).
+    pub fn total(&self) -> u64 {
+        self.as_slice().iter().map(|l| u64::from(*l)).sum()
+    }
+}
+
+impl TryFrom<&[u32]> for LayerPartition {
+    type Error = ConfigError;
+
+    fn try_from(v: &[u32]) -> Result<Self, ConfigError> {
+        Self::new(v)
+    }
+}
+
+impl PartialEq for LayerPartition {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for LayerPartition {}
+
+impl std::hash::Hash for LayerPartition {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_slice().hash(state);
+    }
+}
+
+impl fmt::Debug for LayerPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
+}
+
+impl fmt::Display for LayerPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&crate::error::render_layers(self.as_slice()))
+    }
+}
+
+impl Serialize for LayerPartition {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.as_slice())
+    }
+}
+
+impl<'de> Deserialize<'de> for LayerPartition {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Counts;
+        impl<'de> serde::de::Visitor<'de> for Counts {
+            type Value = LayerPartition;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "an array of at most {MAX_PARTITION_STAGES} per-stage layer counts")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<LayerPartition, A::Error> {
+                let mut layers = [0; MAX_PARTITION_STAGES];
+                let mut len = 0;
+                while let Some(l) = seq.next_element::<u32>()? {
+                    // Stop at the first count over the limit: a hostile peer cannot make this allocate.
+                    if len == MAX_PARTITION_STAGES {
+                        return Err(serde::de::Error::invalid_length(len + 1, &self));
+                    }
+                    layers[len] = l;
+                    len += 1;
+                }
+                Ok(LayerPartition { len: len as u8, layers })
+            }
+        }
+        d.deserialize_seq(Counts)
+    }
+}
+
 /// One side's parallel configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Parallel {
@@ -164,6 +286,63 @@ pub struct Parallel {
     pub tp: u32,
     /// Pipeline-parallel size.
     pub pp: u32,
+    /// Explicit per-stage layer counts (`pp` entries summing to the layer count, none 0). `None`: the
+    /// layers split evenly over the stages, and a remainder is refused. Absent from the serialized form
+    /// when `None`, so configurations and handshakes written without it still parse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_partition: Option<LayerPartition>,
+}
+
+impl Parallel {
+    /// TP `tp` and PP `pp`, the layers split evenly over the stages.
+    pub fn new(tp: u32, pp: u32) -> Self {
+        Self { tp, pp, layer_partition: None }
+    }
+
+    /// TP `tp` and one pipeline stage per entry of `stage_layers`, each holding that many layers (the
+    /// PP size is the number of entries). A [`ConfigError::TooLarge`] beyond [`MAX_PARTITION_STAGES`]
+    /// stages; the counts are checked against the model by [`Topology::new`].
+    pub fn with_stage_layers(tp: u32, stage_layers: &[u32]) -> Result<Self, ConfigError> {
+        let partition = LayerPartition::new(stage_layers)?;
+        Ok(Self { tp, pp: stage_layers.len() as u32, layer_partition: Some(partition) })
+    }
+
+    /// Layers of stage `stage` for a model of `layers` layers: the explicit count, or `layers / pp`;
+    /// 0 for a stage outside `0..pp`.
+    fn stage_layers(&self, layers: u32, stage: u32) -> u32 {
+        if stage >= self.pp {
+            return 0;
+        }
+        match &self.layer_partition {
+            Some(p) => p.as_slice().get(stage as usize).copied().unwrap_or(0),
+            None => layers / self.pp,
+        }
+    }
+
+    /// The first global layer of stage `stage` (the layers of the stages before it); the layer count
+    /// covered by the stages for `stage >= pp`.
+    fn first_layer(&self, layers: u32, stage: u32) -> u32 {
+        let stage = stage.min(self.pp);
+        match &self.layer_partition {
+            Some(p) => p.as_slice().iter().take(stage as usize).fold(0u32, |acc, l| acc.saturating_add(*l)),
+            None => stage * (layers / self.pp.max(1)),
+        }
+    }
+
+    /// Every stage's layer count.
+    fn partition(&self, layers: u32) -> Vec<u32> {
+        (0..self.pp).map(|s| self.stage_layers(layers, s)).collect()
+    }
+
+    /// This config without an explicit partition when the partition is the even split.
+    fn normalized(&self, layers: u32) -> Self {
+        match &self.layer_partition {
+            Some(p) if layers % self.pp.max(1) == 0 && p.as_slice().iter().all(|l| *l == layers / self.pp.max(1)) => {
+                Self { layer_partition: None, ..*self }
+            }
+            _ => *self,
+        }
+    }
 }
 
 /// A rank of one side: its TP rank and PP stage.
@@ -293,10 +472,31 @@ fn check_side(side: Side, s: &SideSpec) -> Result<(), ConfigError> {
             return Err(ConfigError::TooLarge { what, value: v.into(), max: u16::MAX.into() });
         }
     }
-    if kv.layers % s.parallel.pp != 0 {
-        return Err(ConfigError::LayersNotDivisible { side, layers: kv.layers, pp: s.parallel.pp });
-    }
+    check_partition(side, kv.layers, &s.parallel)?;
     check_sizes(side, s)
+}
+
+/// SEMANTICS §1: an explicit partition has one count per stage, none 0, summing to the layer count;
+/// without one, the layers split evenly over the stages.
+fn check_partition(side: Side, layers: u32, par: &Parallel) -> Result<(), ConfigError> {
+    let Some(partition) = &par.layer_partition else {
+        if layers % par.pp != 0 {
+            return Err(ConfigError::LayersNotDivisible { side, layers, pp: par.pp });
+        }
+        return Ok(());
+    };
+    let counts = partition.as_slice();
+    if counts.len() as u64 != u64::from(par.pp) {
+        return Err(ConfigError::PartitionLength { side, partition: counts.to_vec(), pp: par.pp });
+    }
+    if let Some(stage) = counts.iter().position(|l| *l == 0) {
+        return Err(ConfigError::EmptyStage { side, partition: counts.to_vec(), stage: stage as u32 });
+    }
+    let sum = partition.total();
+    if sum != u64::from(layers) {
+        return Err(ConfigError::PartitionSum { side, partition: counts.to_vec(), sum, layers });
+    }
+    Ok(())
 }
 
 /// The largest byte size of one page of one (layer, kind) buffer of one rank: `u64::MAX / u32::MAX`
@@ -401,7 +601,14 @@ fn attention_name(a: &Attention) -> String {
 }
 
 impl Topology {
-    /// Validates both sides and their compatibility (SEMANTICS §2, §6). Every error names the values.
+    /// Validates both sides and their compatibility (SEMANTICS §1, §2, §6). Every error names the values.
+    ///
+    /// Layers: a side with an explicit [`Parallel::layer_partition`] needs one count per stage, none 0,
+    /// summing to the layer count; a side without one splits the layers evenly and refuses a remainder.
+    /// An explicit partition equal to the even split is kept as the even split (`layer_partition: None`
+    /// in [`Topology::parallel`]), so that equal topologies mean equal layer layouts.
+    /// With decode PP equal to prefill PP (> 1), both sides' per-stage counts must be identical; with
+    /// decode PP 1, the decode rank holds every layer and prefill stage `s` lands at its first layer.
     pub fn new(prefill: &SideSpec, decode: &SideSpec) -> Result<Self, ConfigError> {
         let mism = kv_mismatches(&prefill.kv, &decode.kv);
         if !mism.is_empty() {
@@ -417,7 +624,20 @@ impl Topology {
         if dp != 1 && dp != pp {
             return Err(ConfigError::PpMismatch { prefill_pp: pp, decode_pp: dp });
         }
-        Ok(Self { kv: prefill.kv, prefill: prefill.parallel, decode: decode.parallel })
+        // Equal PP: prefill stage s writes into decode stage s, layer for layer, so both must own the
+        // same layers (SEMANTICS §4).
+        let layers = prefill.kv.layers;
+        let (ps, ds) = (&prefill.parallel, &decode.parallel);
+        if dp == pp && dp > 1 && (0..pp).any(|s| ps.stage_layers(layers, s) != ds.stage_layers(layers, s)) {
+            return Err(ConfigError::PartitionMismatch {
+                pp,
+                prefill: ps.partition(layers),
+                decode: ds.partition(layers),
+            });
+        }
+        // An explicit partition equal to the even split is the even split: equal topologies describe
+        // equal layouts, however each side spelled its stages.
+        Ok(Self { kv: prefill.kv, prefill: ps.normalized(layers), decode: ds.normalized(layers) })
     }
 
     /// The shared KV spec.
@@ -453,9 +673,22 @@ impl Topology {
         Ok(())
     }
 
-    /// Layers held by each stage of a side.
-    pub fn stage_layers(&self, side: Side) -> u32 {
-        self.kv.layers / self.parallel(side).pp
+    /// Layers held by stage `stage` of a side: its entry of the side's explicit layer partition, or
+    /// `layers / PP` without one. 0 for a stage outside the side.
+    pub fn stage_layers(&self, side: Side, stage: u32) -> u32 {
+        self.parallel(side).stage_layers(self.kv.layers, stage)
+    }
+
+    /// The global layers stage `stage` of a side owns: `[ls, ls + L)` (SEMANTICS §1). Empty for a stage
+    /// outside the side.
+    pub fn stage_range(&self, side: Side, stage: u32) -> std::ops::Range<u32> {
+        let first = self.first_layer(side, stage);
+        first..first + self.stage_layers(side, stage)
+    }
+
+    /// Every stage's layer count on a side, stage 0 first: the explicit partition, or the even split.
+    pub fn layer_partition(&self, side: Side) -> Vec<u32> {
+        self.parallel(side).partition(self.kv.layers)
     }
 
     /// Heads held by one rank of a side (1 for MLA).
@@ -490,9 +723,9 @@ impl Topology {
         )
     }
 
-    /// Bytes of one rank's whole pool of `pages` pages: every layer of its stage and every kind. A
-    /// [`ConfigError::SizeOverflow`] naming the values when it does not fit in a `u64`.
-    pub fn checked_pool_bytes(&self, side: Side, pages: u32) -> Result<u64, ConfigError> {
+    /// Bytes of the whole pool of `pages` pages of one rank of stage `stage`: every layer of that stage
+    /// and every kind. A [`ConfigError::SizeOverflow`] naming the values when it does not fit in a `u64`.
+    pub fn checked_pool_bytes(&self, side: Side, stage: u32, pages: u32) -> Result<u64, ConfigError> {
         let head_bytes = self.kv.kinds().iter().fold(0u64, |acc, k| acc.saturating_add(self.kv.head_bytes(*k)));
         product(
             side,
@@ -502,7 +735,7 @@ impl Topology {
                 ("page_size", self.kv.page_size.into()),
                 ("local heads", self.local_heads(side).into()),
                 ("bytes per head of every kind", head_bytes),
-                ("stage layers", self.stage_layers(side).into()),
+                ("stage layers", self.stage_layers(side, stage).into()),
             ],
             u64::MAX,
         )
@@ -553,12 +786,15 @@ impl Topology {
         self.senders(dst).into_iter().map(SenderKey::of).collect()
     }
 
-    /// The first global layer of a stage on a side.
+    /// The first global layer `ls` of a stage on a side: the layers of every earlier stage (explicit
+    /// partition or even split). For a stage at or past the side's PP, the layer count.
     pub fn first_layer(&self, side: Side, stage: u32) -> u32 {
-        stage * self.stage_layers(side)
+        self.parallel(side).first_layer(self.kv.layers, stage)
     }
 
-    /// Destination layer (decode rank-local) of prefill stage `src_pp`'s local layer 0.
+    /// Destination layer (decode rank-local) of prefill stage `src_pp`'s local layer 0: the stage's
+    /// first global layer when decode PP is 1 (the decode rank holds every layer), else 0 (the decode
+    /// stage owns the same layers as the prefill stage).
     pub fn dst_layer_offset(&self, src_pp: u32) -> u32 {
         if self.decode.pp == 1 {
             self.first_layer(Side::Prefill, src_pp)

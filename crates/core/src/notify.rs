@@ -1,16 +1,23 @@
 //! Typed notifications and their compact, versioned binary encoding.
 //!
-//! Wire format (little endian), version 1:
+//! Wire format (little endian), version 2:
 //! ```text
 //! 0      u8   magic 0xKV (0x4b)
-//! 1      u8   version (1)
-//! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure
-//! 3..11  u64  request id
-//! 11..19 u64  sender key (16 bits each: dp, cp, pp, tp)
+//! 1      u8   version (2)
+//! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure, 5 handoff, 6 abort, 7 fenced
+//! 3..11  u64  request id (the room)
+//! 11..19 u64  generation (unique per use of a room)
+//! 19..27 u64  sender key (16 bits each: dp, cp, pp, tp) of the rank that sent it (prefill or decode)
 //! kv-chunk: u32 chunk index, u8 last (0 or 1)
 //! aux, state: u32 length, payload bytes (at most MAX_PAYLOAD)
-//! failure: u16 length, UTF-8 reason (at most MAX_REASON bytes)
+//! failure, abort: u16 length, UTF-8 reason (at most MAX_REASON bytes)
+//! handoff: u8 has-aux (0 or 1), u32 aux slot, u32 page count, that many u32 pages (payload at most MAX_PAYLOAD)
+//! fenced: nothing
 //! ```
+//!
+//! Kinds 1-4 and 7 travel from a prefill rank to a decode rank; 5 (the decode rank's destination pages
+//! for one request) and 6 (the decode rank aborted the request: stop writing, then answer `fenced`)
+//! travel from a decode rank to a prefill rank.
 //! The decoder rejects truncation, unknown magic, version or kind, flag bytes other than 0 and 1,
 //! over-long payloads, invalid UTF-8 and trailing bytes.
 
@@ -21,7 +28,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::CodecError;
 use crate::model::SenderKey;
 
-/// A request (SGLang's room): one sequence's KV transfer.
+/// A request (SGLang's room, vLLM's request id): one sequence's KV transfer. An engine may reuse a
+/// room after it released it; the generation in every [`Notification`] tells the uses apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId(pub u64);
 
@@ -45,16 +53,33 @@ pub enum NotificationBody {
     Aux(Vec<u8>),
     /// Per-request state (e.g. linear-attention state) from one sender.
     State(Vec<u8>),
-    /// The sender failed this request.
+    /// The sender failed this request. A sender sends it only after its own transfers for the request
+    /// are finished or aborted (it also counts as that sender's fence).
     Failure(String),
+    /// Decode to prefill: where this decode rank's bytes of the request land (its destination page
+    /// indices in token order) and, optionally, its aux slot.
+    Handoff {
+        /// Destination pages on the decode rank, in token order.
+        pages: Vec<u32>,
+        /// The decode rank's aux slot for the request, if it wants aux data.
+        aux_slot: Option<u32>,
+    },
+    /// Decode to prefill: the decode rank aborted the request; stop posting, abort what is in flight,
+    /// then answer [`NotificationBody::Fenced`].
+    Abort(String),
+    /// Prefill to decode: no write of this sender for the request can land any more.
+    Fenced,
 }
 
 /// One notification from a sender about a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Notification {
-    /// The request.
+    /// The request (room).
     pub request: RequestId,
-    /// The sender's key.
+    /// Which use of the room: unique per use, chosen by the decode side when it registers the request
+    /// (0 for callers that never reuse a room id).
+    pub generation: u64,
+    /// The key of the rank that sent it.
     pub sender: SenderKey,
     /// The content.
     pub body: NotificationBody,
@@ -62,22 +87,33 @@ pub struct Notification {
 
 const MAGIC: u8 = 0x4b;
 /// Wire version this build encodes and decodes.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Largest aux or state payload.
 pub const MAX_PAYLOAD: usize = 1 << 20;
 /// Largest failure reason in bytes (longer reasons are truncated at a char boundary when encoding).
 pub const MAX_REASON: usize = 4096;
-const HEADER: usize = 19;
+const HEADER: usize = 27;
 
 impl Notification {
     /// A kv-chunk notification.
     pub fn chunk(request: RequestId, sender: SenderKey, chunk: u32, last: bool) -> Self {
-        Self { request, sender, body: NotificationBody::KvChunk { chunk, last } }
+        Self::new(request, sender, NotificationBody::KvChunk { chunk, last })
     }
 
     /// A failure notification.
     pub fn failure(request: RequestId, sender: SenderKey, reason: impl Into<String>) -> Self {
-        Self { request, sender, body: NotificationBody::Failure(reason.into()) }
+        Self::new(request, sender, NotificationBody::Failure(reason.into()))
+    }
+
+    /// A notification of generation 0.
+    pub fn new(request: RequestId, sender: SenderKey, body: NotificationBody) -> Self {
+        Self { request, generation: 0, sender, body }
+    }
+
+    /// The same notification for another generation of its room.
+    pub fn with_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
     }
 
     /// Encodes into bytes. Aux/state payloads over [`MAX_PAYLOAD`] are an error; failure reasons are
@@ -95,9 +131,13 @@ impl Notification {
             NotificationBody::Aux(_) => 2,
             NotificationBody::State(_) => 3,
             NotificationBody::Failure(_) => 4,
+            NotificationBody::Handoff { .. } => 5,
+            NotificationBody::Abort(_) => 6,
+            NotificationBody::Fenced => 7,
         };
         out.extend_from_slice(&[MAGIC, VERSION, tag]);
         out.extend_from_slice(&self.request.0.to_le_bytes());
+        out.extend_from_slice(&self.generation.to_le_bytes());
         out.extend_from_slice(&self.sender.to_u64().to_le_bytes());
         match &self.body {
             NotificationBody::KvChunk { chunk, last } => {
@@ -111,7 +151,7 @@ impl Notification {
                 out.extend_from_slice(&(p.len() as u32).to_le_bytes());
                 out.extend_from_slice(p);
             }
-            NotificationBody::Failure(r) => {
+            NotificationBody::Failure(r) | NotificationBody::Abort(r) => {
                 let mut end = r.len().min(MAX_REASON);
                 while !r.is_char_boundary(end) {
                     end -= 1;
@@ -119,6 +159,18 @@ impl Notification {
                 out.extend_from_slice(&(end as u16).to_le_bytes());
                 out.extend_from_slice(&r.as_bytes()[..end]);
             }
+            NotificationBody::Handoff { pages, aux_slot } => {
+                if pages.len() > MAX_HANDOFF_PAGES {
+                    return Err(CodecError::TooLong { len: pages.len() * 4, max: MAX_PAYLOAD });
+                }
+                out.push(u8::from(aux_slot.is_some()));
+                out.extend_from_slice(&aux_slot.unwrap_or(0).to_le_bytes());
+                out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
+                for p in pages {
+                    out.extend_from_slice(&p.to_le_bytes());
+                }
+            }
+            NotificationBody::Fenced => {}
         }
         Ok(())
     }
@@ -136,6 +188,7 @@ impl Notification {
         }
         let tag = r.u8()?;
         let request = RequestId(r.u64()?);
+        let generation = r.u64()?;
         let sender = SenderKey::from_u64(r.u64()?);
         let body = match tag {
             1 => {
@@ -159,32 +212,62 @@ impl Notification {
                     NotificationBody::State(p)
                 }
             }
-            4 => {
+            4 | 6 => {
                 let len = usize::from(r.u16()?);
                 if len > MAX_REASON {
                     return Err(CodecError::TooLong { len, max: MAX_REASON });
                 }
-                let s = std::str::from_utf8(r.bytes(len)?).map_err(|_| CodecError::Utf8)?;
-                NotificationBody::Failure(s.to_owned())
+                let s = std::str::from_utf8(r.bytes(len)?).map_err(|_| CodecError::Utf8)?.to_owned();
+                if tag == 4 {
+                    NotificationBody::Failure(s)
+                } else {
+                    NotificationBody::Abort(s)
+                }
             }
+            5 => {
+                let has_aux = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    f => return Err(CodecError::Flag(f)),
+                };
+                let aux = r.u32()?;
+                let n = r.u32()? as usize;
+                if n > MAX_HANDOFF_PAGES {
+                    return Err(CodecError::TooLong { len: n.saturating_mul(4), max: MAX_PAYLOAD });
+                }
+                let raw = r.bytes(n * 4)?;
+                let pages = raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+                NotificationBody::Handoff { pages, aux_slot: has_aux.then_some(aux) }
+            }
+            7 => NotificationBody::Fenced,
             t => return Err(CodecError::Tag(t)),
         };
         if r.pos != buf.len() {
             return Err(CodecError::Trailing(buf.len() - r.pos));
         }
-        Ok(Self { request, sender, body })
+        Ok(Self { request, generation, sender, body })
     }
 }
 
+/// Most destination pages one handoff carries (its payload stays within [`MAX_PAYLOAD`]).
+pub const MAX_HANDOFF_PAGES: usize = MAX_PAYLOAD / 4;
+
 impl fmt::Display for Notification {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} gen {} from {}: ", self.request, self.generation, self.sender)?;
         match &self.body {
             NotificationBody::KvChunk { chunk, last } => {
-                write!(f, "{} from {}: chunk {chunk}{}", self.request, self.sender, if *last { " (last)" } else { "" })
+                write!(f, "chunk {chunk}{}", if *last { " (last)" } else { "" })
             }
-            NotificationBody::Aux(p) => write!(f, "{} from {}: aux ({} bytes)", self.request, self.sender, p.len()),
-            NotificationBody::State(p) => write!(f, "{} from {}: state ({} bytes)", self.request, self.sender, p.len()),
-            NotificationBody::Failure(r) => write!(f, "{} from {}: failure: {r}", self.request, self.sender),
+            NotificationBody::Aux(p) => write!(f, "aux ({} bytes)", p.len()),
+            NotificationBody::State(p) => write!(f, "state ({} bytes)", p.len()),
+            NotificationBody::Failure(r) => write!(f, "failure: {r}"),
+            NotificationBody::Handoff { pages, aux_slot } => match aux_slot {
+                Some(a) => write!(f, "handoff of {} pages, aux slot {a}", pages.len()),
+                None => write!(f, "handoff of {} pages", pages.len()),
+            },
+            NotificationBody::Abort(r) => write!(f, "abort: {r}"),
+            NotificationBody::Fenced => write!(f, "fenced"),
         }
     }
 }
@@ -230,13 +313,17 @@ mod tests {
             proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::Aux),
             proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::State),
             ".{0,40}".prop_map(NotificationBody::Failure),
+            (proptest::collection::vec(any::<u32>(), 0..64), proptest::option::of(any::<u32>()))
+                .prop_map(|(pages, aux_slot)| NotificationBody::Handoff { pages, aux_slot }),
+            ".{0,40}".prop_map(NotificationBody::Abort),
+            Just(NotificationBody::Fenced),
         ]
     }
 
     proptest! {
         #[test]
-        fn roundtrip(req in any::<u64>(), key in any::<u64>(), body in body()) {
-            let n = Notification { request: RequestId(req), sender: SenderKey::from_u64(key), body };
+        fn roundtrip(req in any::<u64>(), gen in any::<u64>(), key in any::<u64>(), body in body()) {
+            let n = Notification { request: RequestId(req), generation: gen, sender: SenderKey::from_u64(key), body };
             let bytes = n.encode().unwrap();
             prop_assert_eq!(Notification::decode(&bytes).unwrap(), n);
         }
@@ -248,7 +335,7 @@ mod tests {
 
         #[test]
         fn every_truncation_is_an_error(req in any::<u64>(), body in body()) {
-            let n = Notification { request: RequestId(req), sender: SenderKey::from_u64(7), body };
+            let n = Notification::new(RequestId(req), SenderKey::from_u64(7), body).with_generation(3);
             let bytes = n.encode().unwrap();
             for cut in 0..bytes.len() {
                 prop_assert!(Notification::decode(&bytes[..cut]).is_err());

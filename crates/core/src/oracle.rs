@@ -59,13 +59,17 @@ pub struct BufferGeom {
 }
 
 impl BufferGeom {
-    /// The buffer of `side` rank `rank`, rank-local `layer`, `kind`, holding `pages` pages.
+    /// The buffer of `side` rank `rank`, rank-local `layer`, `kind`, holding `pages` pages. Its global
+    /// layer is `ls + layer`, `ls` the first layer of the rank's stage (stages may be uneven).
     pub fn new(topo: &Topology, side: Side, rank: RankId, layer: u32, kind: KvKind, pages: u32) -> Self {
         let kv = topo.kv();
         let t = topo.parallel(side).tp;
         let first_head = if kv.is_mla() { 0 } else { heads::first(kv.kv_heads(), t, rank.tp) };
+        // The stage's first global layer, summed here from the per-stage counts (SEMANTICS §1) rather
+        // than taken from the topology's `first_layer`, which the planner's destination offsets use.
+        let stage_start: u32 = (0..rank.pp).map(|s| topo.stage_layers(side, s)).sum();
         Self {
-            global_layer: topo.first_layer(side, rank.pp) + layer,
+            global_layer: stage_start + layer,
             kind,
             heads: topo.local_heads(side),
             first_head,

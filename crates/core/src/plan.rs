@@ -160,9 +160,10 @@ pub struct PairPlan {
     pub dst: RankId,
     /// The sender key the prefill rank notifies with.
     pub key: SenderKey,
-    /// Layers of the sending stage (source layers `0..layers`).
+    /// Layers of the sending stage (source layers `0..layers`; stages may hold different counts).
     pub layers: u32,
-    /// Destination layer of source layer 0 (`ls` when decode PP is 1, else 0).
+    /// Destination layer of source layer 0 (the stage's first global layer `ls` when decode PP is 1,
+    /// else 0).
     pub dst_layer_offset: u32,
     /// Head slice per kind; empty when this pair moves no bytes (it still notifies).
     pub slices: Vec<KindSlice>,
@@ -286,7 +287,7 @@ fn pair(topo: &Topology, src: RankId, dst: RankId, runs: &Arc<[PageRun]>) -> Pai
         src,
         dst,
         key: SenderKey::of(src),
-        layers: topo.stage_layers(Side::Prefill),
+        layers: topo.stage_layers(Side::Prefill, src.pp),
         dst_layer_offset: topo.dst_layer_offset(src.pp),
         slices,
         runs: Arc::clone(runs),

@@ -7,10 +7,23 @@
 //! failed <=> a failure notification arrived, or a notification from a key outside the expected set,
 //!            or the deadline passed (the error names the keys still missing)
 //! ```
+//!
+//! Generations, early notifications and the fence (SEMANTICS §5-§6):
+//!
+//! - a request is tracked as (room, generation); a notification of another generation never counts
+//!   for it. One for a released (room, generation) is dropped at once ([`Handled::Released`]);
+//! - a notification for a (room, generation) not tracked yet is kept ([`Handled::Early`]), bounded in
+//!   count and age ([`TrackerConfig`]), and applied in arrival order when that generation is expected;
+//! - a failed request is not yet safe: its destination pages may be reused only once every sender
+//!   has fenced ([`CompletionTracker::fence`]): it finished all its chunks, reported failure (a sender
+//!   fails a request only after its own transfers settled), answered an abort with `Fenced`, or was
+//!   lost (its connection closed);
+//! - a lost sender stays lost until [`CompletionTracker::sender_back`]: requests expected meanwhile that
+//!   need it fail at once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::TrackerError;
 use crate::model::SenderKey;
@@ -19,6 +32,8 @@ use crate::notify::{Notification, NotificationBody, RequestId};
 /// What the receiver expects for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpectSpec {
+    /// Which use of the room this is (every notification of it carries the same generation).
+    pub generation: u64,
     /// Every sender key that must report (from [`crate::Topology::expected_senders`]).
     pub senders: Vec<SenderKey>,
     /// Whether an aux notification is required.
@@ -72,6 +87,13 @@ pub enum Failure {
         /// Why.
         reason: String,
     },
+    /// The sender was already known lost when the request was expected.
+    SenderDown {
+        /// The sender.
+        key: SenderKey,
+        /// What was known of the loss.
+        reason: String,
+    },
 }
 
 fn keys(ks: &[SenderKey]) -> String {
@@ -98,6 +120,9 @@ impl fmt::Display for Failure {
             }
             Failure::PeerLost { key, reason } => write!(f, "lost sender {key}: {reason}"),
             Failure::Aborted { reason } => write!(f, "aborted: {reason}"),
+            Failure::SenderDown { key, reason } => {
+                write!(f, "sender {key} was lost before the request was registered ({reason}); it has not come back")
+            }
         }
     }
 }
@@ -124,27 +149,52 @@ pub enum Handled {
     Duplicate,
     /// It failed the request.
     Failed,
-    /// The request already has an outcome; ignored.
+    /// The request already has an outcome; ignored (a fence is still recorded).
     AfterOutcome,
-    /// Unknown request: counted and dropped.
-    UnknownRequest,
-    /// A request released earlier: counted and dropped.
+    /// For a (room, generation) not tracked yet: kept until it is expected (bounded by count and age).
+    Early,
+    /// For a (room, generation) released earlier: counted and dropped.
     Released,
+    /// A kind the tracker does not take (handoff or abort: decode-to-prefill messages): dropped.
+    NotForReceiver,
 }
 
-/// Counters of the notifications the tracker dropped or ignored.
+/// Counters of what the tracker did with notifications.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TrackerStats {
     /// Notifications recorded.
     pub accepted: u64,
     /// Duplicates ignored.
     pub duplicates: u64,
-    /// For requests never expected.
-    pub unknown_request: u64,
+    /// Notifications kept because their (room, generation) was not tracked yet.
+    pub early_kept: u64,
+    /// Kept notifications applied when their request was expected.
+    pub early_applied: u64,
+    /// Kept notifications dropped because they grew too old or too many were kept.
+    pub early_expired: u64,
     /// For requests already released.
     pub released: u64,
     /// For requests that already had an outcome.
     pub after_outcome: u64,
+    /// Kinds a receiver does not take.
+    pub not_for_receiver: u64,
+}
+
+/// Bounds of the tracker's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrackerConfig {
+    /// Most early notifications kept at once; the oldest is dropped (and counted) beyond it.
+    pub early_max: usize,
+    /// How long an early notification is kept.
+    pub early_ttl: Duration,
+    /// How many released (room, generation) pairs are remembered to drop their late notifications.
+    pub released_memory: usize,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        Self { early_max: 65_536, early_ttl: Duration::from_secs(60), released_memory: 65_536 }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -152,6 +202,7 @@ struct KeyState {
     received: BTreeSet<u32>,
     expected: Option<u32>,
     state: bool,
+    fenced: bool,
 }
 
 impl KeyState {
@@ -162,6 +213,7 @@ impl KeyState {
 
 #[derive(Debug)]
 struct Req {
+    generation: u64,
     keys: BTreeMap<SenderKey, KeyState>,
     aux_required: bool,
     state_required: bool,
@@ -196,77 +248,159 @@ impl Req {
             self.outcome = Some(if self.is_done() { Status::Done } else { Status::Failed(self.deadline_failure()) });
         }
     }
+
+    /// Senders that may still write into the request's pages.
+    fn unfenced(&self) -> Vec<SenderKey> {
+        self.keys.iter().filter(|(_, s)| !s.fenced && !s.chunks_complete()).map(|(k, _)| *k).collect()
+    }
 }
 
-/// How many releases the tracker remembers to tell late notifications from unknown ones: an id counts
-/// as released while its latest release is among the last `RELEASED_MEMORY`.
-const RELEASED_MEMORY: usize = 4096;
+/// Where a request's fence stands (SEMANTICS §6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fence {
+    /// Still pending: senders may write.
+    Open,
+    /// The request has an outcome; these senders have not yet confirmed that none of their writes
+    /// can land (empty: the pages may be reused).
+    Closing(Vec<SenderKey>),
+    /// No write of the request can land any more: its destination pages may be reused.
+    Closed,
+}
 
 /// Tracks completion of every request of one decode rank.
 #[derive(Debug, Default)]
 pub struct CompletionTracker {
+    config: TrackerConfig,
     reqs: HashMap<RequestId, Req>,
-    /// Released ids, each with the sequence number of its latest release.
-    released: HashMap<RequestId, u64>,
-    /// The last `RELEASED_MEMORY` releases, oldest first. An entry whose sequence number is no longer
-    /// its id's (the id was expected or released again since) is stale and evicts nothing.
-    released_order: VecDeque<(RequestId, u64)>,
-    /// Releases so far (the next release's sequence number).
+    /// Released (room, generation) pairs, each with the sequence number of its release.
+    released: HashMap<(RequestId, u64), u64>,
+    /// Releases, oldest first, bounded by `config.released_memory`. An entry whose sequence number is
+    /// no longer its pair's is stale and evicts nothing.
+    released_order: VecDeque<((RequestId, u64), u64)>,
     release_seq: u64,
+    /// Notifications for (room, generation) pairs not tracked yet, oldest first, with arrival times.
+    early: VecDeque<(Notification, Instant)>,
+    /// Senders known lost, with the reason, until they come back.
+    lost: BTreeMap<SenderKey, String>,
     stats: TrackerStats,
 }
 
 impl CompletionTracker {
-    /// An empty tracker.
+    /// An empty tracker with the default bounds.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Starts tracking a request. Must be called before its senders can write (the decode side
-    /// allocates the destination pages and tells the senders where to write).
-    pub fn expect(&mut self, request: RequestId, spec: ExpectSpec) -> Result<(), TrackerError> {
-        if self.reqs.contains_key(&request) {
-            return Err(TrackerError::AlreadyTracked(request));
+    /// An empty tracker with these bounds.
+    pub fn with_config(config: TrackerConfig) -> Self {
+        Self { config, ..Self::default() }
+    }
+
+    /// Starts tracking a request (room and generation). Early notifications kept for this pair are
+    /// applied at once, in arrival order; then a sender known lost that the request still waits on
+    /// fails it at once ([`Failure::SenderDown`]).
+    pub fn expect(&mut self, request: RequestId, spec: ExpectSpec, now: Instant) -> Result<usize, TrackerError> {
+        if let Some(r) = self.reqs.get(&request) {
+            return Err(TrackerError::AlreadyTracked { request, generation: r.generation });
         }
         if spec.senders.is_empty() {
             return Err(TrackerError::NoSenders(request));
         }
-        self.released.remove(&request);
+        if self.released.contains_key(&(request, spec.generation)) {
+            return Err(TrackerError::GenerationReleased { request, generation: spec.generation });
+        }
+        let generation = spec.generation;
         let keys = spec.senders.iter().map(|k| (*k, KeyState::default())).collect();
-        self.reqs.insert(
-            request,
-            Req {
-                keys,
-                aux_required: spec.aux,
-                state_required: spec.state,
-                aux: None,
-                states: BTreeMap::new(),
-                deadline: spec.deadline,
-                outcome: None,
-            },
-        );
-        Ok(())
+        let req = Req {
+            generation,
+            keys,
+            aux_required: spec.aux,
+            state_required: spec.state,
+            aux: None,
+            states: BTreeMap::new(),
+            deadline: spec.deadline,
+            outcome: None,
+        };
+        self.reqs.insert(request, req);
+        self.expire_early(now);
+        let (mine, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.early)
+            .into_iter()
+            .partition(|(n, _)| n.request == request && n.generation == generation);
+        self.early = rest;
+        let applied = mine.len();
+        for (n, _) in mine {
+            self.stats.early_applied += 1;
+            self.handle(&n, now);
+        }
+        // A sender known lost is fenced (its connection is closed); one the request still waits on
+        // fails it at once. Checked after the early notifications: what a sender delivered before it
+        // was lost counts, exactly as for a request tracked when the loss happened (`sender_lost`).
+        if let Some(req) = self.reqs.get_mut(&request) {
+            let state_required = req.state_required;
+            let mut down = None;
+            for (k, s) in req.keys.iter_mut() {
+                let Some(reason) = self.lost.get(k) else { continue };
+                s.fenced = true;
+                if down.is_none() && (!s.chunks_complete() || (state_required && !s.state)) {
+                    down = Some((*k, reason.clone()));
+                }
+            }
+            if let (None, Some((key, reason))) = (&req.outcome, down) {
+                req.outcome = Some(Status::Failed(Failure::SenderDown { key, reason }));
+            }
+        }
+        Ok(applied)
+    }
+
+    fn expire_early(&mut self, now: Instant) {
+        let ttl = self.config.early_ttl;
+        while self.early.front().is_some_and(|(_, t)| now.saturating_duration_since(*t) >= ttl) {
+            self.early.pop_front();
+            self.stats.early_expired += 1;
+        }
     }
 
     /// Feeds one notification received at `now`.
     pub fn handle(&mut self, n: &Notification, now: Instant) -> Handled {
-        let Some(req) = self.reqs.get_mut(&n.request) else {
-            if self.released.contains_key(&n.request) {
-                self.stats.released += 1;
-                return Handled::Released;
+        if matches!(n.body, NotificationBody::Handoff { .. } | NotificationBody::Abort(_)) {
+            self.stats.not_for_receiver += 1;
+            return Handled::NotForReceiver;
+        }
+        if self.released.contains_key(&(n.request, n.generation)) {
+            self.stats.released += 1;
+            return Handled::Released;
+        }
+        let Some(req) = self.reqs.get_mut(&n.request).filter(|r| r.generation == n.generation) else {
+            self.expire_early(now);
+            if self.config.early_max == 0 {
+                self.stats.early_expired += 1;
+                return Handled::Early;
             }
-            self.stats.unknown_request += 1;
-            return Handled::UnknownRequest;
+            while self.early.len() >= self.config.early_max {
+                self.early.pop_front();
+                self.stats.early_expired += 1;
+            }
+            self.early.push_back((n.clone(), now));
+            self.stats.early_kept += 1;
+            return Handled::Early;
         };
         req.check_deadline(now);
+        let Some(ks) = req.keys.get_mut(&n.sender) else {
+            if req.outcome.is_some() {
+                self.stats.after_outcome += 1;
+                return Handled::AfterOutcome;
+            }
+            req.outcome = Some(Status::Failed(Failure::UnexpectedKey { key: n.sender }));
+            return Handled::Failed;
+        };
+        // A fence counts whatever the outcome: it is what makes a failed request's pages reusable.
+        if matches!(n.body, NotificationBody::Fenced | NotificationBody::Failure(_)) {
+            ks.fenced = true;
+        }
         if req.outcome.is_some() {
             self.stats.after_outcome += 1;
             return Handled::AfterOutcome;
         }
-        let Some(ks) = req.keys.get_mut(&n.sender) else {
-            req.outcome = Some(Status::Failed(Failure::UnexpectedKey { key: n.sender }));
-            return Handled::Failed;
-        };
         let fresh = match &n.body {
             NotificationBody::KvChunk { chunk, last } => {
                 let (chunk, last) = (*chunk, *last);
@@ -311,6 +445,17 @@ impl CompletionTracker {
                 self.stats.accepted += 1;
                 return Handled::Failed;
             }
+            // A fence before any outcome: the sender stopped (it heard of an abort we did not make,
+            // or it gave up); nothing more will come from it, so the request cannot complete.
+            NotificationBody::Fenced => {
+                req.outcome = Some(Status::Failed(Failure::Notified {
+                    key: n.sender,
+                    reason: "the sender stopped the request (fenced) before finishing it".into(),
+                }));
+                self.stats.accepted += 1;
+                return Handled::Failed;
+            }
+            NotificationBody::Handoff { .. } | NotificationBody::Abort(_) => unreachable!("filtered above"),
         };
         if !fresh {
             self.stats.duplicates += 1;
@@ -325,16 +470,17 @@ impl CompletionTracker {
         }
     }
 
-    /// Fails every pending request that still waits on `key` (the transport lost that sender).
-    /// Returns the requests it failed.
+    /// The transport lost sender `key`: fails every pending request that still waits on it, counts
+    /// it as fenced everywhere (its connection is closed), and fails requests expected later that need
+    /// it until [`Self::sender_back`]. Returns the requests it failed.
     pub fn sender_lost(&mut self, key: SenderKey, reason: &str) -> Vec<RequestId> {
+        self.lost.insert(key, reason.to_owned());
         let mut failed = Vec::new();
         for (id, req) in &mut self.reqs {
-            if req.outcome.is_some() {
-                continue;
-            }
-            let waiting = req.keys.get(&key).is_some_and(|s| !s.chunks_complete() || (req.state_required && !s.state));
-            if waiting {
+            let Some(s) = req.keys.get_mut(&key) else { continue };
+            let waiting = !s.chunks_complete() || (req.state_required && !s.state);
+            s.fenced = true;
+            if req.outcome.is_none() && waiting {
                 req.outcome = Some(Status::Failed(Failure::PeerLost { key, reason: reason.to_owned() }));
                 failed.push(*id);
             }
@@ -343,7 +489,19 @@ impl CompletionTracker {
         failed
     }
 
-    /// Fails a pending request (receiver-side abort). No effect on a request with an outcome.
+    /// Sender `key` is back (registered again under a new epoch): requests expected from now on may
+    /// use it.
+    pub fn sender_back(&mut self, key: SenderKey) {
+        self.lost.remove(&key);
+    }
+
+    /// Senders known lost.
+    pub fn lost_senders(&self) -> Vec<SenderKey> {
+        self.lost.keys().copied().collect()
+    }
+
+    /// Fails a pending request (receiver-side abort). No effect on a request with an outcome. The
+    /// caller must then ask every sender in [`Self::fence`] to stop and fence.
     pub fn abort(&mut self, request: RequestId, reason: &str) {
         if let Some(req) = self.reqs.get_mut(&request) {
             if req.outcome.is_none() {
@@ -359,6 +517,25 @@ impl CompletionTracker {
         Some(req.outcome.clone().unwrap_or(Status::Pending))
     }
 
+    /// The generation tracked for a room.
+    pub fn generation(&self, request: RequestId) -> Option<u64> {
+        self.reqs.get(&request).map(|r| r.generation)
+    }
+
+    /// Where the request's fence stands at `now`: [`Fence::Closed`] when its pages may be reused.
+    pub fn fence(&mut self, request: RequestId, now: Instant) -> Option<Fence> {
+        let req = self.reqs.get_mut(&request)?;
+        req.check_deadline(now);
+        Some(match &req.outcome {
+            None => Fence::Open,
+            Some(Status::Done) => Fence::Closed,
+            Some(_) => match req.unfenced() {
+                v if v.is_empty() => Fence::Closed,
+                v => Fence::Closing(v),
+            },
+        })
+    }
+
     /// Fails every request whose deadline passed; returns them.
     pub fn poll_deadlines(&mut self, now: Instant) -> Vec<RequestId> {
         let mut out = Vec::new();
@@ -370,6 +547,7 @@ impl CompletionTracker {
                 }
             }
         }
+        self.expire_early(now);
         out.sort();
         out
     }
@@ -389,18 +567,21 @@ impl CompletionTracker {
         self.reqs.get(&request)?.states.get(&key).map(Vec::as_slice)
     }
 
-    /// Stops tracking a request and returns its final status. Later notifications for it are
-    /// counted as released and dropped.
+    /// Stops tracking a request and returns its final status. Later notifications of that
+    /// (room, generation) are counted as released and dropped; the room may be expected again under
+    /// another generation. Release a failed request only once its [`Self::fence`] is closed.
     pub fn release(&mut self, request: RequestId, now: Instant) -> Option<Status> {
         let status = self.status(request, now);
-        if self.reqs.remove(&request).is_some() {
+        if let Some(req) = self.reqs.remove(&request) {
+            let pair = (request, req.generation);
             let seq = self.release_seq;
             self.release_seq += 1;
-            self.released.insert(request, seq);
-            self.released_order.push_back((request, seq));
-            while self.released_order.len() > RELEASED_MEMORY {
+            self.released.insert(pair, seq);
+            self.released_order.push_back((pair, seq));
+            self.early.retain(|(n, _)| (n.request, n.generation) != pair);
+            while self.released_order.len() > self.config.released_memory {
                 if let Some((old, old_seq)) = self.released_order.pop_front() {
-                    // Forget the id only if this was its latest release.
+                    // Forget the pair only if this was its latest release.
                     if self.released.get(&old) == Some(&old_seq) {
                         self.released.remove(&old);
                     }
@@ -408,6 +589,16 @@ impl CompletionTracker {
             }
         }
         status
+    }
+
+    /// Whether (room, generation) was released (and is still remembered).
+    pub fn is_released(&self, request: RequestId, generation: u64) -> bool {
+        self.released.contains_key(&(request, generation))
+    }
+
+    /// Early notifications kept now.
+    pub fn early_len(&self) -> usize {
+        self.early.len()
     }
 
     /// Requests currently tracked.

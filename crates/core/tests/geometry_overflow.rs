@@ -14,7 +14,7 @@ fn gqa(h: u32, hk: u32, hv: u32, layers: u32, page: u32, dtype: u32, tp: u32, pp
             page_size: page,
             layout: Layout::Nhd,
         },
-        parallel: Parallel { tp, pp },
+        parallel: Parallel::new(tp, pp),
     }
 }
 
@@ -27,7 +27,7 @@ fn mla(latent: u32, layers: u32, page: u32, dtype: u32) -> SideSpec {
             page_size: page,
             layout: Layout::Nhd,
         },
-        parallel: Parallel { tp: 1, pp: 1 },
+        parallel: Parallel::new(1, 1),
     }
 }
 
@@ -99,10 +99,10 @@ fn buffer_and_pool_sizes_are_checked_for_every_page_count() {
     let t = Topology::new(&big, &big).unwrap();
     assert_eq!(t.checked_buffer_bytes(Side::Decode, KvKind::K, M), Ok(u64::from(M) << 32));
     assert_eq!(t.buffer_bytes(Side::Decode, KvKind::V, M), u64::from(M) << 32);
-    assert_eq!(t.checked_pool_bytes(Side::Decode, 1), Ok(8 << 32));
+    assert_eq!(t.checked_pool_bytes(Side::Decode, 0, 1), Ok(8 << 32));
     let cases: [(u32, bool); 5] = [(0, true), (1, true), ((1 << 29) - 1, true), (1 << 29, false), (M, false)];
     for (pages, fits) in cases {
-        let r = t.checked_pool_bytes(Side::Prefill, pages);
+        let r = t.checked_pool_bytes(Side::Prefill, 0, pages);
         assert_eq!(r.is_ok(), fits, "{pages} pages: {r:?}");
         if let Err(e) = r {
             assert!(matches!(e, ConfigError::SizeOverflow { side: Side::Prefill, .. }), "{e:?}");

@@ -10,7 +10,46 @@ use kvxfer_core::{Attention, BufferRef, KvSpec, Layout, Parallel, PlanError, Ran
 use proptest::prelude::*;
 
 fn spec(attention: Attention, layers: u32, page_size: u32, layout: Layout, tp: u32, pp: u32) -> SideSpec {
-    SideSpec { kv: KvSpec { attention, layers, dtype_bytes: 2, page_size, layout }, parallel: Parallel { tp, pp } }
+    SideSpec { kv: KvSpec { attention, layers, dtype_bytes: 2, page_size, layout }, parallel: Parallel::new(tp, pp) }
+}
+
+/// A side whose stages hold `stages[s]` layers each (an explicit, possibly uneven, partition).
+fn staged(attention: Attention, page_size: u32, layout: Layout, tp: u32, stages: &[u32]) -> SideSpec {
+    let layers = stages.iter().sum();
+    SideSpec {
+        kv: KvSpec { attention, layers, dtype_bytes: 2, page_size, layout },
+        parallel: Parallel::with_stage_layers(tp, stages).unwrap(),
+    }
+}
+
+/// Checks a topology's stage layout against the partition it was built from (the literal numbers, not
+/// the topology's own arithmetic), and every pair of a plan against it: prefill stage s sends
+/// `stages[s]` layers, landing at `sum(stages[..s])` on a decode PP 1 rank and at 0 on equal PP.
+fn check_stages(topo: &Topology, stages: &[u32]) {
+    let starts: Vec<u32> = stages.iter().scan(0, |acc, l| Some(std::mem::replace(acc, *acc + l))).collect();
+    assert_eq!(topo.layer_partition(Side::Prefill), stages);
+    let dpp = topo.parallel(Side::Decode).pp;
+    for (s, (&l, &ls)) in stages.iter().zip(&starts).enumerate() {
+        let s = s as u32;
+        assert_eq!(topo.stage_layers(Side::Prefill, s), l);
+        assert_eq!(topo.first_layer(Side::Prefill, s), ls);
+        assert_eq!(topo.stage_range(Side::Prefill, s), ls..ls + l);
+        let (dst_layers, dst_start) = if dpp == 1 { (topo.kv().layers, 0) } else { (l, ls) };
+        assert_eq!(topo.stage_layers(Side::Decode, if dpp == 1 { 0 } else { s }), dst_layers);
+        assert_eq!(topo.first_layer(Side::Decode, if dpp == 1 { 0 } else { s }), dst_start);
+        assert_eq!(topo.dst_layer_offset(s), if dpp == 1 { ls } else { 0 });
+    }
+    let plan = plan_chunk(topo, &[0, 1], &[1, 0]).unwrap();
+    for pair in &plan.pairs {
+        let s = pair.src.pp as usize;
+        assert_eq!(pair.layers, stages[s], "{pair:?}");
+        assert_eq!(pair.dst.pp, if dpp == 1 { 0 } else { pair.src.pp });
+        for op in pair.ops() {
+            assert!(op.src_region.layer < stages[s]);
+            let global = starts[s] + op.src_region.layer;
+            assert_eq!(op.dst_region.layer, if dpp == 1 { global } else { op.src_region.layer }, "{op:?}");
+        }
+    }
 }
 
 struct Sim {
@@ -25,7 +64,7 @@ impl Sim {
         let tokens = token_map(src_pages, topo.kv().page_size);
         let mut src = HashMap::new();
         for r in topo.ranks(Side::Prefill) {
-            for l in 0..topo.stage_layers(Side::Prefill) {
+            for l in 0..topo.stage_layers(Side::Prefill, r.pp) {
                 for &kind in topo.kv().kinds() {
                     let g = BufferGeom::new(&topo, Side::Prefill, r, l, kind, pool_pages);
                     let mut b = vec![0u8; g.len() as usize];
@@ -36,7 +75,7 @@ impl Sim {
         }
         let mut dst = HashMap::new();
         for r in topo.ranks(Side::Decode) {
-            for l in 0..topo.stage_layers(Side::Decode) {
+            for l in 0..topo.stage_layers(Side::Decode, r.pp) {
                 for &kind in topo.kv().kinds() {
                     let len = topo.buffer_bytes(Side::Decode, kind, pool_pages) as usize;
                     dst.insert((r, BufferRef { layer: l, kind }), (vec![SENTINEL; len], vec![0u8; len]));
@@ -94,7 +133,7 @@ impl Sim {
         for r in self.topo.ranks(Side::Decode) {
             let hd = u64::from(self.topo.local_heads(Side::Decode));
             let per_token: u64 = kv.kinds().iter().map(|k| hd * kv.head_bytes(*k)).sum();
-            let want = u64::from(self.topo.stage_layers(Side::Decode))
+            let want = u64::from(self.topo.stage_layers(Side::Decode, r.pp))
                 * dst_pages.len() as u64
                 * u64::from(kv.page_size)
                 * per_token;
@@ -174,6 +213,69 @@ fn pipeline_stages_into_decode_pp1_and_equal_pp() {
                 let topo = Topology::new(&spec(a, 8, 4, layout, p, pp), &spec(a, 8, 4, layout, d, dpp)).unwrap();
                 run(topo, 2, 2, u64::from(pp * 7 + p));
             }
+        }
+    }
+}
+
+/// Uneven partitions, per stage count and position of the long stage, into decode PP 1 and into equal PP
+/// with the same partition: every destination byte from head ownership and the stage ranges.
+#[test]
+fn uneven_pipeline_stages_into_decode_pp1_and_equal_pp() {
+    let partitions: [&[u32]; 9] =
+        [&[3, 2], &[2, 3], &[1, 4], &[4, 1], &[1, 2, 4], &[3, 3, 1], &[5, 1, 1], &[1, 2, 2, 1], &[2, 1, 1, 3]];
+    let mut cases = 0;
+    for stages in partitions {
+        let pp = stages.len() as u32;
+        for dpp in [1, pp] {
+            for (p, d, h) in [(2, 4, 8), (4, 2, 2), (8, 2, 4), (1, 1, 1), (6, 3, 12), (2, 8, 2)] {
+                for layout in [Layout::Nhd, Layout::Hnd] {
+                    let a = Attention::Gqa { kv_heads: h, head_dim_k: 4, head_dim_v: 2 };
+                    let prefill = staged(a, 4, layout, p, stages);
+                    let decode = if dpp == 1 {
+                        staged(a, 4, layout, d, &[prefill.kv.layers])
+                    } else {
+                        staged(a, 4, layout, d, stages)
+                    };
+                    let topo = Topology::new(&prefill, &decode).unwrap_or_else(|e| panic!("{stages:?} {dpp}: {e}"));
+                    check_stages(&topo, stages);
+                    run(topo, 2, 2, u64::from(pp * 7 + p + stages[0]));
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 9 * 2 * 6 * 2);
+}
+
+/// An uneven prefill partition into a decode side that states no partition (decode PP 1: every layer),
+/// and an explicit even partition, which is the default split.
+#[test]
+fn uneven_prefill_into_implicit_decode_and_explicit_even_split() {
+    let a = Attention::Gqa { kv_heads: 4, head_dim_k: 2, head_dim_v: 2 };
+    let topo = Topology::new(&staged(a, 2, Layout::Nhd, 2, &[4, 3]), &spec(a, 7, 2, Layout::Nhd, 4, 1)).unwrap();
+    check_stages(&topo, &[4, 3]);
+    run(topo, 2, 3, 11);
+    // [2, 2] explicit on one side, implicit even split on the other: identical, so accepted.
+    let topo = Topology::new(&staged(a, 2, Layout::Hnd, 2, &[2, 2]), &spec(a, 4, 2, Layout::Hnd, 1, 2)).unwrap();
+    check_stages(&topo, &[2, 2]);
+    run(topo, 1, 3, 12);
+}
+
+#[test]
+fn uneven_mla_one_sender_per_stage() {
+    let a = Attention::Mla { latent_dim: 9 };
+    for stages in [&[3u32, 2][..], &[1, 1, 3]] {
+        for (p, d) in [(1, 1), (2, 4), (4, 2)] {
+            let topo = Topology::new(
+                &staged(a, 4, Layout::Nhd, p, stages),
+                &spec(a, stages.iter().sum(), 4, Layout::Nhd, d, 1),
+            )
+            .unwrap();
+            for r in topo.ranks(Side::Decode) {
+                assert_eq!(topo.expected_senders(r).len(), stages.len(), "one sender per stage");
+            }
+            check_stages(&topo, stages);
+            run(topo, 1, 4, u64::from(p + d));
         }
     }
 }
@@ -271,6 +373,24 @@ proptest! {
         let a = if mla { Attention::Mla { latent_dim: hk + hv } } else { Attention::Gqa { kv_heads: h, head_dim_k: hk, head_dim_v: hv } };
         let (pp, dpp) = [(1, 1), (2, 1), (2, 2)][pp_sel as usize];
         if let Ok(topo) = Topology::new(&spec(a, 4, page_size, layout, p, pp), &spec(a, 4, page_size, layout, d, dpp)) {
+            run(topo, chunks, n, seed);
+        }
+    }
+
+    /// Random uneven partitions (1 to 4 stages of 1 to 3 layers), into decode PP 1 or the same partition.
+    #[test]
+    fn random_uneven_partitions_match_the_oracle(
+        pi in 0usize..6, di in 0usize..6, hi in 0usize..6, hnd in any::<bool>(), mla in any::<bool>(),
+        stages in proptest::collection::vec(1u32..4, 1..5), equal_pp in any::<bool>(), page_size in 1u32..4,
+        hk in 1u32..4, hv in 1u32..4, chunks in 1u32..3, n in 0u32..4, seed in any::<u64>(),
+    ) {
+        let (p, d, h) = (SIZES[pi], SIZES[di], HEADS[hi]);
+        let layout = if hnd { Layout::Hnd } else { Layout::Nhd };
+        let a = if mla { Attention::Mla { latent_dim: hk + hv } } else { Attention::Gqa { kv_heads: h, head_dim_k: hk, head_dim_v: hv } };
+        let layers: u32 = stages.iter().sum();
+        let decode = if equal_pp { staged(a, page_size, layout, d, &stages) } else { spec(a, layers, page_size, layout, d, 1) };
+        if let Ok(topo) = Topology::new(&staged(a, page_size, layout, p, &stages), &decode) {
+            check_stages(&topo, &stages);
             run(topo, chunks, n, seed);
         }
     }

@@ -11,7 +11,7 @@ fn side(h: u32, hk: u32, hv: u32, layers: u32, page: u32, dtype: u32, layout: La
             page_size: page,
             layout,
         },
-        parallel: Parallel { tp, pp },
+        parallel: Parallel::new(tp, pp),
     }
 }
 
@@ -77,7 +77,7 @@ fn zero_sizes_are_rejected() {
         (side(8, 128, 128, 8, 0, 2, Layout::Nhd, 1, 1), "page size"),
     ] {
         let mut d = s;
-        d.parallel = Parallel { tp: 1, pp: 1 };
+        d.parallel = Parallel::new(1, 1);
         assert_eq!(Topology::new(&s, &d).unwrap_err(), ConfigError::Zero { side: Side::Prefill, what });
     }
 }

@@ -8,6 +8,7 @@
 //! - [`backends`]: the backends compiled in (cargo features `local`, `tcp`, `ucx`, `fabric`, `verbs`).
 
 pub mod bootstrap;
+pub mod engine;
 pub mod metadata;
 pub mod session;
 
@@ -68,3 +69,8 @@ pub mod backends {
         Ok((lookup(name)?.create)(config)?)
     }
 }
+
+/// The README's Rust blocks, compiled and run as doctests (the "Embedding kvxfer in an engine" example).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

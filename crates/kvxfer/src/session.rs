@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use kvxfer_core::plan::{check_pages, plan_sender, PairPlan};
 use kvxfer_core::{
-    BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure,
+    BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure, Fence,
     HostBuffer, KvTransferBackend, MemDesc, MemError, Notification, NotificationBody, NotifyStyle, PeerId, PlanError,
-    RankId, RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerError, TrackerStats, Transfer,
+    RankId, RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerConfig, TrackerError, TrackerStats, Transfer,
     WriteOp,
 };
 use serde::{Deserialize, Serialize};
@@ -122,6 +122,18 @@ pub enum SessionError {
         /// Why.
         failure: Failure,
     },
+    /// The send was cancelled (the request was aborted); its transfers were aborted first.
+    #[error("request {request}: prefill rank {rank} -> decode rank {dst}: cancelled ({reason}); its in-flight writes were aborted")]
+    Cancelled {
+        /// Request.
+        request: RequestId,
+        /// Local rank.
+        rank: RankId,
+        /// Peer rank.
+        dst: RankId,
+        /// Why.
+        reason: String,
+    },
     /// The request is not tracked.
     #[error("request {request} is not tracked on decode rank {rank}")]
     UnknownRequest {
@@ -168,7 +180,7 @@ impl KvPool {
     /// Checks that every buffer `side`'s `rank` needs exists and is large enough for `pages` pages.
     pub fn validate(&self, topo: &Topology, side: Side, rank: RankId) -> Result<(), SessionError> {
         topo.check_rank(side, rank)?;
-        for layer in 0..topo.stage_layers(side) {
+        for layer in 0..topo.stage_layers(side, rank.pp) {
             for &kind in topo.kv().kinds() {
                 let b = BufferRef { layer, kind };
                 let need = topo.buffer_bytes(side, kind, self.pages);
@@ -211,7 +223,7 @@ impl KvPool {
         topo.check_rank(side, rank)?;
         let mut memory = Vec::new();
         let mut pool = KvPool { pages, buffers: Vec::new() };
-        for layer in 0..topo.stage_layers(side) {
+        for layer in 0..topo.stage_layers(side, rank.pp) {
             for &kind in topo.kv().kinds() {
                 let b = BufferRef { layer, kind };
                 let len = topo.buffer_bytes(side, kind, pages);
@@ -406,13 +418,35 @@ impl SenderSession {
         Ok(())
     }
 
+    /// The backend peer of a connected decode rank.
+    pub fn peer_of(&self, dst: RankId) -> Option<PeerId> {
+        lock(&self.peers).get(&dst).map(|r| r.peer)
+    }
+
     fn receiver(&self, dst: RankId) -> Result<Arc<Receiver>, SessionError> {
         lock(&self.peers).get(&dst).cloned().ok_or(SessionError::NotConnected { rank: self.rank, dst })
     }
 
     /// Plans and sends one chunk to every decode rank this rank feeds, then notifies each. On any
-    /// failure every receiver is told (a failure notification) before the error is returned.
+    /// failure (a plan error, a page out of range, a missing connection, a transfer error) every
+    /// connected receiver is told (a failure notification, after this rank's own transfers settled)
+    /// before the error is returned.
     pub async fn send_chunk(
+        &self,
+        request: RequestId,
+        chunk: &Chunk,
+        deadline: Instant,
+    ) -> Result<SendStats, SessionError> {
+        match self.send_chunk_inner(request, chunk, deadline).await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.fail(request, &e.to_string()).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn send_chunk_inner(
         &self,
         request: RequestId,
         chunk: &Chunk,
@@ -428,7 +462,11 @@ impl SenderSession {
             targets.push((pair, rx));
         }
         let note = Notification::chunk(request, self.key, chunk.index, chunk.last);
-        let sends = targets.iter().map(|(pair, rx)| self.send_pair(request, pair, rx, &note, deadline));
+        let never = Cancel::new();
+        let sends = targets.iter().map(|(pair, rx)| {
+            let layers = 0..pair.layers;
+            self.send_pair(request, pair, layers, rx, Some(&note), deadline, &never)
+        });
         let results = join_all(sends).await;
         let mut stats = SendStats::default();
         let mut first_err = None;
@@ -444,23 +482,69 @@ impl SenderSession {
                 }
             }
         }
-        if let Some(e) = first_err {
-            self.fail(request, &e.to_string()).await;
-            return Err(e);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(stats),
         }
-        Ok(stats)
     }
 
+    /// Sends part of one chunk to ONE decode rank: the layers `layers` (stage-local) of the pages
+    /// `src_pages` into that rank's `dst_pages`, then, when `note` is given, that notification
+    /// (attached to the last batch after every earlier batch completed, or out of band after the
+    /// writes completed). This is what the engine API drives per (request, decode rank), each with its
+    /// own generation and page list. `cancel` aborts it: in-flight transfers are aborted and fenced,
+    /// then [`SessionError::Cancelled`] is returned. Nothing is posted on a plan or range error.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_to(
+        &self,
+        request: RequestId,
+        dst: RankId,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        layers: std::ops::Range<u32>,
+        note: Option<&Notification>,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> Result<SendStats, SessionError> {
+        let plan_err = |source| SessionError::Plan { request, side: Side::Prefill, rank: self.rank, source };
+        check_pages(Side::Prefill, self.rank, src_pages, self.pool.pages).map_err(plan_err)?;
+        let rx = self.receiver(dst)?;
+        check_pages(Side::Decode, dst, dst_pages, rx.pool.pages).map_err(plan_err)?;
+        let pairs = plan_sender(&self.topo, self.rank, src_pages, dst_pages).map_err(plan_err)?;
+        let Some(pair) = pairs.iter().find(|p| p.dst == dst) else {
+            return Err(SessionError::Plan {
+                request,
+                side: Side::Prefill,
+                rank: self.rank,
+                source: PlanError::NotAReceiver { src: self.rank, dst },
+            });
+        };
+        if layers.end > pair.layers || layers.start > layers.end {
+            return Err(SessionError::Pool {
+                side: Side::Prefill,
+                rank: self.rank,
+                detail: format!("layer range {layers:?} is outside this stage's {} layers", pair.layers),
+            });
+        }
+        self.send_pair(request, pair, layers, &rx, note, deadline, cancel).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
     async fn send_pair(
         &self,
         request: RequestId,
         pair: &PairPlan,
+        layers: std::ops::Range<u32>,
         rx: &Receiver,
-        note: &Notification,
+        note: Option<&Notification>,
         deadline: Instant,
+        cancel: &Cancel,
     ) -> Result<SendStats, SessionError> {
         let mut inflight = Inflight::default();
-        let r = self.pipeline(request, pair, rx, note, deadline, &mut inflight).await;
+        let r = tokio::select! {
+            r = self.pipeline(request, pair, layers, rx, note, deadline, &mut inflight) => r,
+            reason = cancel.cancelled() => Err(SessionError::Cancelled { request, rank: self.rank, dst: pair.dst, reason }),
+        };
         if r.is_err() {
             // Fence before reporting: nothing of this pair may still read the source or land at
             // the peer once the caller hears of the failure (bounded: a transfer that does not
@@ -472,12 +556,14 @@ impl SenderSession {
 
     /// Posts a pair's batches, keeping up to the window in flight; the attached notification rides
     /// on the last batch, posted only after every earlier batch completed.
+    #[allow(clippy::too_many_arguments)]
     async fn pipeline(
         &self,
         request: RequestId,
         pair: &PairPlan,
+        layers: std::ops::Range<u32>,
         rx: &Receiver,
-        note: &Notification,
+        note: Option<&Notification>,
         deadline: Instant,
         inflight: &mut Inflight,
     ) -> Result<SendStats, SessionError> {
@@ -495,7 +581,7 @@ impl SenderSession {
         let mut stats = SendStats::default();
         let mut batch = Vec::with_capacity(per_post.min(pair.op_count() as usize));
         let mut batch_bytes = 0u64;
-        let mut ops = pair.ops().peekable();
+        let mut ops = LayerOps { pair, layers: layers.clone(), slice: 0, run: 0 }.peekable();
         while let Some(op) = ops.next() {
             let s =
                 self.pool.get(op.src_region).ok_or_else(|| self.missing(Side::Prefill, self.rank, op.src_region))?;
@@ -517,18 +603,19 @@ impl SenderSession {
             if batch.len() < per_post && !last {
                 continue;
             }
-            let attach = last && self.style == NotifyStyle::Attached;
+            let attach = last && self.style == NotifyStyle::Attached && note.is_some();
             if attach {
                 inflight.drain(deadline).await.map_err(err)?;
             } else {
                 inflight.make_room(batch_bytes, batch.len() as u64, self.window, deadline).await.map_err(err)?;
             }
-            let t = self.backend.post(rx.peer, &batch, attach.then_some(note)).map_err(err)?;
+            let t = self.backend.post(rx.peer, &batch, if attach { note } else { None }).map_err(err)?;
             inflight.push(t, batch_bytes, batch.len() as u64);
             batch.clear();
             batch_bytes = 0;
         }
         inflight.drain(deadline).await.map_err(err)?;
+        let Some(note) = note else { return Ok(stats) };
         match self.style {
             // No ops: the notification alone, ordered after the (completed) earlier writes.
             NotifyStyle::Attached if stats.ops == 0 => {
@@ -560,41 +647,149 @@ impl SenderSession {
     }
 
     async fn broadcast(&self, request: RequestId, body: NotificationBody) -> Result<(), SessionError> {
-        self.notify_receivers(&Notification { request, sender: self.key, body }).await
+        self.notify_receivers(&Notification::new(request, self.key, body)).await
     }
 
     /// Sends `n` as it is, out of band, to every decode rank this rank feeds (for engines that carry
-    /// their own notifications, and for tests that replay or forge them).
+    /// their own notifications, and for tests that replay or forge them). Every receiver is tried,
+    /// each bounded by [`NOTIFY_TIMEOUT`]; the first error is returned after all were tried.
     pub async fn notify_receivers(&self, n: &Notification) -> Result<(), SessionError> {
         let request = n.request;
+        let mut first = None;
         for dst in self.receivers() {
-            let rx = self.receiver(dst)?;
-            self.backend.notify(rx.peer, n).await.map_err(|source| SessionError::Backend {
+            let r = match self.receiver(dst) {
+                Ok(rx) => self.notify_one(rx.peer, dst, n).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                tracing::warn!(%request, rank = %self.rank, %dst, error = %e, "could not notify receiver");
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Sends one notification to one connected decode rank, bounded by [`NOTIFY_TIMEOUT`].
+    pub async fn notify_rank(&self, dst: RankId, n: &Notification) -> Result<(), SessionError> {
+        let rx = self.receiver(dst)?;
+        self.notify_one(rx.peer, dst, n).await
+    }
+
+    async fn notify_one(&self, peer: PeerId, dst: RankId, n: &Notification) -> Result<(), SessionError> {
+        let request = n.request;
+        match tokio::time::timeout(NOTIFY_TIMEOUT, self.backend.notify(peer, n)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(SessionError::Backend {
                 request: Some(request),
                 side: Side::Prefill,
                 rank: self.rank,
                 peer: Some(dst),
                 source,
-            })?;
+            }),
+            Err(_) => Err(SessionError::SendTimeout { request, rank: self.rank, dst }),
         }
-        Ok(())
     }
 
-    /// Tells every connected receiver that this rank failed `request` (best effort, each bounded to
-    /// one second), so decode learns at once instead of at its deadline.
+    /// Tells every connected receiver that this rank failed `request` (best effort, each bounded by
+    /// [`NOTIFY_TIMEOUT`]), so decode learns at once instead of at its deadline. Call it only after
+    /// this rank's transfers of the request settled: the failure also counts as this rank's fence.
     pub async fn fail(&self, request: RequestId, reason: &str) {
         let n = Notification::failure(request, self.key, reason);
-        let peers: Vec<_> = self.receivers().into_iter().filter_map(|d| self.receiver(d).ok()).collect();
-        let sends =
-            peers.iter().map(|rx| tokio::time::timeout(Duration::from_secs(1), self.backend.notify(rx.peer, &n)));
+        let peers: Vec<_> =
+            self.receivers().into_iter().filter_map(|d| self.receiver(d).ok().map(|rx| (d, rx.peer))).collect();
+        let sends = peers.iter().map(|(d, p)| self.notify_one(*p, *d, &n));
         for r in join_all(sends).await {
-            if let Ok(Err(e)) | Err(e) = r.map_err(|_| BackendError::Timeout {
-                backend: self.backend.name(),
-                what: "failure notification".into(),
-                after: Duration::from_secs(1),
-            }) {
+            if let Err(e) = r {
                 tracing::warn!(%request, rank = %self.rank, error = %e, "could not deliver failure notification");
             }
+        }
+    }
+}
+
+/// A pair's ops for a range of its layers, layer-major, then kind, then page run (as
+/// [`PairPlan::ops`] yields them for all layers). A named type rather than nested closures keeps the
+/// send futures `Send` for the engine's spawned tasks.
+struct LayerOps<'a> {
+    pair: &'a PairPlan,
+    layers: std::ops::Range<u32>,
+    slice: usize,
+    run: usize,
+}
+
+impl Iterator for LayerOps<'_> {
+    type Item = kvxfer_core::PlannedOp;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if self.layers.start >= self.layers.end || self.pair.slices.is_empty() || self.pair.runs.is_empty() {
+                return None;
+            }
+            if self.run >= self.pair.runs.len() {
+                self.run = 0;
+                self.slice += 1;
+            }
+            if self.slice >= self.pair.slices.len() {
+                self.slice = 0;
+                self.layers.start += 1;
+                continue;
+            }
+            let op = self.pair.op(self.layers.start, &self.pair.slices[self.slice], &self.pair.runs[self.run]);
+            self.run += 1;
+            return Some(op);
+        }
+    }
+}
+
+/// Bound on one out-of-band notification (failure, abort, fence, handoff).
+pub const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A cancellation signal for [`SenderSession::send_to`]: once cancelled (with a reason), every send
+/// watching it aborts its in-flight transfers and returns [`SessionError::Cancelled`]. Cheap to
+/// clone; all clones share the signal.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel {
+    inner: Arc<CancelInner>,
+}
+
+#[derive(Debug, Default)]
+struct CancelInner {
+    reason: Mutex<Option<String>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Cancel {
+    /// A signal not cancelled yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cancels, with a reason (the first reason wins). Returns whether this call cancelled it.
+    pub fn cancel(&self, reason: impl Into<String>) -> bool {
+        let mut r = lock(&self.inner.reason);
+        if r.is_some() {
+            return false;
+        }
+        *r = Some(reason.into());
+        drop(r);
+        self.inner.notify.notify_waiters();
+        true
+    }
+
+    /// The reason, once cancelled.
+    pub fn reason(&self) -> Option<String> {
+        lock(&self.inner.reason).clone()
+    }
+
+    /// Resolves (with the reason) once cancelled.
+    pub async fn cancelled(&self) -> String {
+        loop {
+            let notified = self.inner.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(r) = self.reason() {
+                return r;
+            }
+            notified.await;
         }
     }
 }
@@ -668,6 +863,10 @@ pub struct ExpectOptions {
     /// notification from any other key still fails the request. `None` (the default) is what a
     /// serving engine wants.
     pub only_senders: Option<Vec<SenderKey>>,
+    /// Which use of the room this is: every notification of it must carry the same generation, so
+    /// nothing of an earlier use of the room can complete or fail this one. 0 for callers that never
+    /// reuse a request id.
+    pub generation: u64,
 }
 
 /// The decode side of one rank.
@@ -704,6 +903,12 @@ impl ReceiverSession {
         })
     }
 
+    /// The same session with other tracker bounds (early notifications, released generations).
+    pub fn with_tracker_config(self, config: TrackerConfig) -> Self {
+        *lock(&self.tracker) = CompletionTracker::with_config(config);
+        self
+    }
+
     /// The sender keys every request of this rank waits for.
     pub fn expected_senders(&self) -> Vec<SenderKey> {
         self.topo.expected_senders(self.rank)
@@ -737,8 +942,11 @@ impl ReceiverSession {
             Some(keys) => keys,
             None => self.expected_senders(),
         };
-        let spec = ExpectSpec { senders, aux: options.aux, state: options.state, deadline };
-        lock(&self.tracker).expect(request, spec).map_err(|source| SessionError::Tracker { rank: self.rank, source })
+        let spec = ExpectSpec { generation: options.generation, senders, aux: options.aux, state: options.state, deadline };
+        lock(&self.tracker)
+            .expect(request, spec, Instant::now())
+            .map(|_| ())
+            .map_err(|source| SessionError::Tracker { rank: self.rank, source })
     }
 
     /// The request's status now (a passed deadline fails it).
@@ -813,7 +1021,17 @@ impl ReceiverSession {
         lock(&self.tracker).aux(request).map(<[u8]>::to_vec)
     }
 
-    /// Tracker counters (dropped duplicates, unknown requests...).
+    /// Where the request's fence stands: [`Fence::Closed`] when its pages may be reused.
+    pub fn fence(&self, request: RequestId) -> Option<Fence> {
+        lock(&self.tracker).fence(request, Instant::now())
+    }
+
+    /// Runs `f` on the tracker (the engine API routes notifications and losses through it).
+    pub fn with_tracker<R>(&self, f: impl FnOnce(&mut CompletionTracker) -> R) -> R {
+        f(&mut lock(&self.tracker))
+    }
+
+    /// Tracker counters (dropped duplicates, early notifications...).
     pub fn stats(&self) -> TrackerStats {
         lock(&self.tracker).stats()
     }

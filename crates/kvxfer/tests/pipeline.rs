@@ -111,13 +111,13 @@ fn topo() -> Topology {
             page_size: 1,
             layout: Layout::Nhd,
         },
-        parallel: Parallel { tp: 1, pp: 1 },
+        parallel: Parallel::new(1, 1),
     };
     Topology::new(&side, &side).unwrap()
 }
 
 fn pool(topo: &Topology, side: Side, pages: u32) -> KvPool {
-    let buffers = (0..topo.stage_layers(side))
+    let buffers = (0..topo.stage_layers(side, 0))
         .flat_map(|layer| {
             topo.kv().kinds().iter().map(move |&kind| {
                 let b = BufferRef { layer, kind };

@@ -1,0 +1,1722 @@
+//! The engine API: a request's whole life in the library, driven per rank by a serving engine.
+//!
+//! One [`Agent`] per rank owns the backend endpoint, the registered KV pool, the connections to the
+//! peer ranks it exchanges with, its membership in the cluster's metadata store, and one progress
+//! task that drains backend events and routes them (notifications to the tracker or to the prefill
+//! side's requests, lost peers to every request they touch). The engine calls are cheap and never
+//! block a scheduler step: they return at once and report through [`RequestStatus`]; the `wait_*`
+//! forms await a status with a deadline.
+//!
+//! # Mapping onto the engines
+//!
+//! | kvxfer | SGLang (`disaggregation/base/conn.py`) | vLLM (KV connector, worker side) |
+//! |---|---|---|
+//! | [`Agent::start`] | `BaseKVManager(args, mode, server_args)` | `register_kv_caches` |
+//! | [`Agent::receiver`], [`Receiver::send_metadata`] | `BaseKVReceiver(..., bootstrap_room)`, `init(kv_indices, aux_index)` | `start_load_kv` (the request's block ids) |
+//! | [`Agent::sender`], [`Sender::init`], [`Sender::send`] | `BaseKVSender(..., bootstrap_room)`, `init(num_kv_indices, aux_index)`, `send(kv_indices)` | `save_kv_layer` ([`Sender::send_layers`]) / `wait_for_save` |
+//! | [`Receiver::status`], [`Sender::status`] | `poll() -> KVPoll` | `get_finished` |
+//! | [`Receiver::abort`], [`Sender::abort`] | `abort()` (`failure_exception`) | request aborted |
+//! | [`Receiver::release`], [`Sender::release`] | `clear()` | freeing the blocks |
+//! | [`crate::bootstrap::BootstrapServer`] or etcd | `BaseKVBootstrapServer` | (side channel) |
+//!
+//! # A request's life (SEMANTICS §5-§6)
+//!
+//! A request is a room (the engine's request id) used once under a generation. The decode side
+//! chooses the generation when it hands the request off ([`Receiver::send_metadata`]): from the rank's
+//! membership epoch and a counter, so it is unique per use of the room, also across restarts. The
+//! handoff (this decode rank's destination pages and aux slot) travels over the backend's control
+//! channel to every prefill rank that feeds this decode rank; no per-request key is written to the
+//! metadata store, so releasing a request leaves nothing behind anywhere.
+//!
+//! Prefill ranks keep handoffs that arrive before the engine created the sender for that room
+//! (bounded by [`AgentConfig::early_max`] and [`AgentConfig::early_ttl`], counted in
+//! [`AgentStats`]); the decode tracker keeps chunk notifications that arrive before their request is
+//! registered the same way.
+//!
+//! States, as SGLang's `KVPoll` has them ([`Phase`]): `Bootstrapping` until the peers this rank needs
+//! are connected (prefill: and until every decode rank's page list for the room arrived),
+//! `WaitingForInput` until the engine hands off (decode) or sends the last chunk (prefill),
+//! `Transferring` until every byte is confirmed, then `Success` or `Failed`. A failed or aborted
+//! request passes through `Aborting`: until every sender that could still write into the destination
+//! pages has confirmed it cannot any more (it finished, fenced, reported failure, or was lost),
+//! the pages are NOT free. [`RequestStatus::pages_reusable`] says when they are.
+//!
+//! # Memory
+//!
+//! [`KvMemory::Buffers`] hands the agent memory the engine owns (GPU or host). The engine must keep
+//! it alive and must not free it before [`Agent::shutdown`] returned: until then a peer may write
+//! into it (decode) or the backend may read it (prefill). Destination pages of a request may be
+//! reused once its status is final and [`RequestStatus::pages_reusable`]; source pages once the
+//! sender's status is final.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use kvxfer_core::{
+    BackendConfig, BackendEvent, BufferRef, Fence, KvTransferBackend, MemDesc, Notification, NotificationBody,
+    NotifyStyle, PeerId, RankId, RequestId, SenderKey, Side, Status, Topology, TrackerConfig, TrackerStats,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::bootstrap::Registration as RankRegistration;
+use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
+use crate::session::{
+    Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window,
+};
+
+/// The identity a rank's endpoint carries (in [`BackendConfig::identity`] and in lost-peer events):
+/// prefill ranks use their sender key, decode ranks a value with the top bit set. The one encoding
+/// every part of kvxfer uses.
+pub fn identity(side: Side, rank: RankId) -> u64 {
+    match side {
+        Side::Prefill => SenderKey::of(rank).to_u64(),
+        Side::Decode => (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp),
+    }
+}
+
+/// The (side, rank) an [`identity`] names.
+pub fn from_identity(id: u64) -> (Side, RankId) {
+    if id >> 63 == 1 {
+        (Side::Decode, RankId::new((id & 0xffff) as u32, ((id >> 16) & 0xffff) as u32))
+    } else {
+        let k = SenderKey::from_u64(id);
+        (Side::Prefill, RankId::new(u32::from(k.tp), u32::from(k.pp)))
+    }
+}
+
+fn rank_of_key(k: SenderKey) -> RankId {
+    RankId::new(u32::from(k.tp), u32::from(k.pp))
+}
+
+/// How one rank takes part in the cluster.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Prefill or decode.
+    pub role: Side,
+    /// This rank (TP rank, PP stage).
+    pub rank: RankId,
+    /// The cluster's configuration: both sides' KV layout and parallelism. Every peer is checked
+    /// against it before any byte moves.
+    pub topology: Topology,
+    /// Backend registry name (`tcp`, `local`, `ucx`, `fabric`, `verbs`).
+    pub backend: String,
+    /// Backend options (`listen=...`, `tls=...`; see each backend's README).
+    pub backend_options: BTreeMap<String, String>,
+    /// How senders notify completion (attached to the data, or out of band after it completed).
+    pub notify: NotifyStyle,
+    /// The metadata store (`host:port` of a bootstrap service, or `etcd://...`).
+    pub metadata: MetadataAddr,
+    /// TTL of this rank's lease in the store: a rank that stops renewing it is reported lost.
+    pub lease_ttl: Duration,
+    /// How long [`Agent::start`]'s background connect waits for the peer ranks to register.
+    pub connect_timeout: Duration,
+    /// Each request's deadline, counted from its handoff (decode) or its creation (prefill).
+    pub request_timeout: Duration,
+    /// Bounds of the decode tracker (early notifications, released-generation memory).
+    pub tracker: TrackerConfig,
+    /// Most handoffs a prefill rank keeps for rooms it has no sender for yet.
+    pub early_max: usize,
+    /// How long a prefill rank keeps such a handoff.
+    pub early_ttl: Duration,
+    /// Per (prefill, decode) pair in-flight window.
+    pub window: Window,
+    /// A label for this rank in peers' error messages (host, process id).
+    pub label: String,
+}
+
+impl AgentConfig {
+    /// A configuration with the defaults: the `tcp` backend, attached notifications, a 10 s lease,
+    /// 60 s to connect and per request.
+    pub fn new(role: Side, rank: RankId, topology: Topology, metadata: MetadataAddr) -> Self {
+        Self {
+            role,
+            rank,
+            topology,
+            backend: "tcp".into(),
+            backend_options: BTreeMap::new(),
+            notify: NotifyStyle::Attached,
+            metadata,
+            lease_ttl: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(60),
+            tracker: TrackerConfig::default(),
+            early_max: 65_536,
+            early_ttl: Duration::from_secs(60),
+            window: Window::default(),
+            label: format!("pid {}", std::process::id()),
+        }
+    }
+}
+
+/// The KV memory a rank registers.
+pub enum KvMemory {
+    /// Host buffers the agent allocates and registers, one per (stage-local layer, kind), each
+    /// `pages` pages, filled with `fill` (tests, the demo, CPU engines).
+    Host {
+        /// Pages per buffer.
+        pages: u32,
+        /// The initial byte of every buffer.
+        fill: u8,
+    },
+    /// Memory the engine owns, one descriptor per (stage-local layer, kind) buffer, each at least
+    /// `pages` pages. Keep it alive until [`Agent::shutdown`] returned.
+    Buffers {
+        /// Pages per buffer.
+        pages: u32,
+        /// The buffers.
+        buffers: Vec<(BufferRef, MemDesc)>,
+    },
+}
+
+impl fmt::Debug for KvMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KvMemory::Host { pages, fill } => write!(f, "Host {{ pages: {pages}, fill: {fill} }}"),
+            KvMemory::Buffers { pages, buffers } => write!(f, "Buffers {{ pages: {pages}, {} buffers }}", buffers.len()),
+        }
+    }
+}
+
+/// A failure of the engine API, naming the rank, the request and the peer where they apply, and
+/// saying what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The configuration, the memory or the cluster is not usable: fix the configuration.
+    #[error("{role} rank {rank}: {detail}")]
+    Setup {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// What failed.
+        detail: String,
+    },
+    /// The call does not fit this rank's role.
+    #[error("{role} rank {rank}: {call} is a {needs} call")]
+    WrongRole {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The call.
+        call: &'static str,
+        /// The side it belongs to.
+        needs: Side,
+    },
+    /// The room is already in use on this rank: release it first, or use another room.
+    #[error("{role} rank {rank}: request {room} is already active here; release it before reusing the room")]
+    RoomInUse {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The room.
+        room: RequestId,
+    },
+    /// The call is not valid in the request's current state.
+    #[error("{role} rank {rank}: request {room}: {detail}")]
+    InvalidCall {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The room.
+        room: RequestId,
+        /// What is wrong and what to do.
+        detail: String,
+    },
+    /// The request failed; `reason` names the rank, the peer and the cause.
+    #[error("{role} rank {rank}: request {room} failed: {reason}")]
+    Failed {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The room.
+        room: RequestId,
+        /// Why.
+        reason: String,
+    },
+    /// A wait ran past its deadline; the request is still in `phase`.
+    #[error("{role} rank {rank}: request {room} still {phase} after {after:?}")]
+    Timeout {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The room.
+        room: RequestId,
+        /// Where it stands.
+        phase: Phase,
+        /// How long was waited.
+        after: Duration,
+    },
+}
+
+/// Where a request stands (SGLang's `KVPoll`, plus `Aborting`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The peers this request needs are not connected yet (prefill: or not every decode rank's page
+    /// list arrived yet).
+    Bootstrapping,
+    /// Ready for the engine's input: decode: [`Receiver::send_metadata`]; prefill: [`Sender::send`].
+    WaitingForInput,
+    /// Bytes are moving; nothing to do but poll.
+    Transferring,
+    /// Every byte landed (decode: verified by every sender's notification; prefill: every write
+    /// completed and every receiver notified).
+    Success,
+    /// Failed or aborted, and not every write has been fenced yet: the pages are NOT free.
+    Aborting,
+    /// Failed or aborted; nothing of it can land any more.
+    Failed,
+}
+
+impl Phase {
+    /// Whether the request has an outcome ([`Phase::Success`] or [`Phase::Failed`]).
+    pub fn is_final(self) -> bool {
+        matches!(self, Phase::Success | Phase::Failed)
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Phase::Bootstrapping => "bootstrapping",
+            Phase::WaitingForInput => "waiting for input",
+            Phase::Transferring => "transferring",
+            Phase::Success => "succeeded",
+            Phase::Aborting => "aborting",
+            Phase::Failed => "failed",
+        };
+        f.write_str(s)
+    }
+}
+
+/// A request's status on one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestStatus {
+    /// Where it stands.
+    pub phase: Phase,
+    /// Why it failed (`Aborting`, `Failed`): names the rank, the peer and the cause.
+    pub reason: Option<String>,
+    /// Whether the request's pages (decode: destination; prefill: source) may be reused now: true
+    /// once nothing of the request can read or write them any more.
+    pub pages_reusable: bool,
+}
+
+impl RequestStatus {
+    fn of(phase: Phase, reason: Option<String>, pages_reusable: bool) -> Self {
+        Self { phase, reason, pages_reusable }
+    }
+}
+
+/// Counters of one agent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentStats {
+    /// Requests that reached `Success` here.
+    pub succeeded: u64,
+    /// Requests that reached `Failed` here (aborted ones included).
+    pub failed: u64,
+    /// Requests aborted by this rank's engine.
+    pub aborted: u64,
+    /// Handoffs a prefill rank kept for rooms it had no sender for yet.
+    pub early_handoffs_kept: u64,
+    /// Such handoffs that expired (too old, or too many kept).
+    pub early_handoffs_expired: u64,
+    /// Abort requests received from the other side.
+    pub aborts_received: u64,
+    /// Fences sent (prefill) or received (decode).
+    pub fences: u64,
+    /// Peers lost.
+    pub peers_lost: u64,
+    /// Notifications of a kind this side does not take, dropped.
+    pub protocol_errors: u64,
+    /// Decode tracker counters.
+    #[serde(skip)]
+    pub tracker: TrackerStats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One decode rank's page list for a request, as a prefill rank received it.
+#[derive(Debug, Clone)]
+struct Handoff {
+    generation: u64,
+    pages: Vec<u32>,
+    aux_slot: Option<u32>,
+}
+
+/// A spawned part of a layer-wise chunk.
+type PartHandle = tokio::task::JoinHandle<Result<(), String>>;
+
+#[derive(Debug, Default)]
+struct SendReq {
+    /// Decode rank -> its handoff.
+    handoffs: BTreeMap<RankId, Handoff>,
+    total: Option<u32>,
+    sent_pages: u32,
+    next_chunk: u32,
+    /// Layer-wise: the chunk being sent (its source pages and the layers sent so far).
+    layerwise: Option<(Vec<u32>, BTreeSet<u32>, Vec<PartHandle>)>,
+    outstanding: u32,
+    last_posted: bool,
+    aux_sent: bool,
+    failure: Option<String>,
+    /// Decode ranks that asked to abort: they get `Fenced` once nothing is in flight.
+    abort_from: BTreeSet<RankId>,
+    /// Whether the outcome (failure or fence) has been sent to the receivers.
+    told: bool,
+    cancel: Cancel,
+    created: Option<Instant>,
+    done: bool,
+}
+
+#[derive(Debug)]
+struct RecvReq {
+    generation: Option<u64>,
+    /// Senders already asked to abort.
+    abort_sent: BTreeSet<SenderKey>,
+    /// A failure before the handoff (nothing to fence).
+    early_failure: Option<String>,
+    counted: bool,
+}
+
+/// What the agent knows of one peer rank.
+#[derive(Debug, Clone)]
+struct Peer {
+    id: Option<PeerId>,
+    epoch: u64,
+    lost: Option<String>,
+}
+
+struct Inner {
+    cfg: AgentConfig,
+    topo: Topology,
+    backend: Arc<dyn KvTransferBackend>,
+    sender: Option<SenderSession>,
+    receiver: Option<ReceiverSession>,
+    /// The peer ranks this rank exchanges with, by rank.
+    peers: Mutex<BTreeMap<RankId, Peer>>,
+    connected: AtomicBool,
+    connect_error: Mutex<Option<String>>,
+    sends: Mutex<HashMap<RequestId, SendReq>>,
+    early: Mutex<VecDeque<(RankId, Notification, Instant)>>,
+    recvs: Mutex<HashMap<RequestId, RecvReq>>,
+    next_gen: AtomicU64,
+    epoch: u64,
+    stats: Mutex<AgentStats>,
+    wake: tokio::sync::Notify,
+    stop: Cancel,
+    handle: tokio::runtime::Handle,
+}
+
+/// One rank's transfer agent. Create with [`Agent::start`] inside a tokio runtime (multi-threaded);
+/// the agent spawns its progress tasks there.
+pub struct Agent {
+    inner: Arc<Inner>,
+    membership: Option<Membership>,
+    memory: Vec<PoolMemory>,
+    registrations: Vec<kvxfer_core::Registration>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl fmt::Debug for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Agent({} rank {} on {})", self.inner.cfg.role, self.inner.cfg.rank, self.inner.backend.name())
+    }
+}
+
+/// How often the progress task wakes when nothing arrives (deadlines, early-buffer ages).
+const TICK: Duration = Duration::from_millis(20);
+
+impl Agent {
+    /// Creates the backend endpoint, registers the KV memory, joins the cluster's metadata store
+    /// under a lease, and starts the progress task and a background connect to the peer ranks
+    /// (requests are `Bootstrapping` until it finished; [`Agent::wait_connected`] awaits it).
+    pub async fn start(cfg: AgentConfig, memory: KvMemory) -> Result<Agent, EngineError> {
+        let (role, rank) = (cfg.role, cfg.rank);
+        let setup = |detail: String| EngineError::Setup { role, rank, detail };
+        let topo = cfg.topology;
+        topo.check_rank(role, rank).map_err(|e| setup(e.to_string()))?;
+        let bcfg = BackendConfig { identity: identity(role, rank), options: cfg.backend_options.clone() };
+        let backend = crate::backends::create(&cfg.backend, &bcfg).map_err(|e| setup(e.to_string()))?;
+        backend.capabilities().check_style(backend.name(), cfg.notify).map_err(|e| setup(e.to_string()))?;
+        let (pool, pool_memory, registrations) = match memory {
+            KvMemory::Host { pages, fill } => {
+                let init = move |_: BufferRef, b: &mut [u8]| b.fill(fill);
+                let (pool, mem) = KvPool::allocate(&topo, role, rank, pages, &*backend, &init)
+                    .await
+                    .map_err(|e| setup(e.to_string()))?;
+                (pool, mem, Vec::new())
+            }
+            KvMemory::Buffers { pages, buffers } => {
+                let mut pool = KvPool { pages, buffers: Vec::new() };
+                let mut regs = Vec::new();
+                for (b, desc) in buffers {
+                    let region = crate::session::region_id(b);
+                    let len = desc.len();
+                    let reg = backend.register(region, desc).await.map_err(|e| setup(e.to_string()))?;
+                    pool.buffers.push(PoolBuffer { buffer: b, region, offset: 0, len: len as u64 });
+                    regs.push(reg);
+                }
+                (pool, Vec::new(), regs)
+            }
+        };
+        let (sender, receiver) = match role {
+            Side::Prefill => (
+                Some(
+                    SenderSession::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
+                        .map_err(|e| setup(e.to_string()))?
+                        .with_window(cfg.window),
+                ),
+                None,
+            ),
+            Side::Decode => (
+                None,
+                Some(
+                    ReceiverSession::new(Arc::clone(&backend), topo, rank, pool.clone())
+                        .map_err(|e| setup(e.to_string()))?
+                        .with_tracker_config(cfg.tracker),
+                ),
+            ),
+        };
+        let store = crate::metadata::connect(&cfg.metadata, crate::metadata::DEFAULT_OP_TIMEOUT)
+            .await
+            .map_err(|e| setup(e.to_string()))?;
+        let me = RankRegistration {
+            role,
+            rank,
+            backend: cfg.backend.clone(),
+            endpoint: backend.metadata().map_err(|e| setup(e.to_string()))?,
+            pool,
+            spec: topo.side(role),
+            label: cfg.label.clone(),
+        };
+        let membership =
+            Membership::join(Arc::clone(&store), me.clone(), cfg.lease_ttl).await.map_err(|e| setup(e.to_string()))?;
+        let (watch, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| setup(e.to_string()))?;
+        let epoch = membership.epoch();
+        let peers: BTreeMap<RankId, Peer> = match role {
+            Side::Prefill => topo.receivers(rank),
+            Side::Decode => topo.senders(rank),
+        }
+        .into_iter()
+        .map(|r| (r, Peer { id: None, epoch: 0, lost: None }))
+        .collect();
+        let inner = Arc::new(Inner {
+            topo,
+            backend,
+            sender,
+            receiver,
+            peers: Mutex::new(peers),
+            connected: AtomicBool::new(false),
+            connect_error: Mutex::new(None),
+            sends: Mutex::new(HashMap::new()),
+            early: Mutex::new(VecDeque::new()),
+            recvs: Mutex::new(HashMap::new()),
+            next_gen: AtomicU64::new(1),
+            epoch,
+            stats: Mutex::new(AgentStats::default()),
+            wake: tokio::sync::Notify::new(),
+            stop: Cancel::new(),
+            handle: tokio::runtime::Handle::current(),
+            cfg,
+        });
+        let tasks = vec![
+            tokio::spawn(Arc::clone(&inner).progress()),
+            tokio::spawn(Arc::clone(&inner).connect_and_watch(store, me, watch)),
+        ];
+        Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, tasks })
+    }
+
+    /// This rank's side.
+    pub fn role(&self) -> Side {
+        self.inner.cfg.role
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> RankId {
+        self.inner.cfg.rank
+    }
+
+    /// The cluster topology.
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topo
+    }
+
+    /// The backend endpoint (for benchmarks and diagnostics).
+    pub fn backend(&self) -> &Arc<dyn KvTransferBackend> {
+        &self.inner.backend
+    }
+
+    /// This rank's membership epoch (higher after every restart).
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// The host buffers [`KvMemory::Host`] allocated (empty for [`KvMemory::Buffers`]): read or
+    /// write a request's pages through them once its status allows.
+    pub fn host_memory(&self) -> &[PoolMemory] {
+        &self.memory
+    }
+
+    /// Whether every peer rank this rank needs is connected.
+    pub fn is_connected(&self) -> bool {
+        self.inner.connected.load(Ordering::Acquire)
+    }
+
+    /// Waits until every peer rank this rank needs is connected, or the background connect failed
+    /// (its error), or `deadline`.
+    pub async fn wait_connected(&self, deadline: Instant) -> Result<(), EngineError> {
+        loop {
+            let notified = self.inner.wake.notified();
+            if self.is_connected() {
+                return Ok(());
+            }
+            if let Some(e) = lock(&self.inner.connect_error).clone() {
+                return Err(self.inner.setup(e));
+            }
+            if Instant::now() >= deadline {
+                return Err(self.inner.setup(format!(
+                    "peers not connected before the deadline; waiting for {}",
+                    self.inner.missing_peers()
+                )));
+            }
+            let _ = tokio::time::timeout(TICK * 5, notified).await;
+        }
+    }
+
+    /// A decode-side request for `room` (SGLang's `KVReceiver`). It is `Bootstrapping` until the
+    /// prefill ranks are connected, then `WaitingForInput` until [`Receiver::send_metadata`].
+    pub fn receiver(&self, room: RequestId) -> Result<Receiver, EngineError> {
+        self.inner.role_is(Side::Decode, "receiver")?;
+        let mut recvs = lock(&self.inner.recvs);
+        if recvs.contains_key(&room) {
+            return Err(EngineError::RoomInUse { role: Side::Decode, rank: self.rank(), room });
+        }
+        recvs.insert(
+            room,
+            RecvReq { generation: None, abort_sent: BTreeSet::new(), early_failure: None, counted: false },
+        );
+        Ok(Receiver { inner: Arc::clone(&self.inner), room })
+    }
+
+    /// A prefill-side request for `room` (SGLang's `KVSender`). It is `Bootstrapping` until every
+    /// decode rank it feeds has handed off its page list, then `WaitingForInput`.
+    pub fn sender(&self, room: RequestId) -> Result<Sender, EngineError> {
+        self.inner.role_is(Side::Prefill, "sender")?;
+        let mut sends = lock(&self.inner.sends);
+        if sends.contains_key(&room) {
+            return Err(EngineError::RoomInUse { role: Side::Prefill, rank: self.rank(), room });
+        }
+        let mut req = SendReq { created: Some(Instant::now()), ..SendReq::default() };
+        // Handoffs that came first: the latest of each decode rank.
+        let mut early = lock(&self.inner.early);
+        early.retain(|(d, n, _)| {
+            if n.request != room {
+                return true;
+            }
+            if let NotificationBody::Handoff { pages, aux_slot } = &n.body {
+                req.handoffs.insert(*d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+            }
+            false
+        });
+        drop(early);
+        sends.insert(room, req);
+        Ok(Sender { inner: Arc::clone(&self.inner), room })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> AgentStats {
+        let mut s = *lock(&self.inner.stats);
+        if let Some(r) = &self.inner.receiver {
+            s.tracker = r.stats();
+        }
+        s
+    }
+
+    /// Requests active on this rank (created and not released).
+    pub fn active_requests(&self) -> usize {
+        lock(&self.inner.sends).len() + lock(&self.inner.recvs).len()
+    }
+
+    /// Stops: fails every active request (telling peers), leaves the cluster (peers see the rank
+    /// `left`, not lost), stops the progress tasks, and closes the registrations (waits, until
+    /// `deadline`, until no peer can touch the memory). After it returns the engine may free the
+    /// memory it registered.
+    pub async fn shutdown(mut self, deadline: Instant) -> Result<(), EngineError> {
+        let rooms: Vec<RequestId> = lock(&self.inner.sends).keys().copied().collect();
+        for room in rooms {
+            self.inner.sender_abort(room, "the prefill rank shut down".into());
+        }
+        let rooms: Vec<RequestId> = lock(&self.inner.recvs).keys().copied().collect();
+        for room in rooms {
+            self.inner.receiver_abort(room, "the decode rank shut down".into());
+        }
+        // Let the aborts and fences go out (bounded).
+        let until = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < until && lock(&self.inner.sends).values().any(|r| r.outstanding > 0 || !r.told_if_needed())
+        {
+            tokio::time::sleep(TICK).await;
+        }
+        self.inner.stop.cancel("shutdown");
+        for t in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+        }
+        let mut first: Option<EngineError> = None;
+        if let Some(m) = self.membership.take() {
+            if let Err(e) = m.leave().await {
+                first.get_or_insert(self.inner.setup(format!("leaving the metadata store: {e}")));
+            }
+        }
+        for m in std::mem::take(&mut self.memory) {
+            if let Err(e) = m.close(deadline).await {
+                first.get_or_insert(self.inner.setup(format!("closing a registration: {e}")));
+            }
+        }
+        for r in std::mem::take(&mut self.registrations) {
+            if let Err(e) = r.close(deadline).await {
+                first.get_or_insert(self.inner.setup(format!("closing a registration: {e}")));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.inner.stop.cancel("agent dropped");
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl SendReq {
+    fn aux_ok(&self) -> bool {
+        self.aux_sent || self.handoffs.values().all(|h| h.aux_slot.is_none())
+    }
+
+    fn told_if_needed(&self) -> bool {
+        self.failure.is_none() || self.told
+    }
+}
+
+/// A decode-side request (SGLang's `KVReceiver`, vLLM's load of one request).
+#[derive(Clone)]
+pub struct Receiver {
+    inner: Arc<Inner>,
+    room: RequestId,
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Receiver({} on decode rank {})", self.room, self.inner.cfg.rank)
+    }
+}
+
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Sender({} on prefill rank {})", self.room, self.inner.cfg.rank)
+    }
+}
+
+impl Receiver {
+    /// The room.
+    pub fn room(&self) -> RequestId {
+        self.room
+    }
+
+    /// The generation of this use of the room, once handed off.
+    pub fn generation(&self) -> Option<u64> {
+        lock(&self.inner.recvs).get(&self.room).and_then(|r| r.generation)
+    }
+
+    /// Hands the request off: the destination page indices on this rank (in token order) and,
+    /// optionally, an aux slot. Registers the request with the tracker under a new generation (any
+    /// notification kept for it is applied), then sends the page list to every prefill rank that
+    /// feeds this rank, in the background. Returns at once. Errors: pages outside the pool or
+    /// repeated, a second call, a released request.
+    pub fn send_metadata(&self, pages: &[u32], aux_slot: Option<u32>) -> Result<(), EngineError> {
+        let inner = &self.inner;
+        let invalid = |detail: String| EngineError::InvalidCall {
+            role: Side::Decode,
+            rank: inner.cfg.rank,
+            room: self.room,
+            detail,
+        };
+        if pages.len() > kvxfer_core::notify::MAX_HANDOFF_PAGES {
+            return Err(invalid(format!(
+                "{} pages exceed the {} one handoff carries",
+                pages.len(),
+                kvxfer_core::notify::MAX_HANDOFF_PAGES
+            )));
+        }
+        let rx = inner.receiver.as_ref().expect("decode agent");
+        let generation = {
+            let mut recvs = lock(&inner.recvs);
+            let Some(r) = recvs.get_mut(&self.room) else {
+                return Err(invalid("the request was released; create a new receiver".into()));
+            };
+            if r.generation.is_some() || r.early_failure.is_some() {
+                return Err(invalid("send_metadata was already called (or the request was aborted)".into()));
+            }
+            let generation = (inner.epoch << 32) | (inner.next_gen.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff);
+            let options = ExpectOptions { aux: aux_slot.is_some(), generation, ..ExpectOptions::default() };
+            rx.expect(self.room, pages, options, Instant::now() + inner.cfg.request_timeout)
+                .map_err(|e| invalid(e.to_string()))?;
+            r.generation = Some(generation);
+            generation
+        };
+        let note = Notification::new(
+            self.room,
+            SenderKey::of(inner.cfg.rank),
+            NotificationBody::Handoff { pages: pages.to_vec(), aux_slot },
+        )
+        .with_generation(generation);
+        let inner2 = Arc::clone(inner);
+        let room = self.room;
+        inner.handle.spawn(async move { inner2.hand_off(room, note).await });
+        Ok(())
+    }
+
+    /// The request's status now; never blocks.
+    pub fn status(&self) -> RequestStatus {
+        self.inner.receiver_status(self.room)
+    }
+
+    /// Waits until the request is final (`Success` or `Failed`), at most until `deadline`.
+    pub async fn wait(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
+        self.inner.wait_for(self.room, Side::Decode, deadline, |s| s.phase.is_final()).await
+    }
+
+    /// Aborts the request: every prefill rank that could still write is told at once and asked to
+    /// fence; the request is `Aborting` until each confirmed (or is known dead), then `Failed` with
+    /// [`RequestStatus::pages_reusable`]. Aborting a final request changes nothing.
+    pub fn abort(&self, reason: &str) {
+        if self.inner.receiver_abort(self.room, reason.to_owned()) {
+            lock(&self.inner.stats).aborted += 1;
+        }
+    }
+
+    /// The aux payload, once received.
+    pub fn aux(&self) -> Option<Vec<u8>> {
+        self.inner.receiver.as_ref().and_then(|r| r.aux(self.room))
+    }
+
+    /// Frees every trace of the request (tracker entry, generation). Refused while writes of it may
+    /// still land (the status is not final or its pages are not reusable): abort and wait first.
+    /// Afterwards the room may be used again, and late notifications of this use are dropped.
+    pub fn release(self) -> Result<RequestStatus, EngineError> {
+        let s = self.status();
+        if !(s.phase.is_final() && s.pages_reusable) {
+            return Err(EngineError::InvalidCall {
+                role: Side::Decode,
+                rank: self.inner.cfg.rank,
+                room: self.room,
+                detail: format!("cannot release while {}: writes may still land; abort and wait first", s.phase),
+            });
+        }
+        if let Some(rx) = &self.inner.receiver {
+            rx.release(self.room);
+        }
+        lock(&self.inner.recvs).remove(&self.room);
+        Ok(s)
+    }
+}
+
+/// A prefill-side request (SGLang's `KVSender`, vLLM's save of one request).
+#[derive(Clone)]
+pub struct Sender {
+    inner: Arc<Inner>,
+    room: RequestId,
+}
+
+impl Sender {
+    /// The room.
+    pub fn room(&self) -> RequestId {
+        self.room
+    }
+
+    /// Sets the request's total page count (SGLang's `init(num_kv_indices)`): the chunk whose pages
+    /// reach it is the last. Every decode rank's page list must have this many pages.
+    pub fn init(&self, total_pages: u32) -> Result<(), EngineError> {
+        self.inner.with_send(self.room, |r| {
+            if r.total.is_some() {
+                return Err("init was already called".into());
+            }
+            r.total = Some(total_pages);
+            Ok(())
+        })
+    }
+
+    /// Sends the next chunk: the source pages (in token order) that follow the pages sent so far;
+    /// the chunk that reaches the total is the last. Posts in the background and returns at once.
+    /// Errors (nothing is posted): not `WaitingForInput` yet, no `init`, more pages than the total,
+    /// a source page outside the pool.
+    pub fn send(&self, src_pages: &[u32]) -> Result<(), EngineError> {
+        let stage_layers = self.inner.stage_layers();
+        self.inner.send_part(self.room, src_pages, 0..stage_layers, true)
+    }
+
+    /// Layer-wise sending (vLLM's `save_kv_layer`): sends layers `layers` (stage-local) of the chunk
+    /// made of `src_pages`, as soon as they are computed. Every call of one chunk gives the same
+    /// pages; once every layer of the stage was sent, the chunk's completion notification follows
+    /// the writes (completion is still counted per chunk) and the next call starts the next chunk.
+    pub fn send_layers(&self, src_pages: &[u32], layers: std::ops::Range<u32>) -> Result<(), EngineError> {
+        self.inner.send_part(self.room, src_pages, layers, false)
+    }
+
+    /// Sends the request's aux data (SGLang's metadata row: first output token and the like) to
+    /// every decode rank that handed off an aux slot, out of band; it lands as that rank's
+    /// [`Receiver::aux`]. Required before `Success` when any decode rank asked for aux. At most
+    /// [`kvxfer_core::notify::MAX_PAYLOAD`] bytes.
+    pub fn send_aux(&self, data: Vec<u8>) -> Result<(), EngineError> {
+        let inner = &self.inner;
+        let room = self.room;
+        let targets = inner.with_send(room, |q| {
+            if let Some(f) = &q.failure {
+                return Err(format!("the request failed: {f}"));
+            }
+            if !inner.sender_ready(q) {
+                return Err("not ready: not every decode rank has handed off yet".into());
+            }
+            if q.aux_sent {
+                return Err("aux was already sent".into());
+            }
+            if data.len() > kvxfer_core::notify::MAX_PAYLOAD {
+                return Err(format!("{} aux bytes exceed {}", data.len(), kvxfer_core::notify::MAX_PAYLOAD));
+            }
+            q.aux_sent = true;
+            q.outstanding += 1;
+            Ok(q.handoffs.iter().filter(|(_, h)| h.aux_slot.is_some()).map(|(d, h)| (*d, h.generation)).collect::<Vec<_>>())
+        })?;
+        let this = Arc::clone(inner);
+        inner.handle.spawn(async move {
+            let me = SenderKey::of(this.cfg.rank);
+            let mut first = None;
+            for (d, generation) in targets {
+                let n = Notification::new(room, me, NotificationBody::Aux(data.clone())).with_generation(generation);
+                if let Err(e) = this.sender.as_ref().expect("prefill agent").notify_rank(d, &n).await {
+                    first.get_or_insert(e.to_string());
+                }
+            }
+            this.part_done(room, first.map_or(Ok(()), Err), false);
+        });
+        Ok(())
+    }
+
+    /// The request's status now; never blocks.
+    pub fn status(&self) -> RequestStatus {
+        self.inner.sender_status(self.room)
+    }
+
+    /// Waits until the request is final, at most until `deadline`.
+    pub async fn wait(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
+        self.inner.wait_for(self.room, Side::Prefill, deadline, |s| s.phase.is_final()).await
+    }
+
+    /// Aborts: stops posting, aborts the transfers in flight, then tells every decode rank (a
+    /// failure notification, which is also this rank's fence). `Aborting` until the transfers
+    /// settled, then `Failed`.
+    pub fn abort(&self, reason: &str) {
+        if self.inner.sender_abort(self.room, reason.to_owned()) {
+            lock(&self.inner.stats).aborted += 1;
+        }
+    }
+
+    /// Frees the request. Refused while transfers of it are in flight (abort and wait first).
+    pub fn release(self) -> Result<RequestStatus, EngineError> {
+        let s = self.status();
+        if !s.phase.is_final() && s.phase != Phase::Bootstrapping && s.phase != Phase::WaitingForInput {
+            return Err(EngineError::InvalidCall {
+                role: Side::Prefill,
+                rank: self.inner.cfg.rank,
+                room: self.room,
+                detail: format!("cannot release while {}: transfers are in flight; abort and wait first", s.phase),
+            });
+        }
+        lock(&self.inner.sends).remove(&self.room);
+        Ok(s)
+    }
+}
+
+impl Inner {
+    fn setup(&self, detail: String) -> EngineError {
+        EngineError::Setup { role: self.cfg.role, rank: self.cfg.rank, detail }
+    }
+
+    fn role_is(&self, needs: Side, call: &'static str) -> Result<(), EngineError> {
+        if self.cfg.role != needs {
+            return Err(EngineError::WrongRole { role: self.cfg.role, rank: self.cfg.rank, call, needs });
+        }
+        Ok(())
+    }
+
+    fn stage_layers(&self) -> u32 {
+        self.topo.stage_layers(self.cfg.role, self.cfg.rank.pp)
+    }
+
+    fn missing_peers(&self) -> String {
+        let peers = lock(&self.peers);
+        let v: Vec<String> = peers
+            .iter()
+            .filter(|(_, p)| p.id.is_none() || p.lost.is_some())
+            .map(|(r, p)| match &p.lost {
+                Some(why) => format!("{} rank {r} (lost: {why})", self.other()),
+                None => format!("{} rank {r}", self.other()),
+            })
+            .collect();
+        v.join(", ")
+    }
+
+    fn other(&self) -> Side {
+        match self.cfg.role {
+            Side::Prefill => Side::Decode,
+            Side::Decode => Side::Prefill,
+        }
+    }
+
+    fn peer_id(&self, r: RankId) -> Option<PeerId> {
+        lock(&self.peers).get(&r).filter(|p| p.lost.is_none()).and_then(|p| p.id)
+    }
+
+    // ---------------------------------------------------------------- connect and membership
+
+    async fn connect_and_watch(self: Arc<Self>, store: Arc<dyn MetadataStore>, me: RankRegistration, watch: MemberWatch) {
+        let other = self.other();
+        let want = self.topo.ranks(other).len() as u32;
+        let r = tokio::select! {
+            r = crate::metadata::handshake(&*store, &me, other, want, self.cfg.connect_timeout) => r,
+            _ = self.stop.cancelled() => return,
+        };
+        match r {
+            Ok((members, topo)) if topo == self.topo => {
+                for m in members {
+                    if let Err(e) = self.connect_peer(&m.registration, m.epoch).await {
+                        *lock(&self.connect_error) = Some(e);
+                        self.wake.notify_waiters();
+                        return;
+                    }
+                }
+                self.update_connected();
+            }
+            Ok((_, topo)) => {
+                *lock(&self.connect_error) = Some(format!(
+                    "the peers' configuration {topo:?} differs from this rank's {:?}; start every rank with the same model and parallelism",
+                    self.topo
+                ));
+            }
+            Err(e) => *lock(&self.connect_error) = Some(e.to_string()),
+        }
+        self.wake.notify_waiters();
+        self.watch_members(watch).await;
+    }
+
+    fn update_connected(&self) {
+        let all = lock(&self.peers).values().all(|p| p.id.is_some() && p.lost.is_none());
+        self.connected.store(all, Ordering::Release);
+        self.wake.notify_waiters();
+    }
+
+    /// Connects to one peer rank (if this rank exchanges with it), replacing an older epoch's
+    /// connection.
+    async fn connect_peer(self: &Arc<Self>, reg: &RankRegistration, epoch: u64) -> Result<(), String> {
+        if reg.role != self.other() || !lock(&self.peers).contains_key(&reg.rank) {
+            return Ok(());
+        }
+        if let Some(p) = lock(&self.peers).get(&reg.rank) {
+            if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() {
+                return Ok(());
+            }
+        }
+        let id = match (&self.sender, &self.receiver) {
+            (Some(s), _) => {
+                s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
+                s.peer_of(reg.rank)
+            }
+            (_, Some(_)) => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
+                format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
+            })?),
+            _ => None,
+        };
+        if let Some(rx) = &self.receiver {
+            rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
+        }
+        lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
+        Ok(())
+    }
+
+    async fn watch_members(self: Arc<Self>, mut watch: MemberWatch) {
+        loop {
+            let evs = tokio::select! {
+                r = watch.next(Duration::from_secs(1)) => r,
+                _ = self.stop.cancelled() => return,
+            };
+            match evs {
+                Ok(evs) => {
+                    for ev in evs {
+                        match ev {
+                            MemberEvent::Joined(m) => {
+                                let r = &m.registration;
+                                if r.role == self.other() {
+                                    if let Err(e) = self.connect_peer(r, m.epoch).await {
+                                        tracing::warn!(rank = %self.cfg.rank, peer = %r.rank, error = %e, "reconnect failed");
+                                    }
+                                    self.update_connected();
+                                }
+                            }
+                            MemberEvent::Lost(m) | MemberEvent::Left(m) => {
+                                let r = &m.registration;
+                                if r.role == self.other() {
+                                    let why = format!("{} rank {} ({}) left or lost its lease in the metadata store", r.role, r.rank, r.label);
+                                    self.peer_lost(r.rank, why);
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(rank = %self.cfg.rank, error = %e, "membership watch failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = self.stop.cancelled() => return,
+                    }
+                }
+            }
+        }
+    }
+
+    /// A peer rank is gone: every request that needs it fails (decode: and counts it fenced; its
+    /// connection is closed).
+    fn peer_lost(self: &Arc<Self>, r: RankId, why: String) {
+        {
+            let mut peers = lock(&self.peers);
+            let Some(p) = peers.get_mut(&r) else { return };
+            if p.lost.is_some() {
+                return;
+            }
+            p.lost = Some(why.clone());
+        }
+        lock(&self.stats).peers_lost += 1;
+        self.connected.store(false, Ordering::Release);
+        match self.cfg.role {
+            Side::Decode => {
+                if let Some(rx) = &self.receiver {
+                    rx.with_tracker(|t| t.sender_lost(SenderKey::of(r), &why));
+                }
+            }
+            Side::Prefill => {
+                let rooms: Vec<RequestId> = lock(&self.sends)
+                    .iter()
+                    .filter(|(_, q)| !q.done && q.failure.is_none())
+                    .map(|(k, _)| *k)
+                    .collect();
+                for room in rooms {
+                    self.sender_abort(room, format!("lost decode rank {r}: {why}"));
+                }
+            }
+        }
+        self.wake.notify_waiters();
+    }
+
+    // ---------------------------------------------------------------- progress
+
+    async fn progress(self: Arc<Self>) {
+        loop {
+            let events = tokio::select! {
+                r = self.backend.recv(TICK) => r,
+                _ = self.stop.cancelled() => return,
+            };
+            match events {
+                Ok(events) => {
+                    for e in events {
+                        self.route(e);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(rank = %self.cfg.rank, error = %e, "backend recv failed");
+                    tokio::time::sleep(TICK).await;
+                }
+            }
+            self.housekeeping();
+            self.wake.notify_waiters();
+        }
+    }
+
+    fn route(self: &Arc<Self>, e: BackendEvent) {
+        match e {
+            BackendEvent::Notification(n) => match self.cfg.role {
+                Side::Decode => match &n.body {
+                    NotificationBody::Handoff { .. } | NotificationBody::Abort(_) => {
+                        lock(&self.stats).protocol_errors += 1;
+                    }
+                    body => {
+                        if matches!(body, NotificationBody::Fenced) {
+                            lock(&self.stats).fences += 1;
+                        }
+                        if let Some(rx) = &self.receiver {
+                            rx.with_tracker(|t| t.handle(&n, Instant::now()));
+                        }
+                    }
+                },
+                Side::Prefill => {
+                    let d = rank_of_key(n.sender);
+                    match &n.body {
+                        NotificationBody::Handoff { .. } => self.on_handoff(d, n),
+                        NotificationBody::Abort(reason) => self.on_abort(d, &n, reason.clone()),
+                        _ => lock(&self.stats).protocol_errors += 1,
+                    }
+                }
+            },
+            BackendEvent::PeerLost { identity, reason } => {
+                let (side, r) = from_identity(identity);
+                if side == self.other() {
+                    self.peer_lost(r, format!("the transport lost {side} rank {r}: {reason}"));
+                }
+            }
+        }
+    }
+
+    fn housekeeping(self: &Arc<Self>) {
+        let now = Instant::now();
+        match self.cfg.role {
+            Side::Decode => {
+                let Some(rx) = &self.receiver else { return };
+                rx.with_tracker(|t| t.poll_deadlines(now));
+                // Failed requests: ask every sender that may still write to stop and fence.
+                let mut asks = Vec::new();
+                {
+                    let mut recvs = lock(&self.recvs);
+                    for (room, r) in recvs.iter_mut() {
+                        let Some(generation) = r.generation else { continue };
+                        if let Some(Fence::Closing(keys)) = rx.fence(*room) {
+                            for k in keys {
+                                if r.abort_sent.insert(k) {
+                                    asks.push((*room, generation, k));
+                                }
+                            }
+                        }
+                    }
+                }
+                for (room, generation, k) in asks {
+                    let reason = match rx.status(room) {
+                        Some(Status::Failed(f)) => f.to_string(),
+                        _ => "aborted".into(),
+                    };
+                    let note = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Abort(reason))
+                        .with_generation(generation);
+                    let this = Arc::clone(self);
+                    self.handle.spawn(async move { this.to_prefill(rank_of_key(k), &note).await });
+                }
+                self.count_outcomes();
+            }
+            Side::Prefill => {
+                let ttl = self.cfg.early_ttl;
+                let mut early = lock(&self.early);
+                let before = early.len();
+                early.retain(|(_, _, t)| now.saturating_duration_since(*t) < ttl);
+                let expired = (before - early.len()) as u64;
+                drop(early);
+                if expired > 0 {
+                    lock(&self.stats).early_handoffs_expired += expired;
+                }
+                // Requests past their deadline fail.
+                let late: Vec<RequestId> = lock(&self.sends)
+                    .iter()
+                    .filter(|(_, q)| {
+                        !q.done && q.failure.is_none() && q.created.is_some_and(|c| now >= c + self.cfg.request_timeout)
+                    })
+                    .map(|(k, _)| *k)
+                    .collect();
+                for room in late {
+                    let why = format!("not finished within {:?}", self.cfg.request_timeout);
+                    self.sender_abort(room, why);
+                }
+            }
+        }
+    }
+
+    fn count_outcomes(&self) {
+        let Some(rx) = &self.receiver else { return };
+        let mut done = 0;
+        let mut failed = 0;
+        for (room, r) in lock(&self.recvs).iter_mut() {
+            if r.counted {
+                continue;
+            }
+            let phase = self.receiver_phase(*room, r, rx).0;
+            match phase {
+                Phase::Success => done += 1,
+                Phase::Failed => failed += 1,
+                _ => continue,
+            }
+            r.counted = true;
+        }
+        let mut s = lock(&self.stats);
+        s.succeeded += done;
+        s.failed += failed;
+    }
+
+    // ---------------------------------------------------------------- decode side
+
+    async fn to_prefill(self: &Arc<Self>, p: RankId, note: &Notification) {
+        let Some(peer) = self.peer_id(p) else {
+            tracing::debug!(rank = %self.cfg.rank, prefill = %p, "no live connection for {note}");
+            return;
+        };
+        match tokio::time::timeout(crate::session::NOTIFY_TIMEOUT, self.backend.notify(peer, note)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.peer_lost(p, format!("notifying prefill rank {p} failed: {e}")),
+            Err(_) => self.peer_lost(p, format!("notifying prefill rank {p} took more than {:?}", crate::session::NOTIFY_TIMEOUT)),
+        }
+    }
+
+    async fn hand_off(self: Arc<Self>, room: RequestId, note: Notification) {
+        // Bootstrapping: wait (bounded by the request's deadline) for the connections.
+        let deadline = Instant::now() + self.cfg.request_timeout;
+        while !self.connected.load(Ordering::Acquire) && Instant::now() < deadline {
+            if lock(&self.connect_error).is_some() || self.stop.reason().is_some() {
+                break;
+            }
+            let notified = self.wake.notified();
+            let _ = tokio::time::timeout(TICK * 5, notified).await;
+        }
+        let senders = self.topo.senders(self.cfg.rank);
+        let sends = senders.iter().map(|p| self.to_prefill(*p, &note));
+        join_all(sends).await;
+        let _ = room;
+        self.wake.notify_waiters();
+    }
+
+    fn receiver_phase(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> (Phase, Option<String>, bool) {
+        if let Some(why) = &r.early_failure {
+            return (Phase::Failed, Some(why.clone()), true);
+        }
+        if r.generation.is_none() {
+            let phase = if self.connected.load(Ordering::Acquire) { Phase::WaitingForInput } else { Phase::Bootstrapping };
+            return (phase, None, true);
+        }
+        match rx.status(room) {
+            None => (Phase::Failed, Some("the request is not tracked".into()), true),
+            Some(Status::Pending) => (Phase::Transferring, None, false),
+            Some(Status::Done) => (Phase::Success, None, true),
+            Some(Status::Failed(f)) => {
+                let reason = format!("{f} (decode rank {})", self.cfg.rank);
+                match rx.fence(room) {
+                    Some(Fence::Closed) => (Phase::Failed, Some(reason), true),
+                    _ => (Phase::Aborting, Some(reason), false),
+                }
+            }
+        }
+    }
+
+    fn receiver_status(&self, room: RequestId) -> RequestStatus {
+        let Some(rx) = &self.receiver else {
+            return RequestStatus::of(Phase::Failed, Some("not a decode rank".into()), false);
+        };
+        let recvs = lock(&self.recvs);
+        match recvs.get(&room) {
+            None => RequestStatus::of(Phase::Failed, Some("the request was released or never created".into()), true),
+            Some(r) => {
+                let (phase, reason, reusable) = self.receiver_phase(room, r, rx);
+                RequestStatus::of(phase, reason, reusable)
+            }
+        }
+    }
+
+    /// Returns whether this call aborted a request that had no outcome.
+    fn receiver_abort(&self, room: RequestId, reason: String) -> bool {
+        let Some(rx) = &self.receiver else { return false };
+        let mut recvs = lock(&self.recvs);
+        let Some(r) = recvs.get_mut(&room) else { return false };
+        if r.generation.is_none() {
+            if r.early_failure.is_none() {
+                r.early_failure = Some(format!("aborted before the handoff: {reason}"));
+                return true;
+            }
+            return false;
+        }
+        let pending = matches!(rx.status(room), Some(Status::Pending));
+        rx.abort(room, &reason);
+        drop(recvs);
+        self.wake.notify_waiters();
+        pending
+    }
+
+    // ---------------------------------------------------------------- prefill side
+
+    fn on_handoff(self: &Arc<Self>, d: RankId, n: Notification) {
+        let NotificationBody::Handoff { pages, aux_slot } = &n.body else { return };
+        if !self.topo.receivers(self.cfg.rank).contains(&d) {
+            lock(&self.stats).protocol_errors += 1;
+            tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
+            return;
+        }
+        let mut sends = lock(&self.sends);
+        if let Some(q) = sends.get_mut(&n.request) {
+            match q.handoffs.get(&d) {
+                None if !q.done && q.failure.is_none() => {
+                    q.handoffs.insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+                    drop(sends);
+                    self.wake.notify_waiters();
+                    return;
+                }
+                Some(h) if h.generation == n.generation => return,
+                _ => {}
+            }
+        }
+        drop(sends);
+        // No sender yet (or it belongs to another use of the room): keep it, bounded.
+        let mut early = lock(&self.early);
+        let mut expired = 0;
+        while early.len() >= self.cfg.early_max.max(1) {
+            early.pop_front();
+            expired += 1;
+        }
+        early.push_back((d, n, Instant::now()));
+        drop(early);
+        let mut s = lock(&self.stats);
+        s.early_handoffs_kept += 1;
+        s.early_handoffs_expired += expired;
+    }
+
+    fn on_abort(self: &Arc<Self>, d: RankId, n: &Notification, reason: String) {
+        lock(&self.stats).aborts_received += 1;
+
+        let room = n.request;
+        // Mine and still running: abort, and fence once nothing is in flight. Mine and finished
+        // (every write completed) or already settled: nothing can land, so fence now.
+        let (mine, running) = {
+            let mut sends = lock(&self.sends);
+            match sends.get_mut(&room) {
+                Some(q) if q.handoffs.get(&d).is_some_and(|h| h.generation == n.generation) => {
+                    q.abort_from.insert(d);
+                    (true, !(q.done || q.told))
+                }
+                _ => (false, false),
+            }
+        };
+        if mine && running {
+            self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"));
+            self.settle(room);
+            return;
+        }
+        if !mine {
+            // Not started here (or another use): drop its handoff; nothing was posted.
+            lock(&self.early).retain(|(r, e, _)| !(*r == d && e.request == room && e.generation == n.generation));
+        }
+        let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
+            .with_generation(n.generation);
+        let this = Arc::clone(self);
+        self.handle.spawn(async move {
+            if let Some(s) = &this.sender {
+                if s.notify_rank(d, &fence).await.is_ok() {
+                    lock(&this.stats).fences += 1;
+                }
+            }
+        });
+    }
+
+    fn with_send<T>(&self, room: RequestId, f: impl FnOnce(&mut SendReq) -> Result<T, String>) -> Result<T, EngineError> {
+        let mut sends = lock(&self.sends);
+        let Some(q) = sends.get_mut(&room) else {
+            return Err(EngineError::InvalidCall {
+                role: Side::Prefill,
+                rank: self.cfg.rank,
+                room,
+                detail: "the request was released; create a new sender".into(),
+            });
+        };
+        f(q).map_err(|detail| EngineError::InvalidCall { role: Side::Prefill, rank: self.cfg.rank, room, detail })
+    }
+
+    fn sender_ready(&self, q: &SendReq) -> bool {
+        self.connected.load(Ordering::Acquire)
+            && self.topo.receivers(self.cfg.rank).iter().all(|d| q.handoffs.contains_key(d))
+    }
+
+    fn send_part(
+        self: &Arc<Self>,
+        room: RequestId,
+        src_pages: &[u32],
+        layers: std::ops::Range<u32>,
+        whole: bool,
+    ) -> Result<(), EngineError> {
+        let stage_layers = self.stage_layers();
+        let receivers = self.topo.receivers(self.cfg.rank);
+        let me = SenderKey::of(self.cfg.rank);
+        // Validate and reserve under the lock; post in the background.
+        let (chunk, last, targets, finish, cancel) = self.with_send(room, |q| {
+            if let Some(f) = &q.failure {
+                return Err(format!("the request failed: {f}"));
+            }
+            if !self.sender_ready(q) {
+                return Err(format!(
+                    "not ready: waiting for the page lists of decode ranks {:?} (poll until WaitingForInput)",
+                    receivers.iter().filter(|d| !q.handoffs.contains_key(d)).collect::<Vec<_>>()
+                ));
+            }
+            let total = q.total.ok_or("call init(total_pages) before sending")?;
+            if q.last_posted {
+                return Err("the last chunk was already sent".into());
+            }
+            if layers.start >= layers.end || layers.end > stage_layers {
+                return Err(format!("layer range {layers:?} is empty or outside this stage's {stage_layers} layers"));
+            }
+            // Layer-wise: the chunk in progress, if any, must be these pages.
+            let continuing = match &q.layerwise {
+                Some((pages, done, _)) => {
+                    if pages.as_slice() != src_pages {
+                        return Err("layer-wise: every call of one chunk must give the same source pages".into());
+                    }
+                    if layers.clone().any(|l| done.contains(&l)) {
+                        return Err(format!("layer-wise: layers {layers:?} of this chunk were already sent"));
+                    }
+                    true
+                }
+                None => false,
+            };
+            let n = src_pages.len() as u32;
+            if !continuing && u64::from(q.sent_pages) + u64::from(n) > u64::from(total) {
+                return Err(format!("{} pages sent + {n} exceed the total of {total}", q.sent_pages));
+            }
+            for d in &receivers {
+                let h = &q.handoffs[d];
+                if h.pages.len() != total as usize {
+                    return Err(format!(
+                        "decode rank {d} handed off {} pages but init said {total}; both sides must agree",
+                        h.pages.len()
+                    ));
+                }
+            }
+            let start = if continuing { q.sent_pages - n } else { q.sent_pages };
+            let targets: Vec<(RankId, u64, Vec<u32>)> = receivers
+                .iter()
+                .map(|d| {
+                    let h = &q.handoffs[d];
+                    (*d, h.generation, h.pages[start as usize..(start + n) as usize].to_vec())
+                })
+                .collect();
+            if !continuing {
+                q.sent_pages += n;
+            }
+            let last = q.sent_pages == total;
+            let chunk = if continuing { q.next_chunk - 1 } else { q.next_chunk };
+            if !continuing {
+                q.next_chunk += 1;
+            }
+            // Whether this call finishes the chunk (and so sends its notification).
+            let finish = if whole {
+                true
+            } else {
+                let entry = q.layerwise.get_or_insert_with(|| (src_pages.to_vec(), BTreeSet::new(), Vec::new()));
+                entry.1.extend(layers.clone());
+                entry.1.len() as u32 == stage_layers
+            };
+            if whole && q.layerwise.is_some() {
+                return Err("a layer-wise chunk is in progress; finish it with send_layers".into());
+            }
+            if finish && last {
+                q.last_posted = true;
+            }
+            q.outstanding += 1;
+            Ok((chunk, last, targets, finish, q.cancel.clone()))
+        })?;
+        let deadline = Instant::now() + self.cfg.request_timeout;
+        let this = Arc::clone(self);
+        let src = src_pages.to_vec();
+        let earlier = if !whole && finish {
+            self.with_send(room, |q| Ok(q.layerwise.take().map(|(_, _, h)| h).unwrap_or_default())).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let part = async move {
+            let s = this.sender.as_ref().expect("prefill agent");
+            // Layer-wise: the notification follows every earlier part of the chunk.
+            for h in earlier {
+                match h.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => return Err(format!("a layer part did not finish: {e}")),
+                }
+            }
+            let sends = targets.iter().map(|(d, generation, dst)| {
+                let note = Notification::chunk(room, me, chunk, last).with_generation(*generation);
+                let layers = layers.clone();
+                let note = if finish { Some(note) } else { None };
+                let (src, cancel) = (&src, &cancel);
+                async move { s.send_to(room, *d, src, dst, layers, note.as_ref(), deadline, cancel).await }
+            });
+            let mut first = None;
+            for r in join_all(sends).await {
+                if let Err(e) = r {
+                    first.get_or_insert(e.to_string());
+                }
+            }
+            first.map_or(Ok(()), Err)
+        };
+        let this = Arc::clone(self);
+        let handle = self.handle.spawn(async move {
+            let r = part.await;
+            this.part_done(room, r.clone(), finish && last);
+            r
+        });
+        if !whole && !finish {
+            let _ = self.with_send(room, |q| {
+                if let Some((_, _, hs)) = &mut q.layerwise {
+                    hs.push(handle);
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
+    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>, was_last: bool) {
+        {
+            let mut sends = lock(&self.sends);
+            let Some(q) = sends.get_mut(&room) else { return };
+            q.outstanding = q.outstanding.saturating_sub(1);
+            match r {
+                Err(e) if q.failure.is_none() => {
+                    q.failure = Some(format!("prefill rank {}: {e}", self.cfg.rank));
+                    q.cancel.cancel(e);
+                }
+                Err(_) => {}
+                Ok(()) if was_last && q.failure.is_none() => {}
+                Ok(()) => {}
+            }
+            if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
+                q.done = true;
+                lock(&self.stats).succeeded += 1;
+            }
+        }
+        self.settle(room);
+        self.wake.notify_waiters();
+    }
+
+    /// Returns whether this call aborted a request that had no outcome.
+    fn sender_abort(self: &Arc<Self>, room: RequestId, reason: String) -> bool {
+        let aborted = {
+            let mut sends = lock(&self.sends);
+            let Some(q) = sends.get_mut(&room) else { return false };
+            if q.done || q.failure.is_some() {
+                false
+            } else {
+                q.failure = Some(format!("prefill rank {}: {reason}", self.cfg.rank));
+                q.cancel.cancel(reason);
+                true
+            }
+        };
+        self.settle(room);
+        self.wake.notify_waiters();
+        aborted
+    }
+
+    /// Once a failed request has nothing in flight: tell every decode rank (failure, or `Fenced` to
+    /// one that asked to abort), once.
+    fn settle(self: &Arc<Self>, room: RequestId) {
+        let (notes, failed_now) = {
+            let mut sends = lock(&self.sends);
+            let Some(q) = sends.get_mut(&room) else { return };
+            let Some(why) = q.failure.clone() else { return };
+            if q.outstanding > 0 || q.told {
+                return;
+            }
+            q.told = true;
+            let me = SenderKey::of(self.cfg.rank);
+            let notes: Vec<(RankId, Notification)> = q
+                .handoffs
+                .iter()
+                .map(|(d, h)| {
+                    let body = if q.abort_from.contains(d) {
+                        NotificationBody::Fenced
+                    } else {
+                        NotificationBody::Failure(why.clone())
+                    };
+                    (*d, Notification::new(room, me, body).with_generation(h.generation))
+                })
+                .collect();
+            (notes, true)
+        };
+        if failed_now {
+            lock(&self.stats).failed += 1;
+        }
+        let this = Arc::clone(self);
+        self.handle.spawn(async move {
+            let Some(s) = &this.sender else { return };
+            for (d, n) in notes {
+                let fenced = matches!(n.body, NotificationBody::Fenced);
+                match s.notify_rank(d, &n).await {
+                    Ok(()) if fenced => lock(&this.stats).fences += 1,
+                    Ok(()) => {}
+                    Err(e) => tracing::warn!(rank = %this.cfg.rank, %room, dst = %d, error = %e, "could not tell decode"),
+                }
+            }
+        });
+    }
+
+    fn sender_status(&self, room: RequestId) -> RequestStatus {
+        let sends = lock(&self.sends);
+        let Some(q) = sends.get(&room) else {
+            return RequestStatus::of(Phase::Failed, Some("the request was released or never created".into()), true);
+        };
+        if let Some(f) = &q.failure {
+            return if q.outstanding == 0 {
+                RequestStatus::of(Phase::Failed, Some(f.clone()), true)
+            } else {
+                RequestStatus::of(Phase::Aborting, Some(f.clone()), false)
+            };
+        }
+        if q.done {
+            return RequestStatus::of(Phase::Success, None, true);
+        }
+        if q.last_posted {
+            return RequestStatus::of(Phase::Transferring, None, false);
+        }
+        if !self.sender_ready(q) {
+            return RequestStatus::of(Phase::Bootstrapping, None, q.outstanding == 0);
+        }
+        RequestStatus::of(Phase::WaitingForInput, None, q.outstanding == 0)
+    }
+
+    async fn wait_for(
+        &self,
+        room: RequestId,
+        side: Side,
+        deadline: Instant,
+        done: impl Fn(&RequestStatus) -> bool,
+    ) -> Result<RequestStatus, EngineError> {
+        let start = Instant::now();
+        loop {
+            let notified = self.wake.notified();
+            let s = match side {
+                Side::Decode => self.receiver_status(room),
+                Side::Prefill => self.sender_status(room),
+            };
+            if done(&s) {
+                return Ok(s);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(EngineError::Timeout {
+                    role: side,
+                    rank: self.cfg.rank,
+                    room,
+                    phase: s.phase,
+                    after: now - start,
+                });
+            }
+            let _ = tokio::time::timeout((deadline - now).min(TICK * 5), notified).await;
+        }
+    }
+}

@@ -1,0 +1,415 @@
+//! The engine API end to end in one process: prefill and decode agents over the `local` backend,
+//! meeting through an in-process bootstrap service. Each test is one of the lifecycle rules of
+//! SEMANTICS §5-§6 (handoff, early handoff, generations and room reuse, abort from either side with
+//! its fence, lost peers, layer-wise sending) and checks the bytes that landed.
+
+use std::time::{Duration, Instant};
+
+use kvxfer::bootstrap::BootstrapServer;
+use kvxfer::engine::{Agent, AgentConfig, KvMemory, Phase, Receiver, Sender};
+use kvxfer::metadata::MetadataAddr;
+use kvxfer_core::{Attention, KvSpec, Layout, NotifyStyle, Parallel, RankId, RequestId, Side, SideSpec, Topology};
+
+const PAGES: u32 = 64;
+const SENTINEL: u8 = 0xee;
+
+fn topo(prefill_tp: u32, decode_tp: u32, layers: u32) -> Topology {
+    let kv = KvSpec {
+        attention: Attention::Gqa { kv_heads: 2, head_dim_k: 8, head_dim_v: 8 },
+        layers,
+        dtype_bytes: 2,
+        page_size: 4,
+        layout: Layout::Nhd,
+    };
+    let p = SideSpec { kv, parallel: Parallel::new(prefill_tp, 1) };
+    let d = SideSpec { kv, parallel: Parallel::new(decode_tp, 1) };
+    Topology::new(&p, &d).unwrap()
+}
+
+struct Cluster {
+    _server: BootstrapServer,
+    prefill: Vec<Agent>,
+    decode: Vec<Agent>,
+}
+
+fn config(role: Side, tp: u32, t: &Topology, addr: &str, style: NotifyStyle, backend: &str) -> AgentConfig {
+    let mut c = AgentConfig::new(role, RankId::new(tp, 0), *t, MetadataAddr::parse(addr).unwrap());
+    c.backend = backend.into();
+    if backend == "tcp" {
+        c.backend_options.insert("listen".into(), "127.0.0.1:0".into());
+    }
+    c.notify = style;
+    c.lease_ttl = Duration::from_secs(2);
+    c.connect_timeout = Duration::from_secs(20);
+    c.request_timeout = Duration::from_secs(20);
+    c
+}
+
+async fn cluster(t: Topology, style: NotifyStyle) -> Cluster {
+    cluster_on(t, style, "local").await
+}
+
+async fn cluster_on(t: Topology, style: NotifyStyle, backend: &str) -> Cluster {
+    let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+    let addr = server.addr().to_string();
+    let mut prefill = Vec::new();
+    for tp in 0..t.parallel(Side::Prefill).tp {
+        let c = config(Side::Prefill, tp, &t, &addr, style, backend);
+        // Every source byte carries its prefill rank and position, so misplaced bytes show.
+        prefill.push(Agent::start(c, KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap());
+    }
+    let mut decode = Vec::new();
+    for tp in 0..t.parallel(Side::Decode).tp {
+        let c = config(Side::Decode, tp, &t, &addr, style, backend);
+        decode.push(Agent::start(c, KvMemory::Host { pages: PAGES, fill: SENTINEL }).await.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for a in prefill.iter().chain(&decode) {
+        a.wait_connected(deadline).await.unwrap();
+    }
+    // Source pattern: byte i of prefill buffer b holds a value derived from (rank, buffer, i).
+    for (r, a) in prefill.iter().enumerate() {
+        for (bi, m) in a.host_memory().iter().enumerate() {
+            let data: Vec<u8> = (0..m.len()).map(|i| pattern(r, bi, i)).collect();
+            m.write(0, &data).unwrap();
+        }
+    }
+    Cluster { _server: server, prefill, decode }
+}
+
+fn pattern(rank: usize, buffer: usize, i: u64) -> u8 {
+    ((i as usize).wrapping_mul(31) ^ (rank * 7 + buffer * 13) ^ (i as usize >> 8)) as u8 | 1
+}
+
+fn page_bytes(t: &Topology, side: Side) -> u64 {
+    t.buffer_bytes(side, kvxfer_core::KvKind::K, 1)
+}
+
+/// P == D: decode page `dst[i]` of every buffer must equal prefill page `src[i]`.
+fn check_same_tp(c: &Cluster, t: &Topology, src: &[u32], dst: &[u32]) {
+    let pb = page_bytes(t, Side::Decode);
+    for (r, (p, d)) in c.prefill.iter().zip(&c.decode).enumerate() {
+        for (bi, (pm, dm)) in p.host_memory().iter().zip(d.host_memory()).enumerate() {
+            for (s, dd) in src.iter().zip(dst) {
+                let mut got = vec![0u8; pb as usize];
+                dm.read(u64::from(*dd) * pb, &mut got).unwrap();
+                let want: Vec<u8> = (0..pb).map(|i| pattern(r, bi, u64::from(*s) * pb + i)).collect();
+                assert_eq!(got, want, "rank {r} buffer {bi} page {s} -> {dd}");
+                let _ = pm;
+            }
+        }
+    }
+}
+
+fn reset_pages(c: &Cluster, t: &Topology, dst: &[u32]) {
+    let pb = page_bytes(t, Side::Decode);
+    for d in &c.decode {
+        for m in d.host_memory() {
+            for p in dst {
+                m.write(u64::from(*p) * pb, &vec![SENTINEL; pb as usize]).unwrap();
+            }
+        }
+    }
+}
+
+fn all_sentinel(c: &Cluster, t: &Topology, pages: &[u32]) -> bool {
+    let pb = page_bytes(t, Side::Decode);
+    c.decode.iter().all(|d| {
+        d.host_memory().iter().all(|m| {
+            pages.iter().all(|p| {
+                let mut got = vec![0u8; pb as usize];
+                m.read(u64::from(*p) * pb, &mut got).unwrap();
+                got.iter().all(|b| *b == SENTINEL)
+            })
+        })
+    })
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn shutdown(c: Cluster) {
+    for a in c.prefill.into_iter().chain(c.decode) {
+        a.shutdown(soon()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_two_chunks_lands_and_both_sides_succeed() {
+    for style in [NotifyStyle::Attached, NotifyStyle::OutOfBand] {
+        let t = topo(1, 1, 3);
+        let c = cluster(t, style).await;
+        let room = RequestId(7);
+        let rx = c.decode[0].receiver(room).unwrap();
+        assert_eq!(rx.status().phase, Phase::WaitingForInput);
+        let dst = [9, 3, 17, 4, 40];
+        rx.send_metadata(&dst, None).unwrap();
+        assert_eq!(rx.status().phase, Phase::Transferring);
+        let tx = c.prefill[0].sender(room).unwrap();
+        tx.init(5).unwrap();
+        until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+        let src = [1, 2, 30, 31, 32];
+        tx.send(&src[..2]).unwrap();
+        assert_eq!(tx.status().phase, Phase::WaitingForInput);
+        tx.send(&src[2..]).unwrap();
+        let s = rx.wait(soon()).await.unwrap();
+        assert_eq!(s.phase, Phase::Success, "{s:?}");
+        assert!(s.pages_reusable);
+        assert_eq!(tx.wait(soon()).await.unwrap().phase, Phase::Success);
+        check_same_tp(&c, &t, &src, &dst);
+        // A chunk past the total is refused and changes nothing.
+        assert!(tx.send(&[5]).is_err());
+        tx.release().unwrap();
+        rx.release().unwrap();
+        assert_eq!(c.decode[0].active_requests(), 0);
+        shutdown(c).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_that_arrives_before_the_sender_exists_is_kept() {
+    let t = topo(2, 1, 2);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let room = RequestId(1);
+    let rx = c.decode[0].receiver(room).unwrap();
+    rx.send_metadata(&[0, 1, 2], None).unwrap();
+    until("both prefill ranks to keep the handoff", || c.prefill.iter().all(|p| p.stats().early_handoffs_kept == 1))
+        .await;
+    let senders: Vec<Sender> = c.prefill.iter().map(|p| p.sender(room).unwrap()).collect();
+    for s in &senders {
+        assert_eq!(s.status().phase, Phase::WaitingForInput, "the kept handoff applies at once");
+        s.init(3).unwrap();
+        s.send(&[5, 6, 7]).unwrap();
+    }
+    assert_eq!(rx.wait(soon()).await.unwrap().phase, Phase::Success);
+    for s in senders {
+        s.wait(soon()).await.unwrap();
+        s.release().unwrap();
+    }
+    rx.release().unwrap();
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_abort_fences_then_the_room_and_its_pages_are_reused() {
+    let t = topo(1, 1, 4);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let room = RequestId(42);
+    let dst: Vec<u32> = (0..32).collect();
+    let rx = c.decode[0].receiver(room).unwrap();
+    rx.send_metadata(&dst, None).unwrap();
+    let tx = c.prefill[0].sender(room).unwrap();
+    tx.init(32).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    tx.send(&(0..16).collect::<Vec<_>>()).unwrap();
+    rx.abort("the scheduler preempted it");
+    let first = rx.status();
+    assert!(matches!(first.phase, Phase::Aborting | Phase::Failed), "{first:?}");
+    let s = rx.wait(soon()).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed);
+    assert!(s.pages_reusable, "failed means fenced: {s:?}");
+    assert!(s.reason.unwrap().contains("preempted"));
+    // The sender heard of it at once, not at its deadline.
+    let ts = tx.wait(soon()).await.unwrap();
+    assert_eq!(ts.phase, Phase::Failed);
+    assert!(ts.reason.unwrap().contains("decode rank 0/0 aborted"), "names the decode rank");
+    assert!(tx.send(&[16]).is_err(), "no more chunks after an abort");
+    assert!(c.decode[0].stats().fences >= 1, "the fence came from the sender");
+    // Reuse the pages at once for the same room, under a new generation.
+    let gen1 = rx.generation().unwrap();
+    rx.release().unwrap();
+    tx.release().unwrap();
+    reset_pages(&c, &t, &dst);
+    let rx2 = c.decode[0].receiver(room).unwrap();
+    rx2.send_metadata(&dst, None).unwrap();
+    assert_ne!(rx2.generation().unwrap(), gen1);
+    let tx2 = c.prefill[0].sender(room).unwrap();
+    tx2.init(32).unwrap();
+    until("the second handoff", || tx2.status().phase == Phase::WaitingForInput).await;
+    let src: Vec<u32> = (32..64).collect();
+    tx2.send(&src).unwrap();
+    assert_eq!(rx2.wait(soon()).await.unwrap().phase, Phase::Success);
+    check_same_tp(&c, &t, &src, &dst);
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_abort_fails_every_decode_rank_at_once() {
+    let t = topo(1, 2, 2);
+    let c = cluster(t, NotifyStyle::OutOfBand).await;
+    let room = RequestId(3);
+    let rxs: Vec<Receiver> = c.decode.iter().map(|d| d.receiver(room).unwrap()).collect();
+    for r in &rxs {
+        r.send_metadata(&[4, 5], None).unwrap();
+    }
+    let tx = c.prefill[0].sender(room).unwrap();
+    tx.init(2).unwrap();
+    until("both handoffs", || tx.status().phase == Phase::WaitingForInput).await;
+    let t0 = Instant::now();
+    tx.abort("out of memory on the prefill side");
+    for r in &rxs {
+        let s = r.wait(soon()).await.unwrap();
+        assert_eq!(s.phase, Phase::Failed);
+        assert!(s.pages_reusable);
+        let why = s.reason.unwrap();
+        assert!(why.contains("out of memory") && why.contains("tp0.pp0"), "{why}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "told at once, not at the 20 s deadline");
+    assert!(all_sentinel(&c, &t, &[4, 5]), "nothing was written");
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborting_before_the_handoff_needs_no_fence() {
+    let t = topo(1, 1, 1);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let rx = c.decode[0].receiver(RequestId(5)).unwrap();
+    rx.abort("client went away");
+    let s = rx.status();
+    assert_eq!((s.phase, s.pages_reusable), (Phase::Failed, true));
+    assert!(rx.send_metadata(&[1], None).is_err());
+    rx.release().unwrap();
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layerwise_chunks_land_and_complete_per_chunk() {
+    let t = topo(1, 1, 4);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let room = RequestId(11);
+    let dst = [10, 11, 12, 13];
+    let rx = c.decode[0].receiver(room).unwrap();
+    rx.send_metadata(&dst, None).unwrap();
+    let tx = c.prefill[0].sender(room).unwrap();
+    tx.init(4).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    let src = [20, 21, 22, 23];
+    for chunk in src.chunks(2) {
+        for l in 0..4 {
+            tx.send_layers(chunk, l..l + 1).unwrap();
+            if l < 3 {
+                assert_ne!(rx.status().phase, Phase::Success);
+            }
+        }
+    }
+    assert!(tx.send_layers(&src[..2], 0..1).is_err(), "everything was sent");
+    assert_eq!(rx.wait(soon()).await.unwrap().phase, Phase::Success);
+    assert_eq!(tx.wait(soon()).await.unwrap().phase, Phase::Success);
+    check_same_tp(&c, &t, &src, &dst);
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aux_data_reaches_the_decode_rank_that_asked() {
+    let t = topo(1, 1, 1);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let rx = c.decode[0].receiver(RequestId(2)).unwrap();
+    rx.send_metadata(&[0], Some(3)).unwrap();
+    let tx = c.prefill[0].sender(RequestId(2)).unwrap();
+    tx.init(1).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    tx.send(&[0]).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(rx.status().phase, Phase::Transferring, "aux was required");
+    tx.send_aux(b"first token".to_vec()).unwrap();
+    assert_eq!(rx.wait(soon()).await.unwrap().phase, Phase::Success);
+    assert_eq!(rx.aux().unwrap(), b"first token");
+    assert_eq!(tx.wait(soon()).await.unwrap().phase, Phase::Success);
+    shutdown(c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_prefill_rank_fails_current_and_later_requests_at_once() {
+    let t = topo(1, 1, 1);
+    let mut c = cluster(t, NotifyStyle::Attached).await;
+    let rx = c.decode[0].receiver(RequestId(1)).unwrap();
+    rx.send_metadata(&[0, 1], None).unwrap();
+    // The prefill rank dies (dropped without leaving: its lease expires).
+    let p = c.prefill.pop().unwrap();
+    drop(p);
+    let t0 = Instant::now();
+    let s = rx.wait(soon()).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    assert!(s.pages_reusable, "a lost sender counts as fenced");
+    assert!(s.reason.unwrap().contains("tp0.pp0"));
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // A request registered after the loss fails at once.
+    let rx2 = c.decode[0].receiver(RequestId(2)).unwrap();
+    rx2.send_metadata(&[2], None).unwrap();
+    let s2 = rx2.status();
+    assert_eq!(s2.phase, Phase::Failed, "{s2:?}");
+    assert!(s2.reason.unwrap().contains("lost"));
+    for a in c.decode.drain(..) {
+        a.shutdown(soon()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misuse_is_refused_with_a_clear_error() {
+    let t = topo(1, 1, 1);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    assert!(c.decode[0].sender(RequestId(1)).unwrap_err().to_string().contains("prefill call"));
+    let rx = c.decode[0].receiver(RequestId(1)).unwrap();
+    assert!(c.decode[0].receiver(RequestId(1)).unwrap_err().to_string().contains("already active"));
+    let e = rx.send_metadata(&[PAGES], None).unwrap_err().to_string();
+    assert!(e.contains("outside the pool"), "{e}");
+    rx.send_metadata(&[1], None).unwrap();
+    let e = rx.clone().release().unwrap_err().to_string();
+    assert!(e.contains("cannot release while transferring"), "{e}");
+    let tx = c.prefill[0].sender(RequestId(1)).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    assert!(tx.send(&[0]).unwrap_err().to_string().contains("init"));
+    tx.init(1).unwrap();
+    assert!(tx.send(&[0, 1]).unwrap_err().to_string().contains("exceed"));
+    tx.send(&[0]).unwrap();
+    rx.wait(soon()).await.unwrap();
+    shutdown(c).await;
+}
+
+/// Defect 5 of the engine API issue: an abort neither told the senders nor waited for their writes,
+/// so pages reused after it could be overwritten. Over tcp (writes really are in flight): once the
+/// aborted request is `Failed` with `pages_reusable`, pages reset to the sentinel stay so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_write_lands_after_the_fence() {
+    for style in [NotifyStyle::Attached, NotifyStyle::OutOfBand] {
+        let t = topo(1, 1, 8);
+        let c = cluster_on(t, style, "tcp").await;
+        let dst: Vec<u32> = (0..PAGES).collect();
+        for round in 0..4u64 {
+            let room = RequestId(100 + round);
+            let rx = c.decode[0].receiver(room).unwrap();
+            rx.send_metadata(&dst, None).unwrap();
+            let tx = c.prefill[0].sender(room).unwrap();
+            tx.init(PAGES).unwrap();
+            until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+            for chunk in (0..PAGES).collect::<Vec<_>>().chunks(4) {
+                tx.send(chunk).unwrap();
+            }
+            // Abort while chunks are in flight (after a growing delay, so some rounds abort later).
+            tokio::time::sleep(Duration::from_micros(200 * round)).await;
+            rx.abort("preempted");
+            let s = rx.wait(soon()).await.unwrap();
+            assert!(s.pages_reusable, "{s:?}");
+            if s.phase == Phase::Success {
+                // The abort came too late to matter: fine, the bytes are complete.
+                check_same_tp(&c, &t, &(0..PAGES).collect::<Vec<_>>(), &dst);
+            }
+            reset_pages(&c, &t, &dst);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(all_sentinel(&c, &t, &dst), "{style:?} round {round}: a write landed after the fence");
+            tx.wait(soon()).await.unwrap();
+            tx.release().unwrap();
+            rx.release().unwrap();
+        }
+        shutdown(c).await;
+    }
+}
