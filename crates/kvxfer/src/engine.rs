@@ -1051,7 +1051,14 @@ impl Inner {
         if let Some(rx) = &self.receiver {
             rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
         }
-        lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
+        let old = lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
+        // The rank came back under a new epoch: drop the old connection (its requests already
+        // failed when the rank was lost).
+        if let Some(old_id) = old.and_then(|p| p.id).filter(|o| Some(*o) != id) {
+            if let Err(e) = self.backend.disconnect(old_id).await {
+                tracing::debug!(rank = %self.cfg.rank, peer = %reg.rank, error = %e, "dropping the old connection");
+            }
+        }
         Ok(())
     }
 
@@ -1228,6 +1235,21 @@ impl Inner {
                 drop(early);
                 if expired > 0 {
                     lock(&self.stats).early_handoffs_expired += expired;
+                }
+                // A request that needs a lost decode rank fails at once, also one created after the
+                // loss, until the rank is back.
+                let lost: Vec<(RankId, String)> =
+                    lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
+                if !lost.is_empty() {
+                    let rooms: Vec<RequestId> = lock(&self.sends)
+                        .iter()
+                        .filter(|(_, q)| !q.done && q.failure.is_none())
+                        .map(|(k, _)| *k)
+                        .collect();
+                    let (r, why) = &lost[0];
+                    for room in rooms {
+                        self.sender_abort(room, format!("decode rank {r} is lost: {why}"));
+                    }
                 }
                 // Requests past their deadline fail.
                 let late: Vec<RequestId> = lock(&self.sends)

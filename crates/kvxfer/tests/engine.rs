@@ -413,3 +413,24 @@ async fn no_write_lands_after_the_fence() {
         shutdown(c).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_decode_rank_fails_prefill_requests_now_and_later() {
+    let t = topo(1, 1, 1);
+    let mut c = cluster(t, NotifyStyle::Attached).await;
+    let rx = c.decode[0].receiver(RequestId(1)).unwrap();
+    rx.send_metadata(&[0], None).unwrap();
+    let tx = c.prefill[0].sender(RequestId(1)).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    drop(rx);
+    drop(c.decode.pop().unwrap());
+    let s = tx.wait(soon()).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    assert!(s.reason.unwrap().contains("decode rank 0/0"));
+    let tx2 = c.prefill[0].sender(RequestId(2)).unwrap();
+    let s2 = tx2.wait(Instant::now() + Duration::from_secs(2)).await.unwrap();
+    assert_eq!(s2.phase, Phase::Failed, "a request created after the loss fails at once: {s2:?}");
+    for a in c.prefill.drain(..) {
+        a.shutdown(soon()).await.unwrap();
+    }
+}
