@@ -15,7 +15,9 @@
 //! `lifetime` (closing a registration while writes land, writing to a closed one, dropping one
 //! without closing), `abort` (abort mid-way then reuse the pages, abort of a finished transfer, abort
 //! on both sides at once), `capabilities` (every claim exercised, every unclaimed feature refused),
-//! `selfconnect` and `bidirectional`.
+//! `selfconnect` and `bidirectional`; and `lifecycle` (a request's life through the engine API's
+//! agents: early handoffs, generations and room reuse, abort from either side, release,
+//! heterogeneous TP).
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -32,6 +34,7 @@ use kvxfer_core::{
 use libtest_mimic::{Arguments, Failed, Trial};
 
 mod contract;
+mod lifecycle;
 
 /// The oracle's pattern and buffer geometry (re-exported from `kvxfer_core::oracle`).
 pub use kvxfer_core::oracle as pattern;
@@ -44,6 +47,12 @@ pub trait BackendFactory: Send + Sync + 'static {
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError>;
     /// `Some(reason)`: every case is reported skipped with this reason (e.g. no RDMA device).
     fn skip_reason(&self) -> Option<String> {
+        None
+    }
+    /// The registry name and options of the endpoints [`BackendFactory::create`] builds (the
+    /// identity aside): the `lifecycle` family starts `kvxfer::engine::Agent`s, which create their
+    /// endpoints through the backend registry by name. `None` (the default): that family is skipped.
+    fn agent_backend(&self) -> Option<(String, std::collections::BTreeMap<String, String>)> {
         None
     }
 }
@@ -69,9 +78,10 @@ pub struct Scenario {
     pub seed: u64,
 }
 
-/// Decode endpoints' identities (not sender keys: the top bit marks them).
+/// Decode endpoints' identities (not sender keys: the top bit marks them); the one encoding lives in
+/// [`kvxfer::engine::identity`].
 fn decode_identity(r: RankId) -> u64 {
-    (1 << 63) | (u64::from(r.pp) << 16) | u64::from(r.tp)
+    kvxfer::engine::identity(Side::Decode, r)
 }
 
 fn permutation(n: u32, seed: u64) -> Vec<u32> {
@@ -848,6 +858,13 @@ pub fn trials(factory: Arc<dyn BackendFactory>) -> (Vec<Trial>, Vec<(String, usi
     for (name, case) in contract {
         let f = Arc::clone(&factory);
         add(name.into(), global_skip.clone(), Box::new(move || block(case(f, NotifyStyle::Attached))));
+    }
+    for (name, case) in lifecycle::cases() {
+        for style in [NotifyStyle::Attached, NotifyStyle::OutOfBand] {
+            let f = Arc::clone(&factory);
+            let skip = style_skip(style).or_else(|| lifecycle::skip_reason(f.as_ref()));
+            add(format!("{name}_{}", style_name(style)), skip, Box::new(move || block(case(f, style))));
+        }
     }
     let mut skips: Vec<(String, usize)> = skips.into_iter().collect();
     skips.sort();

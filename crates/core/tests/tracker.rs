@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::{
     CompletionTracker, ExpectSpec, Failure, Handled, Notification, NotificationBody, RequestId, SenderKey, Status,
+    TrackerConfig, TrackerError,
 };
 use proptest::prelude::*;
 
@@ -13,7 +14,13 @@ fn key(tp: u16, pp: u16) -> SenderKey {
 }
 
 fn spec(keys: &[SenderKey], t0: Instant) -> ExpectSpec {
-    ExpectSpec { senders: keys.to_vec(), aux: false, state: false, deadline: t0 + Duration::from_secs(10) }
+    ExpectSpec {
+        generation: 0,
+        senders: keys.to_vec(),
+        aux: false,
+        state: false,
+        deadline: t0 + Duration::from_secs(10),
+    }
 }
 
 const R: RequestId = RequestId(7);
@@ -23,7 +30,7 @@ fn completes_only_when_every_key_sent_every_chunk() {
     let t0 = Instant::now();
     let keys = [key(0, 0), key(1, 0), key(0, 1), key(1, 1)];
     let mut t = CompletionTracker::new();
-    t.expect(R, spec(&keys, t0)).unwrap();
+    t.expect(R, spec(&keys, t0), t0).unwrap();
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(t.handle(&Notification::chunk(R, *k, 0, false), t0), Handled::Progress);
         let h = t.handle(&Notification::chunk(R, *k, 1, true), t0);
@@ -37,7 +44,7 @@ fn a_pp2_prefill_with_tp_keyed_notifications_would_not_complete_but_ours_do() {
     // SGLang keyed NIXL notifications by TP rank: both stages say "tp0" and the decode waits forever.
     let t0 = Instant::now();
     let mut t = CompletionTracker::new();
-    t.expect(R, spec(&[key(0, 0), key(0, 1)], t0)).unwrap();
+    t.expect(R, spec(&[key(0, 0), key(0, 1)], t0), t0).unwrap();
     t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0);
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0), Handled::Duplicate);
     assert_eq!(t.status(R, t0), Some(Status::Pending));
@@ -48,24 +55,44 @@ fn a_pp2_prefill_with_tp_keyed_notifications_would_not_complete_but_ours_do() {
 fn last_chunk_first_then_the_rest() {
     let t0 = Instant::now();
     let mut t = CompletionTracker::new();
-    t.expect(R, spec(&[key(0, 0)], t0)).unwrap();
+    t.expect(R, spec(&[key(0, 0)], t0), t0).unwrap();
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 2, true), t0), Handled::Progress);
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, false), t0), Handled::Progress);
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 1, false), t0), Handled::Completed);
 }
 
+/// SEMANTICS §5: a notification for a request not expected yet is kept (bounded in count and age) and
+/// applied when the request is expected; one that is never expected expires after `early_ttl`,
+/// counted; one for a released (room, generation) is counted and dropped at once.
 #[test]
-fn unknown_and_released_requests_are_counted_and_dropped() {
+fn unknown_requests_are_kept_until_expected_and_released_ones_are_counted_and_dropped() {
     let t0 = Instant::now();
     let mut t = CompletionTracker::new();
-    assert_eq!(t.handle(&Notification::chunk(RequestId(1), key(0, 0), 0, true), t0), Handled::UnknownRequest);
-    t.expect(R, spec(&[key(0, 0)], t0)).unwrap();
+    assert_eq!(t.handle(&Notification::chunk(RequestId(1), key(0, 0), 0, true), t0), Handled::Early);
+    assert_eq!((t.early_len(), t.status(RequestId(1), t0)), (1, None));
+    // Applied when expected: it completes the request at once.
+    assert_eq!(t.expect(RequestId(1), spec(&[key(0, 0)], t0), t0), Ok(1));
+    assert_eq!(t.status(RequestId(1), t0), Some(Status::Done));
+    assert_eq!(t.early_len(), 0);
+    t.expect(R, spec(&[key(0, 0)], t0), t0).unwrap();
     t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0);
     assert_eq!(t.release(R, t0), Some(Status::Done));
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0), Handled::Released);
+    assert_eq!(t.early_len(), 0, "a notification of a released generation is not kept");
+    // One that is never expected is kept for `early_ttl`, then dropped and counted.
+    assert_eq!(t.handle(&Notification::chunk(RequestId(2), key(0, 0), 0, true), t0), Handled::Early);
+    assert!(t.poll_deadlines(t0 + Duration::from_secs(59)).is_empty());
+    assert_eq!(t.early_len(), 1);
+    t.poll_deadlines(t0 + Duration::from_secs(60));
+    assert_eq!(t.early_len(), 0);
     let s = t.stats();
-    assert_eq!((s.unknown_request, s.released), (1, 1));
+    assert_eq!((s.early_kept, s.early_applied, s.early_expired, s.released), (2, 1, 1, 1));
+    assert_eq!(t.len(), 1, "only request 1 is still tracked");
+    assert_eq!(t.release(RequestId(1), t0), Some(Status::Done));
     assert!(t.is_empty());
+    // Expecting request 2 after its notification expired: nothing is applied.
+    assert_eq!(t.expect(RequestId(2), spec(&[key(0, 0)], t0), t0 + Duration::from_secs(61)), Ok(0));
+    assert_eq!(t.status(RequestId(2), t0 + Duration::from_secs(1)), Some(Status::Pending));
 }
 
 #[test]
@@ -88,7 +115,7 @@ fn failures() {
     ];
     for (ns, want) in cases {
         let mut t = CompletionTracker::new();
-        t.expect(R, spec(&[key(0, 0), key(1, 0)], t0)).unwrap();
+        t.expect(R, spec(&[key(0, 0), key(1, 0)], t0), t0).unwrap();
         for n in &ns {
             t.handle(n, t0);
         }
@@ -105,7 +132,7 @@ fn deadline_names_the_missing_keys() {
     let mut t = CompletionTracker::new();
     let mut s = spec(&[key(0, 0), key(1, 0), key(2, 0)], t0);
     s.aux = true;
-    t.expect(R, s).unwrap();
+    t.expect(R, s, t0).unwrap();
     t.handle(&Notification::chunk(R, key(1, 0), 0, true), t0);
     t.handle(&Notification::chunk(R, key(2, 0), 0, false), t0);
     assert_eq!(t.status(R, t0 + Duration::from_secs(9)), Some(Status::Pending));
@@ -127,14 +154,14 @@ fn aux_and_state_requirements() {
     let mut s = spec(&[key(0, 0), key(1, 0)], t0);
     s.aux = true;
     s.state = true;
-    t.expect(R, s).unwrap();
+    t.expect(R, s, t0).unwrap();
     for k in [key(0, 0), key(1, 0)] {
         t.handle(&Notification::chunk(R, k, 0, true), t0);
     }
-    t.handle(&Notification { request: R, sender: key(0, 0), body: NotificationBody::State(vec![1]) }, t0);
-    t.handle(&Notification { request: R, sender: key(0, 0), body: NotificationBody::Aux(vec![42]) }, t0);
+    t.handle(&Notification::new(R, key(0, 0), NotificationBody::State(vec![1])), t0);
+    t.handle(&Notification::new(R, key(0, 0), NotificationBody::Aux(vec![42])), t0);
     assert_eq!(t.status(R, t0), Some(Status::Pending));
-    let h = t.handle(&Notification { request: R, sender: key(1, 0), body: NotificationBody::State(vec![2]) }, t0);
+    let h = t.handle(&Notification::new(R, key(1, 0), NotificationBody::State(vec![2])), t0);
     assert_eq!(h, Handled::Completed);
     assert_eq!(t.aux(R), Some(&[42u8][..]));
     assert_eq!(t.state(R, key(1, 0)), Some(&[2u8][..]));
@@ -144,15 +171,18 @@ fn aux_and_state_requirements() {
 fn lost_sender_fails_only_requests_waiting_on_it() {
     let t0 = Instant::now();
     let mut t = CompletionTracker::new();
-    t.expect(RequestId(1), spec(&[key(0, 0), key(1, 0)], t0)).unwrap();
-    t.expect(RequestId(2), spec(&[key(1, 0)], t0)).unwrap();
-    t.expect(RequestId(3), spec(&[key(0, 0), key(1, 0)], t0)).unwrap();
+    t.expect(RequestId(1), spec(&[key(0, 0), key(1, 0)], t0), t0).unwrap();
+    t.expect(RequestId(2), spec(&[key(1, 0)], t0), t0).unwrap();
+    t.expect(RequestId(3), spec(&[key(0, 0), key(1, 0)], t0), t0).unwrap();
     t.handle(&Notification::chunk(RequestId(3), key(0, 0), 0, true), t0);
     assert_eq!(t.sender_lost(key(0, 0), "connection reset"), vec![RequestId(1)]);
     assert_eq!(t.status(RequestId(2), t0), Some(Status::Pending));
     assert_eq!(t.status(RequestId(3), t0), Some(Status::Pending));
-    assert!(t.expect(RequestId(2), spec(&[key(1, 0)], t0)).is_err());
-    assert!(t.expect(RequestId(9), spec(&[], t0)).is_err());
+    assert_eq!(
+        t.expect(RequestId(2), spec(&[key(1, 0)], t0), t0),
+        Err(TrackerError::AlreadyTracked { request: RequestId(2), generation: 0 })
+    );
+    assert_eq!(t.expect(RequestId(9), spec(&[], t0), t0), Err(TrackerError::NoSenders(RequestId(9))));
 }
 
 proptest! {
@@ -175,7 +205,7 @@ proptest! {
         let mut stream = all.clone();
         for (i, d) in dups.into_iter().enumerate() { let at = (i * 7) % (stream.len() + 1); stream.insert(at, d); }
         let mut t = CompletionTracker::new();
-        t.expect(R, spec(&keys, t0)).unwrap();
+        t.expect(R, spec(&keys, t0), t0).unwrap();
         let mut seen = std::collections::HashSet::new();
         let mut completed = 0;
         for n in &stream {
@@ -198,7 +228,7 @@ fn a_last_flag_on_a_resent_chunk_completes_in_either_order() {
     let k = key(0, 0);
     for order in [[false, true], [true, false]] {
         let mut t = CompletionTracker::new();
-        t.expect(R, spec(&[k], t0)).unwrap();
+        t.expect(R, spec(&[k], t0), t0).unwrap();
         let hs: Vec<Handled> = order.iter().map(|last| t.handle(&Notification::chunk(R, k, 0, *last), t0)).collect();
         assert!(hs.contains(&Handled::Completed), "order {order:?}: {hs:?}");
         assert_eq!(t.status(R, t0), Some(Status::Done), "order {order:?}");
@@ -208,7 +238,7 @@ fn a_last_flag_on_a_resent_chunk_completes_in_either_order() {
     // With two senders, the re-sent chunk with `last` is progress, not a duplicate, and a later
     // deadline names only the sender still missing.
     let mut t = CompletionTracker::new();
-    t.expect(R, spec(&[key(0, 0), key(1, 0)], t0)).unwrap();
+    t.expect(R, spec(&[key(0, 0), key(1, 0)], t0), t0).unwrap();
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, false), t0), Handled::Progress);
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, true), t0), Handled::Progress);
     assert_eq!(t.handle(&Notification::chunk(R, key(0, 0), 0, false), t0), Handled::Duplicate);
@@ -235,7 +265,7 @@ fn a_deadline_error_always_names_what_is_missing() {
     ];
     for s in streams {
         let mut t = CompletionTracker::new();
-        t.expect(R, spec(&[k], t0)).unwrap();
+        t.expect(R, spec(&[k], t0), t0).unwrap();
         for (c, last) in &s {
             t.handle(&Notification::chunk(R, k, *c, *last), t0);
         }
@@ -249,34 +279,47 @@ fn a_deadline_error_always_names_what_is_missing() {
     }
 }
 
-/// Issue 10, defect 6: an id released, expected again and released again is remembered as released for
-/// as long as any other release (the memory holds the last RELEASED_MEMORY = 4096 releases).
+/// Issue 10, defect 6: a released (room, generation) is remembered for as long as its release is among
+/// the last `released_memory` releases (4096 here), however often the room was reused; then it is
+/// forgotten (bounded memory) and a late notification of it is treated as one for an unknown request.
 #[test]
 fn a_reused_id_is_remembered_from_its_latest_release() {
     let t0 = Instant::now();
     let k = key(0, 0);
-    let mut t = CompletionTracker::new();
-    let cycle = |t: &mut CompletionTracker, id: RequestId| {
-        t.expect(id, spec(&[k], t0)).unwrap();
-        t.handle(&Notification::chunk(id, k, 0, true), t0);
+    let mut t = CompletionTracker::with_config(TrackerConfig { released_memory: 4096, ..TrackerConfig::default() });
+    let cycle = |t: &mut CompletionTracker, id: RequestId, generation: u64| {
+        t.expect(id, ExpectSpec { generation, ..spec(&[k], t0) }, t0).unwrap();
+        t.handle(&Notification::chunk(id, k, 0, true).with_generation(generation), t0);
         assert_eq!(t.release(id, t0), Some(Status::Done));
     };
-    cycle(&mut t, R);
-    cycle(&mut t, R);
-    // 4095 other releases: R's latest release is still among the last 4096.
+    let late = |g: u64| Notification::chunk(R, k, 0, true).with_generation(g);
+    cycle(&mut t, R, 1);
+    cycle(&mut t, R, 2);
+    // A released generation cannot be expected again while it is remembered.
+    assert_eq!(
+        t.expect(R, ExpectSpec { generation: 2, ..spec(&[k], t0) }, t0),
+        Err(TrackerError::GenerationReleased { request: R, generation: 2 })
+    );
+    // 4095 other releases: R's latest release is still among the last 4096, its first one is not.
     for i in 0..4095 {
-        cycle(&mut t, RequestId(1_000_000 + i));
+        cycle(&mut t, RequestId(1_000_000 + i), 0);
     }
     let before = t.stats();
-    assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::Released);
-    assert_eq!((t.stats().released, t.stats().unknown_request), (before.released + 1, before.unknown_request));
-    // One more release pushes R's out of the memory: then it is unknown (bounded memory).
-    cycle(&mut t, RequestId(2_000_000));
-    assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::UnknownRequest);
-    // And a re-used id that is tracked again is not "released" while tracked.
-    cycle(&mut t, RequestId(3));
-    t.expect(RequestId(3), spec(&[k], t0)).unwrap();
-    assert_eq!(t.handle(&Notification::chunk(RequestId(3), k, 0, false), t0), Handled::Progress);
+    assert_eq!(t.handle(&late(2), t0), Handled::Released);
+    assert_eq!((t.stats().released, t.stats().early_kept), (before.released + 1, before.early_kept));
+    assert!(t.is_released(R, 2) && !t.is_released(R, 1));
+    // One more release pushes R's out of the memory: then it is unknown (bounded memory) and kept.
+    cycle(&mut t, RequestId(2_000_000), 0);
+    assert!(!t.is_released(R, 2));
+    assert_eq!(t.handle(&late(2), t0), Handled::Early);
+    assert_eq!(t.stats().early_kept, before.early_kept + 1);
+    // And a re-used id that is tracked again under a new generation is not "released" while tracked;
+    // the old generation still is.
+    cycle(&mut t, RequestId(3), 1);
+    t.expect(RequestId(3), ExpectSpec { generation: 2, ..spec(&[k], t0) }, t0).unwrap();
+    assert_eq!(t.handle(&Notification::chunk(RequestId(3), k, 0, false).with_generation(2), t0), Handled::Progress);
+    assert_eq!(t.handle(&Notification::chunk(RequestId(3), k, 0, true).with_generation(1), t0), Handled::Released);
+    assert_eq!(t.status(RequestId(3), t0), Some(Status::Pending));
 }
 
 /// The events of the exhaustive check: what one sender may emit about the request.
@@ -374,7 +417,7 @@ fn exhaustive_two_senders_up_to_five_events() {
             });
         }
         let mut t = CompletionTracker::new();
-        t.expect(R, spec(&keys, t0)).unwrap();
+        t.expect(R, spec(&keys, t0), t0).unwrap();
         let mut m = Model::default();
         let mut completed = 0;
         for (s, c, last) in &concrete {
