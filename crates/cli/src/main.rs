@@ -5,6 +5,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bootstrap;
+// `kvxfer bootstrap` lives in bootstrap.rs; demo.rs still holds its former copy (`demo::bootstrap`,
+// `demo::BootstrapArgs`), unused, until demo.rs drops it.
+#[allow(dead_code)]
 mod demo;
 mod model;
 mod plan;
@@ -28,7 +32,7 @@ enum Command {
     /// One prefill or decode rank (started by `demo`, or by hand on several hosts).
     Worker(Box<worker::WorkerArgs>),
     /// Run the bootstrap service alone, for workers started by hand.
-    Bootstrap(demo::BootstrapArgs),
+    Bootstrap(bootstrap::BootstrapArgs),
     /// Bandwidth of a backend between two processes, next to memcpy and a plain socket.
     Bench(Box<bench::BenchArgs>),
     /// The receiving process of `bench` (started by it).
@@ -41,7 +45,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Worker(args) => worker::run(&args),
-        Command::Bootstrap(args) => demo::bootstrap(&args),
+        Command::Bootstrap(args) => bootstrap::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::BenchPeer(args) => bench::peer(&args),
     }

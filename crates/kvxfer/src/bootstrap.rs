@@ -6,13 +6,16 @@
 //! closes. Requests:
 //!
 //! ```text
-//! {"op":"register","entry":<Registration>}            -> {"ok":true}
+//! {"op":"register","entry":<Registration>}            -> {"ok":true,"epoch":N[,"replaced":M]}
 //! {"op":"peers","role":"decode","want":4,"timeout_ms":30000}
-//!                                                     -> {"ok":true,"entries":[<Registration>...]}
-//! {"op":"put","key":"req/7","value":<any JSON>}       -> {"ok":true}
+//!                                                     -> {"ok":true,"entries":[<Registration + "epoch">...]}
+//! {"op":"put","key":"req/7","value":<any JSON>[,"ttl_ms":60000]}
+//!                                                     -> {"ok":true}
 //! {"op":"get","key":"req/7","timeout_ms":30000}       -> {"ok":true,"value":<JSON>}
+//! {"op":"delete","key":"req/7"}                       -> {"ok":true,"deleted":true|false}
+//! {"op":"stats"}                                      -> {"ok":true,"stats":<ServerStats>}
 //! {"op":"store","call":<StoreCall>}                   -> {"ok":true,"result":{"Ok":<JSON>}|{"Err":<MemError>}}
-//! any failure                                         -> {"ok":false,"error":"<what and what to do>"}
+//! any failure                                         -> {"ok":false,"error":"<what and what to do>"[,"kind":"auth"|"busy"|"limit"]}
 //! ```
 //!
 //! `store` carries the [`crate::metadata::MetadataStore`] interface (leases, put, create, get, list,
@@ -21,14 +24,41 @@
 //!
 //! A [`Registration`] carries the rank's role, TP rank and PP stage, backend name, endpoint
 //! metadata, KV pool description, and its [`SideSpec`] (KV layout plus parallel config). `register`
-//! rejects a rank registered twice and a rank whose layout is incompatible with any rank already
-//! registered; the error lists every mismatch of SEMANTICS §6 ([`check_compatible`]), so a
-//! misconfigured worker fails at start-up, not with corrupted KV. `peers` waits until `want` ranks of
-//! a role are registered; `get` waits until a key is put. Every wait has a deadline (`timeout_ms`,
-//! at most [`MAX_WAIT`]), and every client call is bounded by one too.
+//! rejects a rank outside its own side's parallel config, a rank whose side spec differs from ranks of
+//! its role already registered, and a rank whose layout is incompatible with any rank of the other
+//! role; the error lists every mismatch of SEMANTICS §6 ([`check_compatible`]) with both values, so a
+//! misconfigured worker fails at start-up, not with corrupted KV.
+//!
+//! **Epochs.** Every accepted `register` gets a new epoch from one counter of the service (1, 2, ...).
+//! A second registration of the same (role, TP rank, PP stage) replaces the first (a rank that
+//! crashed and came back): the answer carries the new epoch and the one it replaced, and `peers`
+//! answers carry each entry's epoch, so a peer tells the new process from the old one (compare with
+//! [`Peer::epoch`]; the higher is the newer). Two live processes claiming one rank are no longer
+//! refused: the later one wins. (Membership through the store, [`crate::metadata::Membership`],
+//! keeps its stricter rule: a rank whose lease is alive cannot be registered again.)
+//!
+//! `peers` waits until `want` ranks of a role are registered; `get` waits until a key is put. Every
+//! wait has a deadline (`timeout_ms`, at most [`MAX_WAIT`]), and every client call is bounded by one
+//! too. A client keeps its connection open until it has read the answer: closing it (or only its
+//! sending half) cancels a waiting request.
+//!
+//! **Limits** ([`Limits`], all configurable through [`ServerConfig`]): connections open at once
+//! (beyond: one error line, closed; the accept loop goes on, and backs off briefly when accepting
+//! fails, for example at the open-file limit), the length of a request line (applied while
+//! reading), the size of a stored value, waits held at once (`get`, `peers`, store watches), and the
+//! time a connection may take to send its request line (however slowly it trickles in). Keys of the
+//! `put`/`get` table live until deleted (`delete`) or until their `ttl_ms` passes; `stats` reports the
+//! key count and every counter, so a long-running service can be checked for leaks.
+//!
+//! **Shared secret** (optional, [`ServerConfig::secret`]): the service then greets each connection
+//! with a random challenge, and each request line must carry an HMAC-SHA256 proof over that
+//! challenge and the request's bytes; see [`crate::metadata::auth`]. A captured request cannot be
+//! replayed on another connection. Without a secret, anyone who can reach the port can read and
+//! write every key and registration.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,10 +66,13 @@ use kvxfer_core::model::kv_mismatches;
 use kvxfer_core::{EndpointMetadata, RankId, Side, SideSpec, Topology};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::metadata::memory::{MemShared, StoreCall};
+use crate::metadata::auth;
+pub use crate::metadata::auth::{Secret, SecretError, SECRET_ENV};
+use crate::metadata::memory::{json_len, MemShared, StoreCall};
 use crate::session::KvPool;
 
 /// Longest a single bootstrap wait may be asked to last.
@@ -48,14 +81,36 @@ pub const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Longest response line a client reads.
 const MAX_LINE: usize = 64 << 20;
 
-/// Longest request line the service reads, newline excluded. The limit applies while reading: a client
-/// that sends more without a newline is answered an error and disconnected once it passes the limit, so
-/// one connection never holds more than this much of the service's memory.
+/// Longest request line the service reads by default ([`Limits::max_request_line`]), newline
+/// excluded. The limit applies while reading: a client that sends more without a newline is answered
+/// an error and disconnected once it passes the limit, so one connection never holds more than this
+/// much of the service's memory.
 pub const MAX_REQUEST_LINE: usize = 16 << 20;
+
+/// Default of [`Limits::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
+/// Default of [`Limits::max_waits`]: half the connections, so waits never starve short calls.
+pub const DEFAULT_MAX_WAITS: usize = 2048;
+
+/// Default of [`Limits::max_value_bytes`] (1 MiB).
+pub const DEFAULT_MAX_VALUE_BYTES: usize = 1 << 20;
+
+/// Default of [`Limits::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long the service keeps reading (and discarding) from a client it refused, so that the client can
 /// read the error before the connection closes.
 const REFUSED_LINGER: Duration = Duration::from_secs(2);
+
+/// The same, for a connection closed for idling (it sends nothing, or a trickle).
+const IDLE_LINGER: Duration = Duration::from_millis(500);
+
+/// Refused connections lingering at once; beyond, a refusal is written without waiting and closed.
+const MAX_LINGERING: usize = 64;
+
+/// Longest pause of the accept loop after accepting failed (it doubles from 5 ms while failures go on).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_millis(200);
 
 /// What a rank publishes about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +130,59 @@ pub struct Registration {
     /// Free-form label (host name, process id) for error messages.
     #[serde(default)]
     pub label: String,
+}
+
+/// A registered rank with its epoch, as `peers` reports it ([`BootstrapClient::peers_with_epochs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// What the rank registered.
+    pub registration: Registration,
+    /// The epoch of that registration: higher than the epoch of every registration accepted before it
+    /// (0 from a service older than epochs).
+    pub epoch: u64,
+}
+
+/// The answer to a registration ([`BootstrapClient::register_with_epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    /// The epoch of this registration.
+    pub epoch: u64,
+    /// The epoch of the registration of the same rank it replaced, if any (the rank came back).
+    pub replaced: Option<u64>,
+}
+
+/// Counters of a bootstrap service ([`BootstrapServer::stats`], [`BootstrapClient::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerStats {
+    /// Keys of the `put`/`get` table.
+    pub keys: u64,
+    /// Ranks registered with `register`.
+    pub ranks: u64,
+    /// Keys of the metadata store (`store` requests).
+    pub store_keys: u64,
+    /// Live leases of the metadata store.
+    pub store_leases: u64,
+    /// Connections open now (over the wire: the one asking included).
+    pub connections: u64,
+    /// Waits held now (`get`, `peers`, store watches).
+    pub waits: u64,
+    /// Connections accepted since start.
+    pub accepted: u64,
+    /// Connections refused at [`Limits::max_connections`].
+    pub refused_connections: u64,
+    /// Waits refused at [`Limits::max_waits`].
+    pub refused_waits: u64,
+    /// Values refused at [`Limits::max_value_bytes`].
+    pub refused_values: u64,
+    /// Requests refused for a missing or wrong proof of the shared secret.
+    pub auth_failures: u64,
+    /// Connections closed because no complete request line came within [`Limits::idle_timeout`].
+    pub idle_closed: u64,
+    /// Request lines refused as too long, not UTF-8, or not a request.
+    pub malformed: u64,
+    /// Failures of accepting a connection (for example at the open-file limit).
+    pub accept_errors: u64,
 }
 
 /// A bootstrap failure, saying what to do.
@@ -118,6 +226,42 @@ pub enum BootstrapError {
         /// How long.
         after: Duration,
     },
+    /// A rank whose TP rank or PP stage lies outside its own side's parallel config.
+    #[error(
+        "{who} is outside its own parallel config: TP rank {} with TP {tp}, PP stage {} with PP {pp} (ranks count \
+         from 0 and must be below the size); check the rank's --tp-rank/--pp-stage against its side's TP and PP",
+        rank.tp, rank.pp
+    )]
+    RankOutsideConfig {
+        /// The rank (label).
+        who: String,
+        /// Its TP rank and PP stage.
+        rank: RankId,
+        /// Its side's TP size.
+        tp: u32,
+        /// Its side's PP size.
+        pp: u32,
+    },
+    /// The shared secret was refused, or is missing on one side.
+    #[error("bootstrap at {addr}: {detail}")]
+    Auth {
+        /// Service address.
+        addr: String,
+        /// What went wrong and what to do.
+        detail: String,
+    },
+    /// A service configuration or secret that cannot be used.
+    #[error("bootstrap configuration: {detail}")]
+    Config {
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+impl From<SecretError> for BootstrapError {
+    fn from(e: SecretError) -> Self {
+        BootstrapError::Config { detail: e.to_string() }
+    }
 }
 
 /// Checks that a prefill side and a decode side can exchange KV: every field of SEMANTICS §6 is
@@ -131,7 +275,7 @@ pub fn check_compatible(prefill: &SideSpec, decode: &SideSpec) -> Result<Topolog
     }
     let mut problems: Vec<String> = mism.iter().map(ToString::to_string).collect();
     // The layouts differ; still name the parallel-config problems, each against its own side.
-    let (p, d) = (prefill.parallel, decode.parallel);
+    let (p, d) = (&prefill.parallel, &decode.parallel);
     if p.tp > 0 && d.tp > 0 && p.tp.max(d.tp) % p.tp.min(d.tp) != 0 {
         problems
             .push(format!("prefill TP {} and decode TP {}: the larger must be a multiple of the smaller", p.tp, d.tp));
@@ -155,6 +299,26 @@ pub(crate) fn describe(r: &Registration) -> String {
     s
 }
 
+/// Every difference between two side specs of one role, each with both values (`a` first).
+fn side_differences(a: &SideSpec, b: &SideSpec) -> Vec<String> {
+    let mut out: Vec<String> =
+        kv_mismatches(&a.kv, &b.kv).into_iter().map(|m| format!("{} {} vs {}", m.field, m.prefill, m.decode)).collect();
+    let (pa, pb) = (&a.parallel, &b.parallel);
+    if pa.tp != pb.tp {
+        out.push(format!("TP {} vs {}", pa.tp, pb.tp));
+    }
+    if pa.pp != pb.pp {
+        out.push(format!("PP {} vs {}", pa.pp, pb.pp));
+    }
+    if pa != pb && pa.tp == pb.tp && pa.pp == pb.pp {
+        out.push(format!("parallel config {pa:?} vs {pb:?}"));
+    }
+    if out.is_empty() && a != b {
+        out.push(format!("{a:?} vs {b:?}"));
+    }
+    out
+}
+
 /// Checks a new registration against one already there.
 pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), BootstrapError> {
     let (p, d) = if a.role == Side::Prefill { (a, b) } else { (b, a) };
@@ -164,9 +328,18 @@ pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), Boots
     }
     if a.role == b.role {
         // Same side: the whole side spec must agree (one parallel config per side).
-        if a.spec != b.spec {
-            problems
-                .push(format!("two {} ranks describe different configurations ({:?} vs {:?})", a.role, a.spec, b.spec));
+        let diff = side_differences(&a.spec, &b.spec);
+        if !diff.is_empty() {
+            problems.push(format!(
+                "two {} ranks describe different configurations ({} has {}; every rank of a side must be started \
+                 with the same workload)",
+                a.role,
+                describe(a),
+                diff.iter()
+                    .map(|d| d.replacen(" vs ", &format!(", {} has ", describe(b)), 1))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ));
         }
     } else if let Err(mut ps) = check_compatible(&p.spec, &d.spec) {
         problems.append(&mut ps);
@@ -178,14 +351,120 @@ pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), Boots
     }
 }
 
+/// Checks that a rank lies inside its own side's parallel config: TP rank below TP, PP stage below PP.
+pub fn check_rank_in_config(r: &Registration) -> Result<(), BootstrapError> {
+    let par = &r.spec.parallel;
+    if r.rank.tp >= par.tp || r.rank.pp >= par.pp {
+        return Err(BootstrapError::RankOutsideConfig { who: describe(r), rank: r.rank, tp: par.tp, pp: par.pp });
+    }
+    Ok(())
+}
+
+/// Raises this process's soft limit of open files (`RLIMIT_NOFILE`) towards `want`, at most to the
+/// hard limit, and returns the soft limit now in force. A service that should hold `N` connections
+/// needs about `N` + 64 descriptors; the soft limit is often 1024 while the hard limit is far higher.
+/// Does nothing where the platform has no such limit.
+pub fn raise_open_file_limit(want: u64) -> std::io::Result<u64> {
+    #[cfg(unix)]
+    {
+        rlimit::increase_nofile_limit(want)
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(want)
+    }
+}
+
+/// Limits of one bootstrap service. Every limit answers a client that reaches it with an error that
+/// names the limit; none stops the service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once; a connection beyond is answered one error line and closed.
+    pub max_connections: usize,
+    /// Waits held at once (`get` and `peers` that must wait, store watches); a wait beyond is
+    /// answered with an error at once.
+    pub max_waits: usize,
+    /// Largest value of a `put` or a store put/create, in bytes of JSON.
+    pub max_value_bytes: usize,
+    /// Longest request line, newline excluded (applied while reading).
+    pub max_request_line: usize,
+    /// Time from accepting a connection to its complete request line; then it is answered an error
+    /// and closed, however slowly its bytes were trickling in. Also bounds writing an answer.
+    pub idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_waits: DEFAULT_MAX_WAITS,
+            max_value_bytes: DEFAULT_MAX_VALUE_BYTES,
+            max_request_line: MAX_REQUEST_LINE,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+impl Limits {
+    fn check(&self) -> Result<(), BootstrapError> {
+        let bad = |detail: String| Err(BootstrapError::Config { detail });
+        if self.max_connections == 0 {
+            return bad("max_connections must be at least 1".into());
+        }
+        if self.max_value_bytes == 0 {
+            return bad("max_value_bytes must be at least 1".into());
+        }
+        if self.max_request_line < 1024 {
+            return bad(format!(
+                "max_request_line {} is below 1024 bytes; a registration needs more",
+                self.max_request_line
+            ));
+        }
+        if self.idle_timeout.is_zero() {
+            return bad("idle_timeout must be above 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// How a bootstrap service runs ([`BootstrapServer::start_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct ServerConfig {
+    /// A shared secret every request must prove (challenge-response, see [`crate::metadata::auth`]);
+    /// `None`: no authentication, anyone who reaches the port reads and writes everything.
+    pub secret: Option<Secret>,
+    /// The limits.
+    pub limits: Limits,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "lowercase")]
 enum Request {
-    Register { entry: Box<Registration> },
-    Peers { role: Side, want: u32, timeout_ms: u64 },
-    Put { key: String, value: Value },
-    Get { key: String, timeout_ms: u64 },
-    Store { call: StoreCall },
+    Register {
+        entry: Box<Registration>,
+    },
+    Peers {
+        role: Side,
+        want: u32,
+        timeout_ms: u64,
+    },
+    Put {
+        key: String,
+        value: Value,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ttl_ms: Option<u64>,
+    },
+    Get {
+        key: String,
+        timeout_ms: u64,
+    },
+    Delete {
+        key: String,
+    },
+    Stats,
+    Store {
+        call: StoreCall,
+    },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -193,18 +472,79 @@ struct Response {
     ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<String>,
+    /// The class of an error: `auth`, `busy` (connections or waits at their limit), `limit` (a value
+    /// or line too large), `idle`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    entries: Option<Vec<Registration>>,
+    kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    entries: Option<Vec<Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     value: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    epoch: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    replaced: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    deleted: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stats: Option<ServerStats>,
+}
+
+impl Response {
+    fn error(kind: Option<&str>, error: String) -> Self {
+        Response { ok: false, error: Some(error), kind: kind.map(str::to_owned), ..Default::default() }
+    }
+
+    fn line(&self) -> Vec<u8> {
+        let mut out = serde_json::to_vec(self).unwrap_or_else(|_| b"{\"ok\":false}".to_vec());
+        out.push(b'\n');
+        out
+    }
+}
+
+/// A value of the `put`/`get` table.
+struct KvEntry {
+    value: Value,
+    expires: Option<Instant>,
 }
 
 #[derive(Default)]
 struct State {
-    entries: BTreeMap<(u8, RankId), Registration>,
-    kv: HashMap<String, Value>,
+    entries: BTreeMap<(u8, RankId), (Registration, u64)>,
+    last_epoch: u64,
+    kv: HashMap<String, KvEntry>,
+    /// Keys with a TTL, by expiry.
+    expiries: BTreeSet<(Instant, String)>,
+}
+
+impl State {
+    /// Deletes every key whose TTL passed by `now`.
+    fn sweep(&mut self, now: Instant) {
+        while let Some(first) = self.expiries.first() {
+            if first.0 > now {
+                break;
+            }
+            if let Some((at, key)) = self.expiries.pop_first() {
+                if self.kv.get(&key).is_some_and(|e| e.expires == Some(at)) {
+                    self.kv.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &str) -> bool {
+        match self.kv.remove(key) {
+            Some(old) => {
+                if let Some(at) = old.expires {
+                    self.expiries.remove(&(at, key.to_owned()));
+                }
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 fn side_key(s: Side) -> u8 {
@@ -214,10 +554,55 @@ fn side_key(s: Side) -> u8 {
     }
 }
 
+#[derive(Default)]
+struct Counters {
+    connections: AtomicUsize,
+    waits: AtomicUsize,
+    lingering: AtomicUsize,
+    accepted: AtomicU64,
+    refused_connections: AtomicU64,
+    refused_waits: AtomicU64,
+    refused_values: AtomicU64,
+    auth_failures: AtomicU64,
+    idle_closed: AtomicU64,
+    malformed: AtomicU64,
+    accept_errors: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Takes one of `max` slots of `gauge`, or `None` when all are taken.
+fn take_slot(gauge: &AtomicUsize, max: usize) -> bool {
+    gauge.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1)).is_ok()
+}
+
+/// A slot of a gauge, given back on drop.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A connection slot, given back when the connection's task ends.
+struct ConnSlot(Arc<Service>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.counters.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 struct Service {
     state: Mutex<State>,
     changed: tokio::sync::Notify,
     store: MemShared,
+    limits: Limits,
+    secret: Option<Secret>,
+    counters: Counters,
 }
 
 impl Service {
@@ -225,73 +610,188 @@ impl Service {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn stats(&self) -> ServerStats {
+        let (keys, ranks) = {
+            let mut st = self.lock();
+            st.sweep(Instant::now());
+            (st.kv.len() as u64, st.entries.len() as u64)
+        };
+        let (store_keys, store_leases) = self.store.counts();
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerStats {
+            keys,
+            ranks,
+            store_keys: store_keys as u64,
+            store_leases: store_leases as u64,
+            connections: c.connections.load(Ordering::Acquire) as u64,
+            waits: c.waits.load(Ordering::Acquire) as u64,
+            accepted: g(&c.accepted),
+            refused_connections: g(&c.refused_connections),
+            refused_waits: g(&c.refused_waits),
+            refused_values: g(&c.refused_values),
+            auth_failures: g(&c.auth_failures),
+            idle_closed: g(&c.idle_closed),
+            malformed: g(&c.malformed),
+            accept_errors: g(&c.accept_errors),
+        }
+    }
+
+    /// A wait slot, or the refusal to answer.
+    fn wait_slot(&self) -> Result<Slot<'_>, Box<Response>> {
+        let max = self.limits.max_waits;
+        if take_slot(&self.counters.waits, max) {
+            Ok(Slot(&self.counters.waits))
+        } else {
+            bump(&self.counters.refused_waits);
+            Err(Box::new(Response::error(
+                Some("busy"),
+                format!(
+                    "the service holds {max} waits already, its limit (max_waits, `kvxfer bootstrap --max-waits`); \
+                     retry later, or raise the limit"
+                ),
+            )))
+        }
+    }
+
+    /// Refuses a value over the size limit.
+    fn check_value(&self, what: &str, v: &Value) -> Result<(), Box<Response>> {
+        let max = self.limits.max_value_bytes;
+        let n = json_len(v);
+        if n > max {
+            bump(&self.counters.refused_values);
+            return Err(Box::new(Response::error(
+                Some("limit"),
+                format!(
+                    "the value of {what} is {n} bytes of JSON, over this service's limit of {max} bytes \
+                     (max_value_bytes, `kvxfer bootstrap --max-value-bytes`); store large data elsewhere and put a \
+                     reference to it"
+                ),
+            )));
+        }
+        Ok(())
+    }
+
     async fn handle(&self, req: Request) -> Response {
-        let err = |e: String| Response { ok: false, error: Some(e), ..Default::default() };
+        match self.serve(req).await {
+            Ok(r) => r,
+            Err(r) => *r,
+        }
+    }
+
+    async fn serve(&self, req: Request) -> Result<Response, Box<Response>> {
+        let ok = || Response { ok: true, ..Default::default() };
+        let err = |e: String| Box::new(Response::error(None, e));
         match req {
             Request::Register { entry } => {
+                check_rank_in_config(&entry).map_err(|e| err(e.to_string()))?;
                 let mut st = self.lock();
                 let key = (side_key(entry.role), entry.rank);
-                if let Some(old) = st.entries.get(&key) {
-                    return err(format!(
-                        "{} is already registered ({}); each rank registers once per bootstrap service",
-                        describe(&entry),
-                        describe(old)
-                    ));
-                }
-                for other in st.entries.values() {
-                    if let Err(e) = check_pair(&entry, other) {
-                        return err(e.to_string());
+                for (k, (other, _)) in &st.entries {
+                    if *k != key {
+                        check_pair(&entry, other).map_err(|e| err(e.to_string()))?;
                     }
                 }
-                st.entries.insert(key, *entry);
+                st.last_epoch += 1;
+                let epoch = st.last_epoch;
+                let who = describe(&entry);
+                let replaced = st.entries.insert(key, (*entry, epoch)).map(|(old, e)| (describe(&old), e));
                 drop(st);
+                if let Some((old, e)) = &replaced {
+                    tracing::info!("{who} registered again under epoch {epoch}, replacing {old} (epoch {e})");
+                }
                 self.changed.notify_waiters();
-                Response { ok: true, ..Default::default() }
+                Ok(Response { epoch: Some(epoch), replaced: replaced.map(|(_, e)| e), ..ok() })
             }
             Request::Peers { role, want, timeout_ms } => {
                 let deadline = Instant::now() + Duration::from_millis(timeout_ms).min(MAX_WAIT);
+                let mut slot = None;
                 loop {
                     let notified = self.changed.notified();
                     {
                         let st = self.lock();
-                        let found: Vec<Registration> =
-                            st.entries.values().filter(|e| e.role == role).cloned().collect();
+                        let found: Vec<&(Registration, u64)> =
+                            st.entries.values().filter(|(e, _)| e.role == role).collect();
                         if found.len() >= want as usize {
-                            return Response { ok: true, entries: Some(found), ..Default::default() };
+                            let entries = found.iter().map(|(r, epoch)| with_epoch(r, *epoch)).collect();
+                            return Ok(Response { entries: Some(entries), ..ok() });
                         }
                         if Instant::now() >= deadline {
-                            let have: Vec<String> = found.iter().map(|e| e.rank.to_string()).collect();
-                            return err(format!(
+                            let have: Vec<String> = found.iter().map(|(e, _)| e.rank.to_string()).collect();
+                            return Err(err(format!(
                                 "only {} of {want} {role} ranks registered within {timeout_ms} ms (have: [{}])",
                                 found.len(),
                                 have.join(", ")
-                            ));
+                            )));
                         }
+                    }
+                    if slot.is_none() {
+                        slot = Some(self.wait_slot()?);
                     }
                     let _ = tokio::time::timeout_at(deadline.into(), notified).await;
                 }
             }
-            Request::Put { key, value } => {
-                self.lock().kv.insert(key, value);
+            Request::Put { key, value, ttl_ms } => {
+                self.check_value(&format!("put {key}"), &value)?;
+                let now = Instant::now();
+                let expires = match ttl_ms {
+                    Some(0) => {
+                        return Err(err(format!("put {key}: ttl_ms must be at least 1 (omit it to keep the key)")))
+                    }
+                    Some(ms) => now.checked_add(Duration::from_millis(ms)),
+                    None => None,
+                };
+                let mut st = self.lock();
+                st.sweep(now);
+                st.remove(&key);
+                if let Some(at) = expires {
+                    st.expiries.insert((at, key.clone()));
+                }
+                st.kv.insert(key, KvEntry { value, expires });
+                drop(st);
                 self.changed.notify_waiters();
-                Response { ok: true, ..Default::default() }
+                Ok(ok())
             }
+            Request::Delete { key } => {
+                let mut st = self.lock();
+                st.sweep(Instant::now());
+                let deleted = st.remove(&key);
+                Ok(Response { deleted: Some(deleted), ..ok() })
+            }
+            Request::Stats => Ok(Response { stats: Some(self.stats()), ..ok() }),
             Request::Store { call } => {
+                match &call {
+                    StoreCall::Put { key, value, .. } => self.check_value(&format!("store put {key}"), value)?,
+                    StoreCall::Create { key, value, .. } => self.check_value(&format!("store create {key}"), value)?,
+                    _ => {}
+                }
+                let _slot = match &call {
+                    StoreCall::Watch { timeout_ms, .. } if *timeout_ms > 0 => Some(self.wait_slot()?),
+                    _ => None,
+                };
                 let r = self.store.call(call).await;
                 match serde_json::to_value(r) {
-                    Ok(v) => Response { ok: true, result: Some(v), ..Default::default() },
-                    Err(e) => err(format!("cannot encode the store's answer: {e}")),
+                    Ok(v) => Ok(Response { result: Some(v), ..ok() }),
+                    Err(e) => Err(err(format!("cannot encode the store's answer: {e}"))),
                 }
             }
             Request::Get { key, timeout_ms } => {
                 let deadline = Instant::now() + Duration::from_millis(timeout_ms).min(MAX_WAIT);
+                let mut slot = None;
                 loop {
                     let notified = self.changed.notified();
-                    if let Some(v) = self.lock().kv.get(&key) {
-                        return Response { ok: true, value: Some(v.clone()), ..Default::default() };
+                    {
+                        let mut st = self.lock();
+                        st.sweep(Instant::now());
+                        if let Some(e) = st.kv.get(&key) {
+                            return Ok(Response { value: Some(e.value.clone()), ..ok() });
+                        }
                     }
                     if Instant::now() >= deadline {
-                        return err(format!("key {key:?} was not put within {timeout_ms} ms"));
+                        return Err(err(format!("key {key:?} was not put within {timeout_ms} ms")));
+                    }
+                    if slot.is_none() {
+                        slot = Some(self.wait_slot()?);
                     }
                     let _ = tokio::time::timeout_at(deadline.into(), notified).await;
                 }
@@ -300,41 +800,77 @@ impl Service {
     }
 }
 
-/// The embedded bootstrap service. Runs on the current tokio runtime until dropped.
+/// A registration as `peers` sends it: its JSON object with an `epoch` member added (clients that do
+/// not know epochs ignore it).
+fn with_epoch(r: &Registration, epoch: u64) -> Value {
+    let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("epoch".into(), Value::from(epoch));
+    }
+    v
+}
+
+/// The embedded bootstrap service. Runs on the current tokio runtime until dropped; dropping it stops
+/// accepting and ends every connection it still serves.
 pub struct BootstrapServer {
     addr: SocketAddr,
+    svc: Arc<Service>,
     task: tokio::task::JoinHandle<()>,
 }
 
+impl std::fmt::Debug for BootstrapServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BootstrapServer")
+            .field("addr", &self.addr)
+            .field("limits", &self.svc.limits)
+            .field("secret", &self.svc.secret.is_some())
+            .finish()
+    }
+}
+
 impl BootstrapServer {
-    /// Binds `addr` (e.g. `127.0.0.1:0`, or `0.0.0.0:7878` for workers on other hosts) and serves.
+    /// Binds `addr` (e.g. `127.0.0.1:0`, or `0.0.0.0:7878` for workers on other hosts) and serves
+    /// with the default [`Limits`] and no secret.
     pub async fn start(addr: &str) -> Result<Self, BootstrapError> {
+        Self::start_with(addr, ServerConfig::default()).await
+    }
+
+    /// Binds `addr` and serves with `config`: its limits, and its secret if any.
+    pub async fn start_with(addr: &str, config: ServerConfig) -> Result<Self, BootstrapError> {
+        config.limits.check()?;
         let io = |detail: String| BootstrapError::Io { addr: addr.to_owned(), detail };
-        let listener = TcpListener::bind(addr).await.map_err(|e| io(format!("cannot listen: {e}")))?;
+        let listener = listen(addr).await.map_err(|e| io(format!("cannot listen: {e}")))?;
         let local = listener.local_addr().map_err(|e| io(e.to_string()))?;
         let svc = Arc::new(Service {
             state: Mutex::new(State::default()),
             changed: tokio::sync::Notify::new(),
             store: MemShared::new(),
+            limits: config.limits,
+            secret: config.secret,
+            counters: Counters::default(),
         });
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                };
-                let svc = Arc::clone(&svc);
-                tokio::spawn(async move {
-                    let _ = serve_conn(&svc, stream).await;
-                });
-            }
-        });
-        Ok(Self { addr: local, task })
+        let task = tokio::spawn(accept_loop(listener, Arc::clone(&svc)));
+        Ok(Self { addr: local, svc, task })
     }
 
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The service's counters now.
+    pub fn stats(&self) -> ServerStats {
+        self.svc.stats()
+    }
+
+    /// The limits the service runs with.
+    pub fn limits(&self) -> &Limits {
+        &self.svc.limits
+    }
+
+    /// Whether the service requires a shared secret.
+    pub fn has_secret(&self) -> bool {
+        self.svc.secret.is_some()
     }
 }
 
@@ -344,43 +880,197 @@ impl Drop for BootstrapServer {
     }
 }
 
+/// Pending connections the kernel queues for the accept loop (capped by `net.core.somaxconn`). The
+/// standard library's 128 drops connections of a burst (hundreds of ranks starting at once), and a
+/// dropped SYN costs its client a one-second retransmission.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// Binds and listens on the first address `addr` resolves to that works.
+async fn listen(addr: &str) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        let s = if a.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        #[cfg(unix)]
+        s.set_reuseaddr(true)?;
+        match s.bind(a).and_then(|()| s.listen(LISTEN_BACKLOG)) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address to listen on")))
+}
+
+async fn accept_loop(listener: TcpListener, svc: Arc<Service>) {
+    // Connection tasks live in this set: when the server is dropped and this task aborted, they end too.
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut backoff = Duration::ZERO;
+    let mut warned: Option<Instant> = None;
+    loop {
+        while tasks.try_join_next().is_some() {}
+        let stream = match listener.accept().await {
+            Ok((s, _)) => {
+                backoff = Duration::ZERO;
+                s
+            }
+            Err(e) => {
+                // Out of descriptors (EMFILE/ENFILE), memory or buffers: the pending connection stays
+                // queued and accepting again at once would fail again. Pause, doubling while it lasts.
+                bump(&svc.counters.accept_errors);
+                backoff = (backoff * 2).clamp(Duration::from_millis(5), MAX_ACCEPT_BACKOFF);
+                if warned.map_or(true, |t| t.elapsed() >= Duration::from_secs(10)) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(
+                        "bootstrap: accepting a connection failed: {e}; pausing {backoff:?} (at the open-file \
+                         limit? raise `ulimit -n` or lower max_connections)"
+                    );
+                }
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
+        };
+        bump(&svc.counters.accepted);
+        let max = svc.limits.max_connections;
+        if !take_slot(&svc.counters.connections, max) {
+            bump(&svc.counters.refused_connections);
+            let resp = Response::error(
+                Some("busy"),
+                format!(
+                    "the service has {max} connections open, its limit (max_connections, `kvxfer bootstrap \
+                     --max-connections`); retry later, or raise the limit"
+                ),
+            );
+            refuse_busy(&svc, stream, resp, &mut tasks);
+            continue;
+        }
+        let slot = ConnSlot(Arc::clone(&svc));
+        tasks.spawn(async move {
+            let _ = serve_conn(&slot.0, stream).await;
+            drop(slot);
+        });
+    }
+}
+
+/// Answers a connection refused at the connection limit and closes it: lingering (a bounded number at
+/// once) so the client can read the answer, else at once.
+fn refuse_busy(svc: &Arc<Service>, stream: TcpStream, resp: Response, tasks: &mut tokio::task::JoinSet<()>) {
+    let line = resp.line();
+    if !take_slot(&svc.counters.lingering, MAX_LINGERING) {
+        let _ = stream.try_write(&line);
+        return;
+    }
+    let svc = Arc::clone(svc);
+    tasks.spawn(async move {
+        let _slot = Slot(&svc.counters.lingering);
+        let (r, w) = stream.into_split();
+        close_with(w, r, &line, IDLE_LINGER).await;
+    });
+}
+
+/// Writes `line`, closes the sending half, and reads (discarding, constant memory) for at most
+/// `linger`: closing with unread input would reset the connection and could destroy the answer
+/// before the client reads it.
+async fn close_with<R: AsyncRead + Unpin>(mut w: OwnedWriteHalf, mut r: R, line: &[u8], linger: Duration) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = w.write_all(line).await;
+        let _ = w.shutdown().await;
+    })
+    .await;
+    let mut sink = [0u8; 8192];
+    let _ = tokio::time::timeout(linger, async { while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {} }).await;
+}
+
+/// Returns once the client has closed its connection (or its sending half), discarding whatever it
+/// still sends meanwhile.
+async fn client_gone<R: AsyncRead + Unpin>(r: &mut R) {
+    let mut sink = [0u8; 1024];
+    while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
+}
+
 async fn serve_conn(svc: &Service, stream: TcpStream) -> std::io::Result<()> {
+    let limits = &svc.limits;
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
     let mut line = String::new();
-    // A request line must arrive promptly; the answer may wait (peers / get carry their own deadline).
-    let n = match tokio::time::timeout(Duration::from_secs(30), read_line(&mut r, &mut line, MAX_REQUEST_LINE)).await {
-        Ok(Ok(n)) => n,
+    // The greeting (with a secret) and the whole request line must come within the idle deadline,
+    // however slowly the bytes trickle in; the answer may wait (peers / get carry their own deadline).
+    let first = tokio::time::timeout(limits.idle_timeout, async {
+        let nonce = match &svc.secret {
+            Some(_) => {
+                let n = auth::nonce()?;
+                let mut greet = auth::challenge_line(&n).into_bytes();
+                greet.push(b'\n');
+                w.write_all(&greet).await?;
+                Some(n)
+            }
+            None => None,
+        };
+        let n = read_line(&mut r, &mut line, limits.max_request_line).await?;
+        Ok::<_, std::io::Error>((n, nonce))
+    })
+    .await;
+    let nonce = match first {
+        Ok(Ok((0, _))) => return Ok(()),
+        Ok(Ok((_, nonce))) => nonce,
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
             // Too long or not UTF-8: say so, then close.
-            let resp = Response { ok: false, error: Some(format!("malformed request: {e}")), ..Default::default() };
-            let mut out = serde_json::to_vec(&resp).map_err(std::io::Error::other)?;
-            out.push(b'\n');
-            w.write_all(&out).await?;
-            w.shutdown().await?;
-            // Closing with unread input would reset the connection and could destroy the answer before
-            // the client reads it: discard what it still sends for a moment (constant memory).
-            let mut sink = [0u8; 8192];
-            let _ = tokio::time::timeout(REFUSED_LINGER, async {
-                while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
-            })
-            .await;
+            bump(&svc.counters.malformed);
+            let resp = Response::error(Some("limit"), format!("malformed request: {e}"));
+            close_with(w, r, &resp.line(), REFUSED_LINGER).await;
             return Ok(());
         }
         Ok(Err(e)) => return Err(e),
-        Err(_) => return Ok(()),
+        Err(_) => {
+            bump(&svc.counters.idle_closed);
+            let resp = Response::error(
+                Some("idle"),
+                format!(
+                    "no complete request line within {:?} of connecting (idle_timeout, `kvxfer bootstrap \
+                     --idle-timeout-s`); closing",
+                    limits.idle_timeout
+                ),
+            );
+            close_with(w, r, &resp.line(), IDLE_LINGER).await;
+            return Ok(());
+        }
     };
-    if n == 0 {
-        return Ok(());
-    }
-    let resp = match serde_json::from_str::<Request>(&line) {
-        Ok(req) => svc.handle(req).await,
-        Err(e) => Response { ok: false, error: Some(format!("malformed request: {e}")), ..Default::default() },
+    let text = line.trim_end_matches(['\n', '\r']);
+    let body = match (&svc.secret, nonce) {
+        (Some(secret), Some(nonce)) => match auth::verify(secret, &nonce, text) {
+            Ok(body) => body,
+            Err(why) => {
+                bump(&svc.counters.auth_failures);
+                let resp = Response::error(Some("auth"), why.to_string());
+                close_with(w, r, &resp.line(), REFUSED_LINGER).await;
+                return Ok(());
+            }
+        },
+        _ => text.to_owned(),
     };
-    let mut out = serde_json::to_vec(&resp).map_err(std::io::Error::other)?;
-    out.push(b'\n');
-    w.write_all(&out).await?;
-    w.shutdown().await
+    drop(line);
+    let resp = match serde_json::from_str::<Request>(&body) {
+        Ok(req) => {
+            drop(body);
+            let handled = svc.handle(req);
+            tokio::pin!(handled);
+            tokio::select! {
+                biased;
+                resp = &mut handled => resp,
+                // The client went away: end its wait now rather than at its deadline.
+                () = client_gone(&mut r) => return Ok(()),
+            }
+        }
+        Err(e) => {
+            bump(&svc.counters.malformed);
+            Response::error(None, format!("malformed request: {e}"))
+        }
+    };
+    let out = resp.line();
+    tokio::time::timeout(limits.idle_timeout, async {
+        w.write_all(&out).await?;
+        w.shutdown().await
+    })
+    .await
+    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the client does not read its answer"))?
 }
 
 /// Reads one line (up to and including `\n`, or up to the end of the stream) into `line` and returns
@@ -411,12 +1101,14 @@ pub struct BootstrapClient {
     addr: String,
     /// Bound on connecting and on calls that do not wait for others.
     timeout: Duration,
+    /// The shared secret, if the service requires one.
+    secret: Option<Secret>,
 }
 
 impl BootstrapClient {
     /// A client of the service at `addr` (`host:port`). Nothing is sent until the first call.
     pub fn new(addr: impl Into<String>) -> Self {
-        Self { addr: addr.into(), timeout: Duration::from_secs(30) }
+        Self { addr: addr.into(), timeout: Duration::from_secs(30), secret: None }
     }
 
     /// The same client with another bound on connecting and on calls that do not wait for others.
@@ -425,30 +1117,96 @@ impl BootstrapClient {
         self
     }
 
+    /// The same client proving `secret` on every call (the service must have the same one). Such a
+    /// client talks only to a service that sends a challenge: against one without a secret, each
+    /// call fails with [`BootstrapError::Auth`] after the client's timeout.
+    pub fn with_secret(mut self, secret: Secret) -> Self {
+        self.secret = Some(secret);
+        self
+    }
+
     /// The service address.
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
+    /// Whether this client proves a secret.
+    pub fn has_secret(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    fn refusal(&self, op: &str, resp: Response) -> BootstrapError {
+        let detail = resp.error.unwrap_or_else(|| "no reason given".into());
+        match resp.kind.as_deref() {
+            Some("auth") => BootstrapError::Auth { addr: self.addr.clone(), detail },
+            _ => BootstrapError::Refused { addr: self.addr.clone(), op: op.to_owned(), detail },
+        }
+    }
+
     async fn call(&self, op: &str, req: &Request, wait: Duration) -> Result<Response, BootstrapError> {
         let io = |detail: String| BootstrapError::Io { addr: self.addr.clone(), detail };
+        // Connecting and the challenge: within `timeout` of now.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let stream = tokio::time::timeout_at(deadline, TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| io(format!("no connection within {:?}", self.timeout)))?
+            .map_err(|e| io(format!("cannot connect: {e}")))?;
+        let (r, mut w) = stream.into_split();
+        let mut r = BufReader::new(r);
+        let body = serde_json::to_vec(req).map_err(|e| io(e.to_string()))?;
+        let mut line = match &self.secret {
+            None => body,
+            Some(secret) => {
+                let mut first = String::new();
+                let n = tokio::time::timeout_at(deadline, read_line(&mut r, &mut first, MAX_LINE))
+                    .await
+                    .map_err(|_| BootstrapError::Auth {
+                        addr: self.addr.clone(),
+                        detail: format!(
+                            "no challenge within {:?}: this client has a shared secret but the service sent no \
+                             challenge; start the service with the same secret (`kvxfer bootstrap --secret-file`, or \
+                             KVXFER_SECRET), or drop the secret from this client",
+                            self.timeout
+                        ),
+                    })?
+                    .map_err(|e| io(format!("reading the challenge before {op}: {e}")))?;
+                if n == 0 {
+                    return Err(io(format!("the service closed the connection before its challenge ({op})")));
+                }
+                match auth::parse_challenge(&first) {
+                    Some(nonce) => auth::sign(secret, &nonce, &body),
+                    // Not a challenge: a refusal (the service is at its connection limit) or garbage.
+                    None => {
+                        let resp = serde_json::from_str::<Response>(&first)
+                            .map_err(|e| io(format!("malformed greeting before {op}: {e}")))?;
+                        return Err(self.refusal(op, resp));
+                    }
+                }
+            }
+        };
+        line.push(b'\n');
+        // The request and its answer: within `timeout` plus the wait the request asks for.
         let total = self.timeout + wait;
         let fut = async {
-            let stream = tokio::time::timeout(self.timeout, TcpStream::connect(&self.addr))
-                .await
-                .map_err(|_| io(format!("no connection within {:?}", self.timeout)))?
-                .map_err(|e| io(format!("cannot connect: {e}")))?;
-            let (r, mut w) = stream.into_split();
-            let mut line = serde_json::to_vec(req).map_err(|e| io(e.to_string()))?;
-            line.push(b'\n');
             w.write_all(&line).await.map_err(|e| io(format!("sending {op}: {e}")))?;
-            let mut r = BufReader::new(r);
             let mut resp = String::new();
             let n = read_line(&mut r, &mut resp, MAX_LINE)
                 .await
                 .map_err(|e| io(format!("reading the answer to {op}: {e}")))?;
             if n == 0 {
                 return Err(io(format!("the service closed the connection without answering {op}")));
+            }
+            if self.secret.is_none() && auth::parse_challenge(&resp).is_some() {
+                // The service wants a proof; its refusal follows the challenge.
+                resp.clear();
+                let _ = read_line(&mut r, &mut resp, MAX_LINE).await;
+                let said = serde_json::from_str::<Response>(&resp).ok().and_then(|r| r.error);
+                return Err(BootstrapError::Auth {
+                    addr: self.addr.clone(),
+                    detail: said.unwrap_or_else(|| {
+                        "the service requires a shared secret; give this client the same one (KVXFER_SECRET)".into()
+                    }),
+                });
             }
             serde_json::from_str::<Response>(&resp).map_err(|e| io(format!("malformed answer to {op}: {e}")))
         };
@@ -460,25 +1218,52 @@ impl BootstrapClient {
         if resp.ok {
             Ok(resp)
         } else {
-            Err(BootstrapError::Refused {
-                addr: self.addr.clone(),
-                op: op.to_owned(),
-                detail: resp.error.unwrap_or_else(|| "no reason given".into()),
-            })
+            Err(self.refusal(op, resp))
         }
     }
 
-    /// Publishes a rank. Fails if the rank is already registered or incompatible with a rank that is.
+    /// Publishes a rank. Fails if the rank lies outside its own parallel config, differs from ranks
+    /// of its role, or is incompatible with a rank of the other role; a rank registered before is
+    /// replaced (see [`Self::register_with_epoch`]).
     pub async fn register(&self, entry: &Registration) -> Result<(), BootstrapError> {
+        self.register_with_epoch(entry).await.map(|_| ())
+    }
+
+    /// Publishes a rank (as [`Self::register`]) and returns its epoch, and the epoch of the
+    /// registration of the same rank it replaced, if any.
+    pub async fn register_with_epoch(&self, entry: &Registration) -> Result<Registered, BootstrapError> {
         let op = format!("register {}", describe(entry));
-        self.call(&op, &Request::Register { entry: Box::new(entry.clone()) }, Duration::ZERO).await.map(|_| ())
+        let r = self.call(&op, &Request::Register { entry: Box::new(entry.clone()) }, Duration::ZERO).await?;
+        Ok(Registered { epoch: r.epoch.unwrap_or(0), replaced: r.replaced })
     }
 
     /// Waits until `want` ranks of `role` are registered (at most `timeout`) and returns them.
     pub async fn peers(&self, role: Side, want: u32, timeout: Duration) -> Result<Vec<Registration>, BootstrapError> {
+        Ok(self.peers_with_epochs(role, want, timeout).await?.into_iter().map(|p| p.registration).collect())
+    }
+
+    /// As [`Self::peers`], with each rank's epoch.
+    pub async fn peers_with_epochs(
+        &self,
+        role: Side,
+        want: u32,
+        timeout: Duration,
+    ) -> Result<Vec<Peer>, BootstrapError> {
         let timeout = timeout.min(MAX_WAIT);
         let req = Request::Peers { role, want, timeout_ms: timeout.as_millis() as u64 };
-        Ok(self.call(&format!("peers {role}"), &req, timeout).await?.entries.unwrap_or_default())
+        let op = format!("peers {role}");
+        let entries = self.call(&op, &req, timeout).await?.entries.unwrap_or_default();
+        entries
+            .into_iter()
+            .map(|v| {
+                let epoch = v.get("epoch").and_then(Value::as_u64).unwrap_or(0);
+                let registration = serde_json::from_value(v).map_err(|e| BootstrapError::Io {
+                    addr: self.addr.clone(),
+                    detail: format!("malformed answer to {op}: {e}"),
+                })?;
+                Ok(Peer { registration, epoch })
+            })
+            .collect()
     }
 
     /// Waits for the ranks of `role`, then checks each against `me`: every layout mismatch is
@@ -514,9 +1299,16 @@ impl BootstrapClient {
         Ok(self.call(&op, &Request::Store { call }, wait).await?.result.unwrap_or(Value::Null))
     }
 
-    /// Stores `value` under `key` (overwrites).
+    /// Stores `value` under `key` (overwrites); it stays until deleted.
     pub async fn put(&self, key: &str, value: Value) -> Result<(), BootstrapError> {
-        self.call(&format!("put {key}"), &Request::Put { key: key.to_owned(), value }, Duration::ZERO).await.map(|_| ())
+        let req = Request::Put { key: key.to_owned(), value, ttl_ms: None };
+        self.call(&format!("put {key}"), &req, Duration::ZERO).await.map(|_| ())
+    }
+
+    /// Stores `value` under `key` (overwrites) for `ttl` (at least 1 ms); then the key is deleted.
+    pub async fn put_with_ttl(&self, key: &str, value: Value, ttl: Duration) -> Result<(), BootstrapError> {
+        let req = Request::Put { key: key.to_owned(), value, ttl_ms: Some((ttl.as_millis() as u64).max(1)) };
+        self.call(&format!("put {key}"), &req, Duration::ZERO).await.map(|_| ())
     }
 
     /// Waits until `key` is put (at most `timeout`) and returns its value.
@@ -524,6 +1316,17 @@ impl BootstrapClient {
         let timeout = timeout.min(MAX_WAIT);
         let req = Request::Get { key: key.to_owned(), timeout_ms: timeout.as_millis() as u64 };
         Ok(self.call(&format!("get {key}"), &req, timeout).await?.value.unwrap_or(Value::Null))
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn delete(&self, key: &str) -> Result<bool, BootstrapError> {
+        let req = Request::Delete { key: key.to_owned() };
+        Ok(self.call(&format!("delete {key}"), &req, Duration::ZERO).await?.deleted.unwrap_or(false))
+    }
+
+    /// The service's counters (keys, connections, waits, refusals).
+    pub async fn stats(&self) -> Result<ServerStats, BootstrapError> {
+        Ok(self.call("stats", &Request::Stats, Duration::ZERO).await?.stats.unwrap_or_default())
     }
 }
 
@@ -541,7 +1344,7 @@ mod tests {
                 page_size: page,
                 layout: Layout::Nhd,
             },
-            parallel: Parallel { tp, pp: 1 },
+            parallel: Parallel::new(tp, 1),
         }
     }
 
@@ -554,6 +1357,29 @@ mod tests {
             pool: KvPool { pages: 1, buffers: vec![] },
             spec: s,
             label: String::new(),
+        }
+    }
+
+    async fn server_with(limits: Limits, secret: Option<Secret>) -> BootstrapServer {
+        BootstrapServer::start_with("127.0.0.1:0", ServerConfig { secret, limits }).await.unwrap()
+    }
+
+    /// Reads one line from a raw connection (at most 5 s).
+    async fn raw_line(r: &mut BufReader<TcpStream>) -> String {
+        let mut l = String::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut l)).await.expect("no line within 5 s");
+        l
+    }
+
+    /// Waits (at most 5 s) until the server's stats satisfy `pred`.
+    async fn until(server: &BootstrapServer, pred: impl Fn(&ServerStats) -> bool) -> ServerStats {
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = server.stats();
+            if pred(&s) || Instant::now() >= end {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -585,9 +1411,6 @@ mod tests {
         let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
         let c = BootstrapClient::new(server.addr().to_string());
         c.register(&reg(Side::Prefill, 0, spec(2, 8, 16))).await.unwrap();
-        // Duplicate rank.
-        let e = c.register(&reg(Side::Prefill, 0, spec(2, 8, 16))).await.unwrap_err();
-        assert!(e.to_string().contains("already registered"), "{e}");
         // Incompatible decode: every mismatch named.
         let mut bad = spec(1, 8, 32);
         bad.kv.dtype_bytes = 4;
@@ -615,6 +1438,223 @@ mod tests {
         drop(server);
         let e = BootstrapClient::new("127.0.0.1:1").put("x", Value::Null).await.unwrap_err().to_string();
         assert!(e.contains("127.0.0.1:1"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_rank_registered_again_replaces_the_old_one_under_a_higher_epoch() {
+        let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+        let c = BootstrapClient::new(server.addr().to_string());
+        let mut first = reg(Side::Prefill, 0, spec(2, 8, 16));
+        first.label = "pid 1".into();
+        let a = c.register_with_epoch(&first).await.unwrap();
+        assert_eq!(a.replaced, None);
+        let other = c.register_with_epoch(&reg(Side::Prefill, 1, spec(2, 8, 16))).await.unwrap();
+        assert!(other.epoch > a.epoch);
+        // The process of rank 0/0 died and a new one registers the same rank.
+        let mut again = first.clone();
+        again.label = "pid 2".into();
+        let b = c.register_with_epoch(&again).await.unwrap();
+        assert_eq!(b.replaced, Some(a.epoch));
+        assert!(b.epoch > other.epoch, "{b:?} after {other:?}");
+        let peers = c.peers_with_epochs(Side::Prefill, 2, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(peers.len(), 2, "replaced, not added");
+        let p0 = peers.iter().find(|p| p.registration.rank == RankId::new(0, 0)).unwrap();
+        assert_eq!((p0.epoch, p0.registration.label.as_str()), (b.epoch, "pid 2"));
+        // A client that does not know epochs still reads the answer.
+        assert_eq!(c.peers(Side::Prefill, 2, Duration::from_secs(1)).await.unwrap().len(), 2);
+        assert_eq!(server.stats().ranks, 2);
+    }
+
+    #[tokio::test]
+    async fn ranks_outside_their_config_or_disagreeing_with_their_side_are_refused_naming_both_values() {
+        let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+        let c = BootstrapClient::new(server.addr().to_string());
+        // TP rank 2 of TP 2.
+        let e = c.register(&reg(Side::Prefill, 2, spec(2, 8, 16))).await.unwrap_err().to_string();
+        assert!(e.contains("outside its own parallel config") && e.contains("TP rank 2 with TP 2"), "{e}");
+        let mut r = reg(Side::Decode, 0, spec(1, 8, 16));
+        r.rank.pp = 1;
+        let e = c.register(&r).await.unwrap_err().to_string();
+        assert!(e.contains("PP stage 1 with PP 1"), "{e}");
+        // A second prefill rank with another TP size and page size than the first.
+        c.register(&reg(Side::Prefill, 0, spec(2, 8, 16))).await.unwrap();
+        let e = c.register(&reg(Side::Prefill, 1, spec(4, 8, 32))).await.unwrap_err().to_string();
+        assert!(
+            e.contains("different configurations") && e.contains("TP 4") && e.contains("prefill rank 0/0 has 2"),
+            "{e}"
+        );
+        assert!(e.contains("page_size 32") && e.contains("has 16"), "{e}");
+        assert_eq!(server.stats().ranks, 1);
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_limit_get_one_error_line_and_the_service_goes_on() {
+        let server = server_with(Limits { max_connections: 3, ..Limits::default() }, None).await;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(TcpStream::connect(server.addr()).await.unwrap());
+        }
+        until(&server, |s| s.connections == 3).await;
+        // The fourth is refused with one line, then closed.
+        let mut r = BufReader::new(TcpStream::connect(server.addr()).await.unwrap());
+        let l = raw_line(&mut r).await;
+        assert!(l.contains("\"ok\":false") && l.contains("3 connections open") && l.contains("busy"), "{l}");
+        assert_eq!(raw_line(&mut r).await, "", "not closed");
+        let c = BootstrapClient::new(server.addr().to_string()).with_timeout(Duration::from_secs(2));
+        let e = c.put("k", Value::Null).await.unwrap_err().to_string();
+        assert!(e.contains("max-connections"), "{e}");
+        // Slots come back as connections close; the accept loop kept working.
+        held.clear();
+        until(&server, |s| s.connections == 0).await;
+        c.put("k", Value::Bool(true)).await.unwrap();
+        let s = c.stats().await.unwrap();
+        assert!(s.refused_connections >= 2 && s.connections == 1 && s.keys == 1, "{s:?}");
+    }
+
+    #[tokio::test]
+    async fn values_over_the_limit_are_refused_naming_size_and_limit() {
+        let server = server_with(Limits { max_value_bytes: 1000, ..Limits::default() }, None).await;
+        let c = BootstrapClient::new(server.addr().to_string());
+        let big = Value::String("x".repeat(1200));
+        let e = c.put("big", big.clone()).await.unwrap_err().to_string();
+        assert!(e.contains("1202 bytes") && e.contains("limit of 1000 bytes") && e.contains("put big"), "{e}");
+        c.put("small", Value::String("x".repeat(990))).await.unwrap();
+        // Through the store interface too.
+        let s = crate::metadata::bootstrap::BootstrapStore::new(&server.addr().to_string(), "/p");
+        let e = crate::metadata::MetadataStore::put(&s, "big", &big, None).await.unwrap_err().to_string();
+        assert!(e.contains("1202 bytes") && e.contains("limit of 1000"), "{e}");
+        let e = crate::metadata::MetadataStore::create(&s, "big", &big, None).await.unwrap_err().to_string();
+        assert!(e.contains("1202 bytes"), "{e}");
+        let st = server.stats();
+        assert_eq!((st.refused_values, st.keys, st.store_keys), (3, 1, 0));
+    }
+
+    #[tokio::test]
+    async fn waits_beyond_the_limit_are_refused_and_a_client_that_leaves_frees_its_wait() {
+        let server = server_with(Limits { max_waits: 2, ..Limits::default() }, None).await;
+        let addr = server.addr().to_string();
+        let c = BootstrapClient::new(addr.clone());
+        let w1 = tokio::spawn({
+            let c = c.clone();
+            async move { c.get("a", Duration::from_secs(10)).await }
+        });
+        let w2 = tokio::spawn({
+            let c = c.clone();
+            async move { c.peers(Side::Decode, 1, Duration::from_secs(10)).await }
+        });
+        until(&server, |s| s.waits == 2).await;
+        let e = c.get("b", Duration::from_secs(10)).await.unwrap_err().to_string();
+        assert!(e.contains("2 waits") && e.contains("max-waits"), "{e}");
+        let store = crate::metadata::bootstrap::BootstrapStore::new(&addr, "/p");
+        let mut w = crate::metadata::MetadataStore::watch(&store, "x", 0).await.unwrap();
+        let e = w.next(Duration::from_secs(5)).await.unwrap_err().to_string();
+        assert!(e.contains("2 waits"), "{e}");
+        // A get that needs no wait is still answered.
+        c.put("a", Value::Bool(true)).await.unwrap();
+        assert_eq!(w1.await.unwrap().unwrap(), Value::Bool(true));
+        // A waiting client that goes away gives its wait back at once, not at its deadline.
+        until(&server, |s| s.waits == 1).await;
+        w2.abort();
+        let s = until(&server, |s| s.waits == 0 && s.connections == 0).await;
+        assert_eq!((s.waits, s.connections, s.refused_waits), (0, 0, 2), "{s:?}");
+    }
+
+    #[tokio::test]
+    async fn a_trickling_partial_line_is_cut_at_the_idle_deadline() {
+        let idle = Duration::from_millis(600);
+        let server = server_with(Limits { idle_timeout: idle, ..Limits::default() }, None).await;
+        let s = TcpStream::connect(server.addr()).await.unwrap();
+        let (r, mut w) = s.into_split();
+        let t = Instant::now();
+        // One byte every 50 ms, never a newline: the deadline counts from the connection, not the
+        // last byte.
+        let trickle = tokio::spawn(async move {
+            for _ in 0..200 {
+                if w.write_all(b"{").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        let mut r = BufReader::new(r);
+        let mut l = String::new();
+        tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut l)).await.unwrap().unwrap();
+        let took = t.elapsed();
+        assert!(l.contains("no complete request line") && l.contains("idle"), "{l}");
+        assert!(took + Duration::from_millis(50) >= idle && took < idle + Duration::from_secs(2), "{took:?}");
+        trickle.abort();
+        let s = until(&server, |s| s.connections == 0).await;
+        assert_eq!((s.idle_closed, s.connections), (1, 0));
+        // A silent connection too.
+        let mut r = BufReader::new(TcpStream::connect(server.addr()).await.unwrap());
+        assert!(raw_line(&mut r).await.contains("no complete request line"));
+    }
+
+    #[tokio::test]
+    async fn keys_are_deleted_and_expire_and_stats_count_them() {
+        let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+        let c = BootstrapClient::new(server.addr().to_string());
+        for i in 0..20 {
+            c.put(&format!("k{i}"), Value::from(i)).await.unwrap();
+        }
+        c.put_with_ttl("short", Value::from(1), Duration::from_millis(200)).await.unwrap();
+        assert_eq!(c.stats().await.unwrap().keys, 21);
+        for i in 0..20 {
+            assert!(c.delete(&format!("k{i}")).await.unwrap());
+        }
+        assert!(!c.delete("k0").await.unwrap());
+        assert_eq!(c.get("short", Duration::ZERO).await.unwrap(), Value::from(1));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let e = c.get("short", Duration::ZERO).await.unwrap_err().to_string();
+        assert!(e.contains("not put"), "{e}");
+        // Overwriting without a TTL keeps the key; with a new TTL the old one no longer applies.
+        c.put_with_ttl("k", Value::from(1), Duration::from_millis(100)).await.unwrap();
+        c.put("k", Value::from(2)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(c.get("k", Duration::ZERO).await.unwrap(), Value::from(2));
+        assert!(c.delete("k").await.unwrap());
+        let s = c.stats().await.unwrap();
+        assert_eq!((s.keys, s.waits, s.connections), (0, 0, 1), "{s:?}");
+        assert_eq!(server.stats().keys, 0);
+    }
+
+    #[tokio::test]
+    async fn with_a_secret_only_proven_requests_are_served() {
+        let secret = Secret::new(b"correct horse".to_vec()).unwrap();
+        let server = server_with(Limits::default(), Some(secret.clone())).await;
+        let addr = server.addr().to_string();
+        let good = BootstrapClient::new(addr.clone()).with_secret(secret.clone());
+        good.put("k", Value::from("v")).await.unwrap();
+        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("v"));
+        // No secret, a wrong one: refused, no value.
+        let e = BootstrapClient::new(addr.clone()).get("k", Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(&e, BootstrapError::Auth { detail, .. } if detail.contains("authentication required")), "{e}");
+        let wrong = BootstrapClient::new(addr.clone()).with_secret(Secret::new(b"wrong".to_vec()).unwrap());
+        let e = wrong.get("k", Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(&e, BootstrapError::Auth { detail, .. } if detail.contains("authentication failed")), "{e}");
+        assert!(!e.to_string().contains("\"v\""), "{e}");
+        // A raw client: a challenge, then a refusal, then the end.
+        let mut r = BufReader::new(TcpStream::connect(&addr).await.unwrap());
+        let ch = raw_line(&mut r).await;
+        let nonce = auth::parse_challenge(&ch).unwrap_or_else(|| panic!("no challenge: {ch}"));
+        r.get_mut().write_all(b"{\"op\":\"get\",\"key\":\"k\",\"timeout_ms\":0}\n").await.unwrap();
+        let l = raw_line(&mut r).await;
+        assert!(l.contains("\"ok\":false") && l.contains("authentication required") && !l.contains("\"v\""), "{l}");
+        // A line proven for one connection, replayed on another: refused.
+        let line = auth::sign(&secret, &nonce, br#"{"op":"put","key":"k","value":"evil"}"#);
+        let mut r = BufReader::new(TcpStream::connect(&addr).await.unwrap());
+        raw_line(&mut r).await;
+        r.get_mut().write_all(&[line.as_slice(), b"\n"].concat()).await.unwrap();
+        let l = raw_line(&mut r).await;
+        assert!(l.contains("authentication failed"), "{l}");
+        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("v"));
+        assert_eq!(good.stats().await.unwrap().auth_failures, 4);
+        // A client with a secret against a service without one: a clear error after its timeout.
+        let open = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+        let c =
+            BootstrapClient::new(open.addr().to_string()).with_secret(secret).with_timeout(Duration::from_millis(300));
+        let e = c.put("k", Value::Null).await.unwrap_err().to_string();
+        assert!(e.contains("no challenge"), "{e}");
     }
 
     #[tokio::test]
@@ -660,5 +1700,6 @@ mod tests {
         let c = BootstrapClient::new(server.addr().to_string());
         c.put("k", Value::Bool(true)).await.unwrap();
         assert_eq!(c.get("k", Duration::from_secs(1)).await.unwrap(), Value::Bool(true));
+        assert_eq!(server.stats().malformed, 1);
     }
 }

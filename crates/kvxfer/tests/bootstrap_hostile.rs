@@ -38,7 +38,7 @@ fn registration() -> Registration {
                 page_size: 16,
                 layout: Layout::Nhd,
             },
-            parallel: Parallel { tp: 1, pp: 1 },
+            parallel: Parallel::new(1, 1),
         },
         label: "well-formed".into(),
     }

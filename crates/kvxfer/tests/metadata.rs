@@ -29,7 +29,7 @@ fn spec(tp: u32, page: u32) -> SideSpec {
             page_size: page,
             layout: Layout::Nhd,
         },
-        parallel: Parallel { tp, pp: 1 },
+        parallel: Parallel::new(tp, 1),
     }
 }
 
@@ -95,6 +95,19 @@ async fn membership(s: Arc<dyn MetadataStore>) -> Duration {
     bad.kv.dtype_bytes = 1;
     let e = Membership::join(Arc::clone(&s), reg(Side::Prefill, 1, bad, "bad"), TTL).await.unwrap_err().to_string();
     assert!(e.contains("page_size") && e.contains("dtype_bytes"), "{e}");
+    // A rank outside its own side's parallel config (TP rank 2 of TP 2), and one whose side spec
+    // differs from the registered ranks of its role: refused, naming both values.
+    let e = Membership::join(Arc::clone(&s), reg(Side::Prefill, 2, spec(2, 16), "p2"), TTL).await.unwrap_err();
+    assert!(
+        e.to_string().contains("outside its own parallel config") && e.to_string().contains("TP rank 2 with TP 2"),
+        "{e}"
+    );
+    let e =
+        Membership::join(Arc::clone(&s), reg(Side::Prefill, 1, spec(4, 16), "p4"), TTL).await.unwrap_err().to_string();
+    assert!(e.contains("different configurations") && e.contains("TP 4") && e.contains("has 2"), "{e}");
+    assert!(
+        s.get("ranks/prefill/1.0").await.unwrap().0.is_none() && s.get("ranks/prefill/2.0").await.unwrap().0.is_none()
+    );
     // Peers and handshake.
     let me = reg(Side::Decode, 0, spec(1, 16), "decode-a");
     let e = kvxfer::metadata::peers(&*s, Side::Prefill, 2, Duration::from_millis(300)).await.unwrap_err().to_string();
@@ -197,6 +210,33 @@ async fn bootstrap_service_over_tcp() {
     let e = s.get("x").await.unwrap_err().to_string();
     assert!(e.contains(&format!("bootstrap at {addr}")), "{e}");
     assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+}
+
+#[tokio::test]
+async fn bootstrap_service_with_a_shared_secret() {
+    use kvxfer::bootstrap::{Limits, Secret, ServerConfig};
+    let secret = Secret::new(b"a shared secret".to_vec()).unwrap();
+    let config = ServerConfig { secret: Some(secret.clone()), limits: Limits::default() };
+    let server = BootstrapServer::start_with("127.0.0.1:0", config).await.unwrap();
+    let addr = server.addr().to_string();
+    let st =
+        |p: &str| -> Arc<dyn MetadataStore> { Arc::new(BootstrapStore::new(&addr, p).with_secret(secret.clone())) };
+    basics(st("/a"), st("/b")).await;
+    let took = membership(st("/m")).await;
+    eprintln!("bootstrap with a secret: loss reported {took:?} after death (TTL {TTL:?})");
+    // Without the secret, or with another: every call is refused, naming the store; nothing is read.
+    st("/a").put("k", &json!("v"), None).await.unwrap();
+    let none: Arc<dyn MetadataStore> = Arc::new(BootstrapStore::new(&addr, "/a"));
+    let e = none.get("k").await.unwrap_err().to_string();
+    assert!(e.contains(&format!("bootstrap at {addr}")) && e.contains("authentication required"), "{e}");
+    let wrong: Arc<dyn MetadataStore> =
+        Arc::new(BootstrapStore::new(&addr, "/a").with_secret(Secret::new(b"guess".to_vec()).unwrap()));
+    let e = wrong.put("k", &json!("evil"), None).await.unwrap_err().to_string();
+    assert!(e.contains("authentication failed"), "{e}");
+    assert_eq!(st("/a").get("k").await.unwrap().0.unwrap().value, json!("v"));
+    assert_eq!(server.stats().auth_failures, 2);
+    // The secret never shows in a store's Debug output.
+    assert!(!format!("{:?}", st("/a")).contains("shared secret"));
 }
 
 #[cfg(feature = "etcd")]

@@ -38,6 +38,15 @@ impl BootstrapStore {
         }
     }
 
+    /// The same store proving `secret` to the service on every call (the service must have the same
+    /// one; see [`super::auth`]). No effect on a store inside this process.
+    pub fn with_secret(mut self, secret: super::auth::Secret) -> Self {
+        if let Transport::Tcp(c) = &self.transport {
+            self.transport = Transport::Tcp(c.clone().with_secret(secret));
+        }
+        self
+    }
+
     /// A store inside this process (no service, no sockets), with keys under `prefix`.
     pub fn in_process(store: Arc<MemShared>, prefix: &str) -> Self {
         Self {
@@ -91,6 +100,9 @@ impl BootstrapStore {
                     }
                     BootstrapError::Refused { op, detail, .. } => {
                         StoreError::Unavailable { store: self.name.clone(), op, detail }
+                    }
+                    BootstrapError::Auth { detail, .. } => {
+                        StoreError::Unavailable { store: self.name.clone(), op: op.clone(), detail }
                     }
                     other => {
                         StoreError::Unavailable { store: self.name.clone(), op: op.clone(), detail: other.to_string() }

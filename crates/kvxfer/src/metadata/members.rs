@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{Created, Entry, EventKind, LeaseId, MetadataStore, StoreError};
-use crate::bootstrap::{check_compatible, check_pair, describe, BootstrapError, Registration};
+use crate::bootstrap::{check_compatible, check_pair, check_rank_in_config, describe, BootstrapError, Registration};
 
 /// Lease time to live when none is configured.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
@@ -219,10 +219,12 @@ impl std::fmt::Debug for Membership {
 }
 
 impl Membership {
-    /// Registers `me` under a new lease of `ttl`: checks it against every rank registered (every
-    /// layout mismatch listed), refuses a rank already registered, and keeps the lease alive
-    /// (every `ttl / 3`).
+    /// Registers `me` under a new lease of `ttl`: checks that it lies inside its own parallel config
+    /// and against every rank registered (every layout mismatch listed, a rank of its role with
+    /// another side spec named with both values), refuses a rank already registered, and keeps the
+    /// lease alive (every `ttl / 3`).
     pub async fn join(store: Arc<dyn MetadataStore>, me: Registration, ttl: Duration) -> Result<Self, MetadataError> {
+        check_rank_in_config(&me).map_err(MetadataError::Layout)?;
         let (others, _) = live(&*store, None).await?;
         for o in &others {
             if o.registration.role == me.role && o.registration.rank == me.rank {

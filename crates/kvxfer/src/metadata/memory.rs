@@ -14,6 +14,27 @@ use super::{Entry, EventKind, LeaseId, StoreEvent};
 /// Changes kept for watches; a watch further behind must re-read.
 pub const HISTORY: usize = 1 << 16;
 
+/// Bytes of history kept for watches (keys and values, as JSON), whatever the count: a long run with
+/// large values does not hold [`HISTORY`] copies of them. A watch further behind must re-read.
+pub const HISTORY_BYTES: usize = 64 << 20;
+
+/// The serialized size of a JSON value, without building it.
+pub(crate) fn json_len(v: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    let _ = serde_json::to_writer(&mut c, v);
+    c.0
+}
+
 /// Longest a single watch call may wait.
 pub const MAX_WATCH_WAIT: Duration = Duration::from_secs(30);
 
@@ -133,6 +154,9 @@ pub struct MemState {
     rev: u64,
     kv: BTreeMap<String, Entry>,
     log: VecDeque<StoreEvent>,
+    /// The size of each event of `log` (key and value bytes), and their sum.
+    log_sizes: VecDeque<usize>,
+    log_bytes: usize,
     compacted: u64,
     leases: HashMap<LeaseId, LeaseState>,
     next_lease: u64,
@@ -151,6 +175,8 @@ impl MemState {
             rev: 1,
             kv: BTreeMap::new(),
             log: VecDeque::new(),
+            log_sizes: VecDeque::new(),
+            log_bytes: 0,
             compacted: 0,
             leases: HashMap::new(),
             next_lease: 0x6b76_0000,
@@ -162,9 +188,28 @@ impl MemState {
         self.rev
     }
 
+    /// Keys stored now.
+    pub fn key_count(&self) -> usize {
+        self.kv.len()
+    }
+
+    /// Events kept for watches, and their approximate bytes.
+    pub fn history(&self) -> (usize, usize) {
+        (self.log.len(), self.log_bytes)
+    }
+
+    /// Leases alive (not yet expired as of the last call that checked).
+    pub fn lease_count(&self) -> usize {
+        self.leases.len()
+    }
+
     fn record(&mut self, kind: EventKind, key: String, entry: Option<Entry>) {
+        let size = 2 * key.len() + entry.as_ref().map_or(0, |e| json_len(&e.value)) + 64;
         self.log.push_back(StoreEvent { kind, key, entry, revision: self.rev });
-        while self.log.len() > HISTORY {
+        self.log_sizes.push_back(size);
+        self.log_bytes += size;
+        while self.log.len() > HISTORY || (self.log_bytes > HISTORY_BYTES && self.log.len() > 1) {
+            self.log_bytes -= self.log_sizes.pop_front().unwrap_or(0);
             if let Some(e) = self.log.pop_front() {
                 self.compacted = e.revision;
             }
@@ -307,6 +352,17 @@ impl MemShared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keys and live leases now (expired leases are collected first).
+    pub fn counts(&self) -> (usize, usize) {
+        let mut st = self.lock();
+        if st.expire(Instant::now()) > 0 {
+            drop(st);
+            self.changed.notify_waiters();
+            st = self.lock();
+        }
+        (st.key_count(), st.lease_count())
+    }
+
     /// Serves one call. A `Watch` with nothing to report waits (at most its timeout, at most
     /// [`MAX_WATCH_WAIT`]) for the first change, checking lease expiry meanwhile.
     pub async fn call(&self, call: StoreCall) -> Result<Value, MemError> {
@@ -385,6 +441,21 @@ mod tests {
         s.apply(StoreCall::Delete { key: "k".into() }, t).unwrap();
         let c = s.apply(StoreCall::Create { key: "k".into(), value: json!(3), lease: None }, t).unwrap();
         assert!(c["revision"].as_u64().unwrap() > first);
+    }
+
+    #[test]
+    fn history_is_bounded_in_bytes_too() {
+        let t = Instant::now();
+        let mut s = MemState::new();
+        let big = json!("x".repeat(1 << 20));
+        for i in 0..100 {
+            s.apply(StoreCall::Put { key: format!("big/{}", i % 3), value: big.clone(), lease: None }, t).unwrap();
+        }
+        let (events, bytes) = s.history();
+        assert!(bytes <= HISTORY_BYTES && events < 70, "{events} events, {bytes} bytes");
+        assert!(matches!(s.events_after("big/", 1), Err(MemError::Compacted { .. })));
+        assert_eq!(s.events_after("big/", s.revision() - 2).unwrap().len(), 2);
+        assert_eq!(s.key_count(), 3);
     }
 
     #[test]

@@ -36,6 +36,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod auth;
 pub mod bootstrap;
 #[cfg(feature = "etcd")]
 pub mod etcd;
@@ -300,19 +301,35 @@ impl fmt::Display for MetadataAddr {
 }
 
 /// Connects to the store an address names. `op_timeout` bounds every call that does not wait for
-/// others (connecting included).
+/// others (connecting included). A bootstrap service with a shared secret needs [`connect_with`].
 pub async fn connect(addr: &MetadataAddr, op_timeout: Duration) -> Result<Arc<dyn MetadataStore>, StoreError> {
+    connect_with(addr, op_timeout, None).await
+}
+
+/// As [`connect`], proving `secret` to a bootstrap service on every call (see [`auth`]); typically
+/// [`auth::Secret::from_env`] (`KVXFER_SECRET`) or [`auth::Secret::from_file`]. etcd authenticates by
+/// its own means: there the secret is not used.
+pub async fn connect_with(
+    addr: &MetadataAddr,
+    op_timeout: Duration,
+    secret: Option<auth::Secret>,
+) -> Result<Arc<dyn MetadataStore>, StoreError> {
     match addr {
         MetadataAddr::Bootstrap { addr, prefix } => {
-            Ok(Arc::new(bootstrap::BootstrapStore::new(addr, prefix).with_timeout(op_timeout)))
+            let mut s = bootstrap::BootstrapStore::new(addr, prefix).with_timeout(op_timeout);
+            if let Some(secret) = secret {
+                s = s.with_secret(secret);
+            }
+            Ok(Arc::new(s))
         }
         #[cfg(feature = "etcd")]
         MetadataAddr::Etcd { endpoints, prefix } => {
+            let _ = secret;
             Ok(Arc::new(etcd::EtcdStore::connect(endpoints, prefix, op_timeout).await?))
         }
         #[cfg(not(feature = "etcd"))]
         MetadataAddr::Etcd { .. } => {
-            let _ = op_timeout;
+            let _ = (op_timeout, secret);
             Err(StoreError::Address {
                 addr: addr.to_string(),
                 detail: "this build has no etcd support; rebuild with the cargo feature `etcd` \
