@@ -475,7 +475,12 @@ pub(crate) async fn capabilities(f: Arc<dyn BackendFactory>, _: NotifyStyle) -> 
     }
     // Notification size: the limit is delivered, one byte more is refused.
     let key = SenderKey::of(RankId::new(0, 0));
-    let aux = |n: usize| Notification { generation: 0, request: RequestId(5), sender: key, body: NotificationBody::Aux(vec![1; n]) };
+    let aux = |n: usize| Notification {
+        generation: 0,
+        request: RequestId(5),
+        sender: key,
+        body: NotificationBody::Aux(vec![1; n]),
+    };
     let overhead = aux(0).encode().map_err(err)?.len() as u64;
     let max_payload = kvxfer_core::notify::MAX_PAYLOAD as u64;
     let fits = caps.limits.max_notification_bytes.saturating_sub(overhead).min(max_payload);

@@ -2,6 +2,7 @@
 //! 127.0.0.1) and `shm`. `KVXFER_FABRIC_PROVIDERS` (comma-separated) narrows or extends the list; the
 //! usual libtest arguments (filters, `--list`) apply to every provider's run.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -30,6 +31,9 @@ impl BackendFactory for Fabric {
     }
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
         kvxfer_fabric::create(&self.config(identity))
+    }
+    fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
+        Some((kvxfer_fabric::NAME.into(), self.config(0).options))
     }
 }
 

@@ -1,5 +1,6 @@
 //! The conformance suite on the in-process backend (both notification styles are cases of the suite).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvxfer_conformance::BackendFactory;
@@ -13,6 +14,9 @@ impl BackendFactory for Local {
     }
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
         kvxfer_local::create(&BackendConfig::new(identity))
+    }
+    fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
+        Some((kvxfer_local::NAME.into(), BTreeMap::new()))
     }
 }
 

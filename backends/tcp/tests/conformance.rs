@@ -1,6 +1,7 @@
 //! The conformance suite over real loopback TCP sockets (both notification styles are cases of the
 //! suite). Each endpoint listens on 127.0.0.1 with an ephemeral port and two data streams per peer.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvxfer_conformance::BackendFactory;
@@ -13,8 +14,15 @@ impl BackendFactory for Tcp {
         "tcp(loopback)".into()
     }
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-        kvxfer_tcp::create(&BackendConfig::new(identity).with("listen", "127.0.0.1:0").with("connections", "2"))
+        kvxfer_tcp::create(&config(identity))
     }
+    fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
+        Some((kvxfer_tcp::NAME.into(), config(0).options))
+    }
+}
+
+fn config(identity: u64) -> BackendConfig {
+    BackendConfig::new(identity).with("listen", "127.0.0.1:0").with("connections", "2")
 }
 
 fn main() -> std::process::ExitCode {

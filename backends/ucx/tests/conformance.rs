@@ -3,6 +3,7 @@
 //! cma). `KVXFER_UCX_TRANSPORTS` (`;`-separated names from that list) narrows the list; the usual
 //! libtest arguments (filters, `--list`) apply to every transport's run.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -22,11 +23,21 @@ impl BackendFactory for Ucx {
     }
 
     fn create(&self, identity: u64) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+        kvxfer_ucx::create(&self.config(identity))
+    }
+
+    fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
+        Some((kvxfer_ucx::NAME.into(), self.config(0).options))
+    }
+}
+
+impl Ucx {
+    fn config(&self, identity: u64) -> BackendConfig {
         let mut c = BackendConfig::new(identity).with("tls", self.tls).with("timeout_ms", "20000");
         if self.tls.contains("tcp") {
             c = c.with("net_devices", "lo");
         }
-        kvxfer_ucx::create(&c)
+        c
     }
 }
 

@@ -9,6 +9,7 @@
 //! suite runs the backend over the in-process model of the verbs layer (`device=emulated`,
 //! src/emu.rs) and reports itself as `verbs(emulated)`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvxfer_conformance::BackendFactory;
@@ -29,6 +30,9 @@ impl BackendFactory for Verbs {
     }
     fn skip_reason(&self) -> Option<String> {
         self.skip.clone()
+    }
+    fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
+        Some((kvxfer_verbs::NAME.into(), self.config.options.clone()))
     }
 }
 

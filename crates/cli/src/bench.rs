@@ -15,9 +15,9 @@
 //!   `session_vs_raw` the ratio of the two medians.
 //!
 //! Each case: a warm-up, then `--runs` timed runs of each of backend, memcpy (the same ops,
-//! locally) and plain socket (the same byte count, one stream); median and best. After the timed
-//! runs every byte of the peer's regions is compared (64-bit hash of each region) with the memcpy
-//! result, which applied the same ops to the same source.
+//! locally) and plain socket (the same byte count, one stream tuned like `iperf3 -l 1M -w 8M`);
+//! median and best. After the timed runs every byte of the peer's regions is compared (64-bit hash
+//! of each region) with the memcpy result, which applied the same ops to the same source.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -150,7 +150,8 @@ pub struct CaseResult {
     pub session_vs_raw: Option<f64>,
     /// memcpy of the same ops in one process.
     pub memcpy: Rate,
-    /// Plain socket copy of the same byte count over loopback, between the same two processes.
+    /// Plain socket copy of the same byte count over loopback, between the same two processes: one
+    /// stream with 8 MiB socket buffers and 1 MiB writes and reads (a tuned single socket).
     pub socket: Rate,
     /// backend median / socket median.
     pub ratio_vs_socket: f64,
@@ -272,6 +273,7 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
         decode_tp: a.decode_tp,
         prefill_pp: 1,
         decode_pp: 1,
+        stage_layers: Default::default(),
         layout: a.layout,
         page_size: a.page_size,
         dtype_bytes: 2,
@@ -295,7 +297,7 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
         return Err("prefill rank 0 has no receiver".into());
     }
     let regions = |side: Side| -> Vec<(RegionId, u64)> {
-        (0..topo.stage_layers(side))
+        (0..topo.stage_layers(side, me.pp))
             .flat_map(|layer| {
                 topo.kv().kinds().iter().map(move |&kind| {
                     (region_id(kvxfer_core::BufferRef { layer, kind }), topo.buffer_bytes(side, kind, pages))
@@ -441,7 +443,7 @@ enum PeerCmd {
     Setup {
         regions: Vec<(u32, u64)>,
         ranks: Vec<RankId>,
-        topology: Option<Topology>,
+        topology: Option<Box<Topology>>,
         pages: u32,
     },
     /// Expect `request` on every decode session, landing in `pages`.
@@ -470,8 +472,36 @@ pub fn peer(args: &PeerArgs) -> ExitCode {
     }
 }
 
+/// The plain-socket baseline is a tuned single stream, like `iperf3 -l 1M -w 8M`: SO_SNDBUF and
+/// SO_RCVBUF of 8 MiB on both ends (the kernel caps them at `net.core.wmem_max`/`rmem_max` and
+/// doubles the result) and 1 MiB per write and per read. Unlike iperf3 (which rereads one 1 MiB
+/// buffer) it sends from and receives into buffers of the whole request, as a backend must.
+const PLAIN_SOCKET_BUF: u32 = 8 << 20;
+/// Bytes per write and per read of the plain-socket baseline.
+const PLAIN_SOCKET_IO: usize = 1 << 20;
+
+/// A socket for the plain baseline (listener or client) with its buffers tuned before the handshake.
+fn plain_socket() -> std::io::Result<tokio::net::TcpSocket> {
+    let s = tokio::net::TcpSocket::new_v4()?;
+    s.set_send_buffer_size(PLAIN_SOCKET_BUF)?;
+    s.set_recv_buffer_size(PLAIN_SOCKET_BUF)?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+/// The peer's end of the plain baseline: binds (inside the peer's runtime: a tokio listener turned
+/// into a blocking one; accepted streams inherit the tuned buffers).
+fn plain_listener() -> std::io::Result<TcpListener> {
+    let s = plain_socket()?;
+    s.bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    let l = s.listen(1)?.into_std()?;
+    l.set_nonblocking(false)?;
+    Ok(l)
+}
+
 fn plain_server(l: TcpListener) {
     let Ok((mut s, _)) = l.accept() else { return };
+    let _ = s.set_nonblocking(false);
     let _ = s.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::new();
     loop {
@@ -483,7 +513,12 @@ fn plain_server(l: TcpListener) {
         if buf.len() < len {
             buf.resize(len, 0);
         }
-        if s.read_exact(&mut buf[..len]).is_err() || s.write_all(&[1]).is_err() {
+        for chunk in buf[..len].chunks_mut(PLAIN_SOCKET_IO) {
+            if s.read_exact(chunk).is_err() {
+                return;
+            }
+        }
+        if s.write_all(&[1]).is_err() {
             return;
         }
     }
@@ -498,7 +533,7 @@ struct PeerEnd {
 
 fn pool_of(regions: &[(u32, u64)], topo: &Topology, pages: u32) -> KvPool {
     let mut buffers = Vec::new();
-    for layer in 0..topo.stage_layers(Side::Decode) {
+    for layer in 0..topo.stage_layers(Side::Decode, 0) {
         for &kind in topo.kv().kinds() {
             let b = kvxfer_core::BufferRef { layer, kind };
             let id = region_id(b);
@@ -513,7 +548,7 @@ fn pool_of(regions: &[(u32, u64)], topo: &Topology, pages: u32) -> KvPool {
 fn peer_main(args: &PeerArgs) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let _g = rt.enter();
-    let plain = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let plain = plain_listener().map_err(|e| format!("plain socket: {e}"))?;
     let addr = plain.local_addr().map_err(|e| e.to_string())?;
     std::thread::spawn(move || plain_server(plain));
     let out = std::io::stdout();
@@ -530,7 +565,7 @@ fn peer_main(args: &PeerArgs) -> Result<(), String> {
             PeerCmd::Setup { regions, ranks, topology, pages } => {
                 let mut metas = Vec::new();
                 for (i, rank) in ranks.iter().enumerate() {
-                    let identity = (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp) | ((i as u64) << 32);
+                    let identity = kvxfer::engine::identity(Side::Decode, *rank) | ((i as u64) << 32);
                     let config = BackendConfig { identity, options: args.backend_opts.iter().cloned().collect() };
                     let backend = kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
                     let ids: Vec<(RegionId, u64)> = regions.iter().map(|(r, l)| (RegionId(*r), *l)).collect();
@@ -538,7 +573,7 @@ fn peer_main(args: &PeerArgs) -> Result<(), String> {
                     let (session, pool) = match &topology {
                         Some(t) => {
                             let pool = pool_of(&regions, t, pages);
-                            let s = ReceiverSession::new(Arc::clone(&backend), *t, *rank, pool.clone())
+                            let s = ReceiverSession::new(Arc::clone(&backend), **t, *rank, pool.clone())
                                 .map_err(|e| e.to_string())?;
                             (Some(Arc::new(s)), Some(pool))
                         }
@@ -751,8 +786,12 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         peer_ids.push(rt.block_on(backend.connect(&meta)).map_err(|e| e.to_string())?);
         metas.push((meta, e["pool"].clone()));
     }
-    let mut plain = TcpStream::connect(&plain_addr).map_err(|e| format!("plain socket: {e}"))?;
-    let _ = plain.set_nodelay(true);
+    let plain_addr: std::net::SocketAddr = plain_addr.parse().map_err(|e| format!("plain socket address: {e}"))?;
+    let mut plain: TcpStream = plain_socket()
+        .and_then(|s| rt.block_on(s.connect(plain_addr)))
+        .and_then(|s| s.into_std())
+        .and_then(|s| s.set_nonblocking(false).map(|()| s))
+        .map_err(|e| format!("plain socket: {e}"))?;
     // memcpy baseline: the same ops between local copies of the same regions, one set per pair.
     let mut local_src: Vec<(RegionId, HostBuffer)> = Vec::new();
     for (i, (id, len)) in src_regions.iter().enumerate() {
@@ -807,7 +846,7 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         if let Some((topo, src_pages, dst_pages, pages)) = &wl.model {
             peer.send(json!({"cmd": "clear"}))?;
             let me = RankId::new(0, 0);
-            let buffers = (0..topo.stage_layers(Side::Prefill))
+            let buffers = (0..topo.stage_layers(Side::Prefill, me.pp))
                 .flat_map(|layer| {
                     topo.kv().kinds().iter().map(move |&kind| {
                         let b = kvxfer_core::BufferRef { layer, kind };
@@ -845,11 +884,13 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
             verified &= theirs["hashes"] == ours;
             session = Some(rate(bytes, &mut t_session));
         }
-        // Plain socket: the same number of bytes, one stream.
+        // Plain socket: the same number of bytes, one tuned stream (8 MiB buffers, 1 MiB writes).
         let payload = vec![0x5au8; bytes as usize];
         let mut t_socket = timed(args.runs, || {
             plain.write_all(&bytes.to_le_bytes()).map_err(|e| format!("plain socket: {e}"))?;
-            plain.write_all(&payload).map_err(|e| format!("plain socket: {e}"))?;
+            for chunk in payload.chunks(PLAIN_SOCKET_IO) {
+                plain.write_all(chunk).map_err(|e| format!("plain socket: {e}"))?;
+            }
             let mut ack = [0u8];
             plain.read_exact(&mut ack).map_err(|e| format!("plain socket: {e}"))
         })?;

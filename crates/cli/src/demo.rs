@@ -1,6 +1,5 @@
 //! `kvxfer demo`, the main job: a bootstrap service, P prefill and D decode worker processes, a stream
 //! of requests for a real model shape, every decode byte verified, a progress bar and a summary.
-//! Also `kvxfer bootstrap`, the service alone (for workers started by hand on several hosts).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -14,7 +13,7 @@ use serde::Serialize;
 
 use crate::model::{request_pages, Workload};
 use crate::plan::Format;
-use crate::worker::WorkerSummary;
+use crate::worker::{RunArgs, WorkerSummary, SALT_DECODE, SALT_PREFILL};
 
 /// Arguments of `kvxfer demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -41,43 +40,9 @@ pub struct DemoArgs {
     /// Test-only: corrupt one source byte, so verification fails and the demo exits non-zero.
     #[arg(long, hide = true)]
     pub inject_wrong_byte: bool,
-}
-
-/// Arguments of `kvxfer bootstrap`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct BootstrapArgs {
-    /// Address to listen on (`0.0.0.0:7878` to accept workers of other hosts).
-    #[arg(long, default_value = "127.0.0.1:7878")]
-    pub listen: String,
-    /// Stop after this many seconds (default: run until killed).
-    #[arg(long, value_parser = crate::model::parse_seconds)]
-    pub for_s: Option<f64>,
-}
-
-/// Runs the bootstrap service alone.
-pub fn bootstrap(args: &BootstrapArgs) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("kvxfer bootstrap: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    rt.block_on(async {
-        let server = match BootstrapServer::start(&args.listen).await {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("kvxfer bootstrap: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        println!("bootstrap listening on {}", server.addr());
-        match args.for_s {
-            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
-            None => std::future::pending::<()>().await,
-        }
-        ExitCode::SUCCESS
-    })
+    /// `--abort-rate F` and `--layerwise`, passed on to every worker.
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 /// One rank's line in the summary.
@@ -93,10 +58,14 @@ pub struct RankLine {
     pub ops: u64,
     /// Seconds of the request stream on this rank (fill and verification included).
     pub seconds: f64,
-    /// Seconds with a transfer in flight (prefill: inside send; decode: expect to done).
+    /// Seconds with a transfer in flight (prefill: first chunk to final status; decode: handoff to success).
     pub transfer_seconds: f64,
     /// bytes / transfer_seconds / 1e9.
     pub gbps: f64,
+    /// Requests that succeeded on this rank.
+    pub completed: u32,
+    /// Requests aborted (decode: by this rank; prefill: by a decode rank).
+    pub aborted: u32,
 }
 
 /// The demo's summary (`--format json` prints it).
@@ -118,6 +87,16 @@ pub struct DemoSummary {
     pub tokens: u32,
     /// Requests.
     pub requests: u32,
+    /// The fraction of requests decode aborts (`--abort-rate`).
+    pub abort_rate: f64,
+    /// Whether prefill sent each chunk layer by layer (`--layerwise`).
+    pub layerwise: bool,
+    /// Request x decode-rank transfers that succeeded.
+    pub completed: u32,
+    /// Request x decode-rank transfers aborted by decode (their pages reset after the fence and reused).
+    pub aborted: u32,
+    /// Request x decode-rank transfers that succeeded and matched the oracle byte for byte.
+    pub verified: u32,
     /// KV bytes one request moves (all decode ranks together).
     pub bytes_per_request: u64,
     /// Strided ops the planner makes for one request (all pairs, all chunks).
@@ -126,7 +105,7 @@ pub struct DemoSummary {
     pub per_token_ranges_per_request: u64,
     /// Per rank.
     pub ranks: Vec<RankLine>,
-    /// Request completion latency (decode: expect to done), microseconds.
+    /// Request completion latency (decode: handoff to success), microseconds.
     pub latency_us: Latency,
     /// Bytes verified against the oracle.
     pub verified_bytes: u64,
@@ -164,6 +143,7 @@ pub fn percentile(sorted: &[u64], q: f64) -> u64 {
 
 struct Worker {
     name: String,
+    decode: bool,
     child: Child,
     status: Option<std::process::ExitStatus>,
 }
@@ -247,6 +227,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             .args(["--tp-rank", &rank.tp.to_string(), "--pp-stage", &rank.pp.to_string()])
             .args(["--timeout-s", &args.timeout_s.to_string()])
             .args(w.to_args())
+            .args(args.run.to_args())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -265,7 +246,12 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                         }
                     }
                 });
-                workers.push(Worker { name: format!("{side} {rank}"), child, status: None });
+                workers.push(Worker {
+                    name: format!("{side} {rank}"),
+                    decode: *side == Side::Decode,
+                    child,
+                    status: None,
+                });
             }
             Err(e) => {
                 errors.push(format!("cannot start worker {side} {rank}: {e}"));
@@ -293,6 +279,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             Ok((i, line)) => match serde_json::from_str::<serde_json::Value>(&line) {
                 Ok(v) => match v["kind"].as_str() {
                     Some("done") => pb.inc(1),
+                    Some("aborted") if workers[i].decode => pb.inc(1),
                     Some("failed") => {
                         pb.inc(1);
                         pb.set_message("(failures)");
@@ -353,7 +340,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     pb.finish_and_clear();
     drop(server);
     let wall = start.elapsed().as_secs_f64();
-    let summary = summarize(w, &topo, &summaries, errors, wall, workers.len());
+    let summary = summarize(w, &args.run, &topo, &summaries, errors, wall, workers.len());
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&summary).expect("summary serializes")),
         Format::Table => print_table(&summary),
@@ -385,6 +372,7 @@ async fn check_store(addr: &str) -> Result<(), String> {
 
 fn summarize(
     w: &Workload,
+    run: &RunArgs,
     topo: &Topology,
     summaries: &[WorkerSummary],
     mut errors: Vec<String>,
@@ -407,16 +395,35 @@ fn summarize(
             seconds: s.seconds,
             transfer_seconds: s.transfer_seconds,
             gbps: if s.transfer_seconds > 0.0 { s.bytes as f64 / s.transfer_seconds / 1e9 } else { 0.0 },
+            completed: s.completed,
+            aborted: s.aborted,
         })
         .collect();
     ranks.sort_by(|a, b| (&a.role, &a.rank).cmp(&(&b.role, &b.rank)).reverse());
     let mut lat: Vec<u64> = summaries.iter().flat_map(|s| s.latencies_us.iter().copied()).collect();
     lat.sort_unstable();
-    let verified: u64 = summaries.iter().filter(|s| s.role == "decode").map(|s| s.verified_bytes).sum();
-    let decode_secs = summaries.iter().filter(|s| s.role == "decode").map(|s| s.seconds).fold(0.0, f64::max);
-    let expected_total = u64::from(w.requests) * bytes_per_request(w, topo);
+    let decode: Vec<&WorkerSummary> = summaries.iter().filter(|s| s.role == "decode").collect();
+    let verified: u64 = decode.iter().map(|s| s.verified_bytes).sum();
+    let decode_secs = decode.iter().map(|s| s.seconds).fold(0.0, f64::max);
+    // Every decode rank handled every request, and verified exactly its share of the completed ones.
+    let pages = w.pages_per_request();
+    let share = |pp: u32| -> u64 {
+        let layers = u64::from(topo.stage_layers(Side::Decode, pp));
+        topo.kv().kinds().iter().map(|k| topo.buffer_bytes(Side::Decode, *k, pages)).sum::<u64>() * layers
+    };
+    let mut expected_total = 0;
+    for s in &decode {
+        let pp = s.rank.rsplit('/').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        expected_total += u64::from(s.completed) * share(pp);
+        if errors.is_empty() && s.completed + s.aborted != w.requests {
+            errors.push(format!(
+                "decode rank {}: {} requests completed and {} aborted, of {}",
+                s.rank, s.completed, s.aborted, w.requests
+            ));
+        }
+    }
     if errors.is_empty() && verified != expected_total {
-        errors.push(format!("verified {verified} bytes but the requests carry {expected_total}"));
+        errors.push(format!("verified {verified} bytes but the completed requests carry {expected_total}"));
     }
     let (plan_ops, per_token) = plan_counts(w, topo);
     let kv = topo.kv();
@@ -439,6 +446,11 @@ fn summarize(
         notify: format!("{}", kvxfer_core::NotifyStyle::from(w.notify)),
         tokens: w.tokens,
         requests: w.requests,
+        abort_rate: run.abort_rate,
+        layerwise: run.layerwise,
+        completed: decode.iter().map(|s| s.completed).sum(),
+        aborted: decode.iter().map(|s| s.aborted).sum(),
+        verified: decode.iter().map(|s| s.verified).sum(),
         bytes_per_request: bytes_per_request(w, topo),
         plan_ops_per_request: plan_ops,
         per_token_ranges_per_request: per_token,
@@ -462,8 +474,8 @@ pub fn bytes_per_request(w: &Workload, topo: &Topology) -> u64 {
     let pages = w.pages_per_request();
     topo.ranks(Side::Decode)
         .iter()
-        .map(|_| {
-            let layers = u64::from(topo.stage_layers(Side::Decode));
+        .map(|r| {
+            let layers = u64::from(topo.stage_layers(Side::Decode, r.pp));
             topo.kv().kinds().iter().map(|k| topo.buffer_bytes(Side::Decode, *k, pages)).sum::<u64>() * layers
         })
         .sum()
@@ -472,8 +484,8 @@ pub fn bytes_per_request(w: &Workload, topo: &Topology) -> u64 {
 /// The planner's op count for request 0 (all pairs and chunks), and the number of contiguous byte
 /// ranges the same request is when every token's head slice is its own range.
 fn plan_counts(w: &Workload, topo: &Topology) -> (u64, u64) {
-    let src = request_pages(w, 0, 0x5052_4546);
-    let dst = request_pages(w, 0, 0x4445_434f);
+    let src = request_pages(w, 0, SALT_PREFILL);
+    let dst = request_pages(w, 0, SALT_DECODE);
     let n = if w.chunk_pages == 0 { src.len().max(1) } else { w.chunk_pages as usize };
     let mut ops = 0;
     let mut ranges = 0;
@@ -533,9 +545,9 @@ fn print_table(s: &DemoSummary) {
             r.gbps
         );
     }
-    println!("  (GB/s = bytes / transfer seconds: prefill inside send, decode from expect to done)");
+    println!("  (GB/s = bytes / transfer seconds: prefill from the first chunk to the final status, decode from handoff to success)");
     println!(
-        "  request latency (expect -> done): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms over {} samples",
+        "  request latency (handoff -> success): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms over {} samples",
         s.latency_us.p50 as f64 / 1e3,
         s.latency_us.p99 as f64 / 1e3,
         s.latency_us.max as f64 / 1e3,
@@ -545,6 +557,16 @@ fn print_table(s: &DemoSummary) {
         "  end to end {:.2} GB/s into decode (stream incl. pattern fill and byte-wise verification); wall time {:.1} s",
         s.aggregate_gbps, s.wall_seconds
     );
+    if s.aborted > 0 || s.abort_rate > 0.0 || s.layerwise {
+        println!(
+            "  {} of the request x decode-rank transfers completed and {} verified, {} aborted (--abort-rate {}){}",
+            s.completed,
+            s.verified,
+            s.aborted,
+            s.abort_rate,
+            if s.layerwise { "; prefill sent layer by layer" } else { "" }
+        );
+    }
     if s.ok {
         println!("  verification: OK, {} verified against the oracle, no stray writes", human(s.verified_bytes));
     } else {

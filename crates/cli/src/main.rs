@@ -6,9 +6,6 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bootstrap;
-// `kvxfer bootstrap` lives in bootstrap.rs; demo.rs still holds its former copy (`demo::bootstrap`,
-// `demo::BootstrapArgs`), unused, until demo.rs drops it.
-#[allow(dead_code)]
 mod demo;
 mod model;
 mod plan;

@@ -135,7 +135,7 @@ impl StageLayersArgs {
     }
 
     /// The flags that reproduce these partitions.
-    pub fn to_args(&self) -> Vec<String> {
+    pub fn to_args(self) -> Vec<String> {
         let list = |p: &LayerPartition| p.as_slice().iter().map(u32::to_string).collect::<Vec<_>>().join(",");
         let mut a = Vec::new();
         if let Some(p) = &self.prefill_layers {

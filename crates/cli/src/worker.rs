@@ -1,50 +1,45 @@
-//! `kvxfer worker`: one prefill or decode rank of a run, meeting its peers through a metadata store
-//! (the bootstrap service, `--bootstrap host:port`, or any store, `--metadata etcd://host:port/prefix`).
-//! `kvxfer demo` spawns these; on separate hosts, start them by hand with the same workload flags
-//! and one store address.
+//! `kvxfer worker`: one prefill or decode rank of a run, driven through the engine API as a serving
+//! engine drives it: one [`Agent`] per process, `--inflight` request slots (slot `s` handles requests
+//! `s, s + inflight, ...` on its own pages, reused as soon as the previous request is released).
+//! `kvxfer demo` spawns these; on several hosts start them by hand with the same workload flags.
 //!
-//! Everything a worker publishes and looks up goes through [`kvxfer::metadata::MetadataStore`]: its
-//! rank record lives under a lease it keeps alive ([`Membership`]), and a watch on every rank record
-//! ([`MemberWatch`]) reports ranks that join, leave and are lost (`peer_joined`, `peer_left`,
-//! `peer_lost` progress lines). A lost peer this rank depends on ends its waits and fails its
-//! requests naming the rank; when the transport saw a peer go first, the worker waits (at most the
-//! lease TTL plus one second) for the store's verdict before it exits, so the report names the rank.
+//! Decode: `receiver`, `send_metadata(pages)`, wait for the final status; on success verify every
+//! byte against the oracle (from head ownership, not the planner) and write the sentinel back;
+//! `release`. `--abort-rate F` aborts a deterministic fraction F of requests right after the handoff
+//! or after a short delay; once final with `pages_reusable` the pages get the sentinel and are reused
+//! at once (the slot's next request first checks they kept it: nothing landed after the fence).
+//! Prefill: `sender`, fill the source pages with the oracle pattern, `init`, wait for the handoffs,
+//! `send` per chunk (`send_layers` per layer with `--layerwise`), wait, `release`; a request a decode
+//! rank aborted counts as aborted, any other failure is an error.
 //!
-//! Per request (decode-initiated, as in a serving engine): decode rank 0/0 picks the destination
-//! pages and publishes them under `req/<r>`; every decode rank calls `expect`, then puts
-//! `ready/<r>/<tp>.<pp>`; each prefill rank fills its source pages with the oracle pattern, waits
-//! until its receivers are ready and sends; each decode rank waits for completion, verifies every
-//! byte of the request's pages against the oracle (written from head ownership, not the planner),
-//! writes the sentinel back, and puts `done/<r>/<tp>.<pp>`. A page slot is reused only after every
-//! decode rank is done with it. At the end each decode rank checks that its whole pool holds the
-//! sentinel again (no stray write anywhere) and puts `finished/<tp>.<pp>`; each prefill rank waits
-//! for its receivers' `finished` and leaves (marks its rank record `left`, revokes its lease), and each
-//! decode rank exits only after its senders left (so no exit looks like a lost peer). Each rank prints
-//! a JSON summary line on stdout. Every key a rank puts lives under its lease: a finished or dead run
-//! leaves nothing behind once the leases are gone.
+//! At the end each decode rank checks that its whole pool holds the sentinel (no stray write) and puts
+//! `finished/<tp>.<pp>` (under a lease, deleted at the end); prefill ranks leave once their receivers
+//! finished, decode ranks once their senders left, so no exit looks like a loss. A watch on the rank
+//! records prints `peer_joined`/`peer_left`/`peer_lost`; after a failure with a lost peer the worker
+//! waits at most the lease TTL + 1 s for the store's verdict, so the report names the rank.
 
-use std::collections::HashMap;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::Registration;
+use kvxfer::engine::{Agent, AgentConfig, EngineError, KvMemory, Phase, Receiver, RequestStatus, Sender};
 use kvxfer::metadata::members::{rank_key as record_key, record_of};
-use kvxfer::metadata::{
-    wait_until, wait_value, LeaseId, Member, MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore,
-};
-use kvxfer::session::SessionError;
-use kvxfer::session::{Chunk, ExpectOptions, KvPool, PoolMemory, ReceiverSession, SenderSession};
+use kvxfer::metadata::{self, wait_until, wait_value, MemberEvent, MemberWatch, MetadataAddr, MetadataStore};
 use kvxfer_core::oracle::{BufferGeom, SENTINEL};
-use kvxfer_core::{BackendConfig, BufferRef, Failure, KvTransferBackend, RankId, RequestId, SenderKey, Side, Topology};
+use kvxfer_core::plan::plan_sender;
+use kvxfer_core::{RankId, RequestId, Side};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::model::{request_pages, token_base, Workload};
+use crate::model::{request_pages, token_base, SplitMix, Workload};
 
-/// Salts of the two sides' page permutations.
-const SALT_PREFILL: u64 = 0x5052_4546;
-const SALT_DECODE: u64 = 0x4445_434f;
+/// Salts of the two sides' page permutations (every decode rank makes the same choice for its own pool).
+pub const SALT_PREFILL: u64 = 0x5052_4546;
+/// See [`SALT_PREFILL`].
+pub const SALT_DECODE: u64 = 0x4445_434f;
+/// Salt of the abort choice.
+const SALT_ABORT: u64 = 0x4142_4f52;
 
 /// Which side a worker plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -61,6 +56,38 @@ impl From<RoleArg> for Side {
             RoleArg::Prefill => Side::Prefill,
             RoleArg::Decode => Side::Decode,
         }
+    }
+}
+
+/// Parses `--abort-rate`: a fraction in [0, 1].
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
+    }
+}
+
+/// The run switches `demo` passes on to every worker.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Decode ranks abort this fraction of requests (deterministic, the same requests on every
+    /// rank) right after the handoff or after a short delay, wait for the fence, and reuse the pages
+    /// at once.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_rate)]
+    pub abort_rate: f64,
+    /// Prefill ranks send each chunk layer by layer (`Sender::send_layers`).
+    #[arg(long)]
+    pub layerwise: bool,
+}
+
+impl RunArgs {
+    /// The flags that reproduce these switches.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--abort-rate".to_owned(), self.abort_rate.to_string()];
+        if self.layerwise {
+            a.push("--layerwise".into());
+        }
+        a
     }
 }
 
@@ -87,13 +114,16 @@ pub struct WorkerArgs {
     /// This rank's PP stage.
     #[arg(long, default_value_t = 0)]
     pub pp_stage: u32,
-    /// Deadline of every bootstrap wait (peers, page lists, readiness), in seconds.
+    /// Deadline of every wait for peers (connecting, the end of the run), in seconds.
     #[arg(long, default_value_t = 120.0, value_parser = crate::model::parse_seconds)]
     pub timeout_s: f64,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
     pub inject_wrong_byte: bool,
+    /// Abort and layer-wise switches.
+    #[command(flatten)]
+    pub run: RunArgs,
     /// The workload (same on every worker).
     #[command(flatten)]
     pub workload: Workload,
@@ -106,21 +136,31 @@ pub struct WorkerSummary {
     pub role: String,
     /// `tp/pp`.
     pub rank: String,
-    /// Bytes sent (prefill) or received and verified (decode).
+    /// Bytes sent (prefill: the planner's count for completed requests) or verified (decode).
     pub bytes: u64,
-    /// Strided ops posted (prefill).
+    /// Strided ops the planner made for this rank's completed requests (prefill).
     pub ops: u64,
-    /// Requests handled.
+    /// Requests handled (completed or aborted).
     pub requests: u32,
+    /// Requests that succeeded on this rank.
+    pub completed: u32,
+    /// Requests aborted (decode: by this rank; prefill: by a decode rank).
+    pub aborted: u32,
+    /// Completed requests whose every byte matched the oracle (decode).
+    pub verified: u32,
+    /// The `--abort-rate` of the run.
+    pub abort_rate: f64,
+    /// Whether prefill sent layer by layer.
+    pub layerwise: bool,
     /// Seconds from the first request's start to the last one's end (fill and verify included).
     pub seconds: f64,
-    /// Seconds during which at least one transfer was in flight (prefill: inside `send_chunk`;
-    /// decode: from `expect` to completion), the union of those intervals.
+    /// Seconds during which at least one transfer was in flight (prefill: from the first chunk to
+    /// the final status; decode: from the handoff to the final status), the union of those intervals.
     pub transfer_seconds: f64,
     /// Transfer intervals, seconds since the stream started (merged into `transfer_seconds`).
     #[serde(skip)]
     pub intervals: Vec<(f64, f64)>,
-    /// Per-request completion latency in microseconds (decode: from `expect` to done).
+    /// Per-request completion latency in microseconds (decode: from the handoff to success).
     pub latencies_us: Vec<u64>,
     /// Bytes compared against the oracle (decode).
     pub verified_bytes: u64,
@@ -128,7 +168,7 @@ pub struct WorkerSummary {
     pub errors: Vec<String>,
 }
 
-/// Runs a worker; the exit code is 0 only if every request moved and verified.
+/// Runs a worker; the exit code is 0 only if every request moved and verified (or was aborted).
 pub fn run(args: &WorkerArgs) -> ExitCode {
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -160,616 +200,394 @@ pub fn run(args: &WorkerArgs) -> ExitCode {
     }
 }
 
-fn rank_key(r: RankId) -> String {
-    format!("{}.{}", r.tp, r.pp)
-}
-
-/// The identity a rank's endpoint carries: prefill ranks use their sender key (the receiver maps a
-/// lost peer to the key); decode ranks a value with the top bit set.
-pub fn identity(side: Side, rank: RankId) -> u64 {
-    match side {
-        Side::Prefill => SenderKey::of(rank).to_u64(),
-        Side::Decode => (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp),
-    }
-}
-
-/// Builds a backend endpoint by registry name.
-pub fn make_backend(name: &str, identity: u64, w: &Workload) -> Result<Arc<dyn KvTransferBackend>, String> {
-    let config = BackendConfig { identity, options: w.options() };
-    kvxfer::backends::create(name, &config).map_err(|e| e.to_string())
-}
-
-/// The store a worker's flags name.
-pub fn metadata_addr(bootstrap: Option<&str>, metadata: Option<&str>) -> Result<MetadataAddr, String> {
-    match (metadata, bootstrap) {
-        (Some(m), _) => MetadataAddr::parse(m).map_err(|e| e.to_string()),
-        (None, Some(b)) => MetadataAddr::parse(b).map_err(|e| e.to_string()),
-        (None, None) => Err("give --bootstrap host:port or --metadata etcd://host:port/prefix".into()),
-    }
-}
-
-fn describe_member(m: &Member) -> serde_json::Value {
-    let r = &m.registration;
-    json!({"role": r.role.to_string(), "rank": r.rank.to_string(), "label": r.label, "epoch": m.epoch})
-}
-
-async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
-    let w = &args.workload;
-    let side = Side::from(args.role);
-    let rank = RankId::new(args.tp_rank, args.pp_stage);
-    let local_topo = w.topology()?;
-    local_topo.check_rank(side, rank).map_err(|e| e.to_string())?;
-    let wait = Duration::from_secs_f64(args.timeout_s);
-    let ttl = Duration::from_secs_f64(args.lease_ttl_s.max(0.1));
-    let addr = metadata_addr(args.bootstrap.as_deref(), args.metadata.as_deref())?;
-    let store =
-        kvxfer::metadata::connect(&addr, kvxfer::metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
-
-    let backend = make_backend(&w.backend, identity(side, rank), w)?;
-    let pages = w.pool_pages();
-    let init = |_: BufferRef, bytes: &mut [u8]| {
-        if side == Side::Decode {
-            bytes.fill(SENTINEL);
-        }
-    };
-    let (pool, bufs) =
-        KvPool::allocate(&local_topo, side, rank, pages, &*backend, &init).await.map_err(|e| e.to_string())?;
-    let me = Registration {
-        role: side,
-        rank,
-        backend: w.backend.clone(),
-        endpoint: backend.metadata().map_err(|e| e.to_string())?,
-        pool: pool.clone(),
-        spec: local_topo.side(side),
-        label: format!("pid {}", std::process::id()),
-    };
-    let membership = Membership::join(Arc::clone(&store), me.clone(), ttl).await.map_err(|e| e.to_string())?;
-    // Watch from now on, so no peer that dies after registering goes unreported.
-    let (members, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
-    progress(
-        json!({"kind": "registered", "store": store.name(), "epoch": membership.epoch(), "lease": membership.lease().to_string()}),
-    );
-    let other = match side {
-        Side::Prefill => Side::Decode,
-        Side::Decode => Side::Prefill,
-    };
-    let want = local_topo.ranks(other).len() as u32;
-    let (peers, topo) =
-        kvxfer::metadata::handshake(&*store, &me, other, want, wait).await.map_err(|e| e.to_string())?;
-    let peers: Vec<Registration> = peers.into_iter().map(|m| m.registration).collect();
-    // The peers whose loss ends this rank's requests.
-    let deps: Vec<(Side, RankId)> = match side {
-        Side::Prefill => topo.receivers(rank).into_iter().map(|r| (Side::Decode, r)).collect(),
-        Side::Decode => topo.senders(rank).into_iter().map(|r| (Side::Prefill, r)).collect(),
-    };
-    let loss = Arc::new(Loss::default());
-    let watcher =
-        tokio::spawn(watch_members(Arc::clone(&store), members, deps, Arc::clone(&loss), membership.health()));
-    let ctx = Ctx {
-        loss: Arc::clone(&loss),
-        w: w.clone(),
-        topo,
-        rank,
-        store: Arc::clone(&store),
-        lease: membership.lease(),
-        wait,
-        bufs: Arc::new(bufs),
-        pages,
-    };
-    let result = match side {
-        Side::Prefill => prefill(ctx, backend, pool, peers, args.inject_wrong_byte).await,
-        Side::Decode => decode(ctx, backend, pool).await,
-    };
-    let failed = result.as_ref().map(|s| !s.errors.is_empty()).unwrap_or(true);
-    // The transport saw a peer go: wait (bounded) for the store to say which rank is gone.
-    if failed && loss.transport_lost() {
-        let verdict = loss.wait_verdict(ttl + Duration::from_secs(1)).await;
-        if verdict.is_none() {
-            eprintln!(
-                "kvxfer worker {side} {rank}: {} reported no lost rank within {:?}",
-                store.name(),
-                ttl + Duration::from_secs(1)
-            );
-        }
-    }
-    watcher.abort();
-    let verdicts = loss.verdicts();
-    if let Err(e) = membership.leave().await {
-        eprintln!("kvxfer worker {side} {rank}: leaving: {e}");
-    }
-    result.map(|mut s| {
-        if !s.errors.is_empty() {
-            s.errors.extend(verdicts);
-        }
-        s
-    })
-}
-
-/// Follows every rank record: prints joins, leaves and losses, and reports lost peers this rank
-/// depends on (and a store that can no longer keep this rank's lease). Runs until aborted.
-async fn watch_members(
-    store: Arc<dyn MetadataStore>,
-    mut mw: MemberWatch,
-    deps: Vec<(Side, RankId)>,
-    loss: Arc<Loss>,
-    mut health: tokio::sync::watch::Receiver<Option<String>>,
-) {
-    let started = Instant::now();
-    let mut health_open = true;
-    loop {
-        tokio::select! {
-            r = mw.next(Duration::from_millis(500)) => match r {
-                Ok(evs) => for e in evs {
-                    match e {
-                        MemberEvent::Joined(m) => progress(json!({"kind": "peer_joined", "peer": describe_member(&m)})),
-                        MemberEvent::Left(m) => progress(json!({"kind": "peer_left", "peer": describe_member(&m)})),
-                        MemberEvent::Lost(m) => {
-                            let r = &m.registration;
-                            let reason = format!("{} lost: its lease in {} expired", m.describe(), store.name());
-                            progress(json!({
-                                "kind": "peer_lost", "peer": describe_member(&m), "store": store.name(),
-                                "reason": reason, "watching_s": started.elapsed().as_secs_f64(),
-                            }));
-                            loss.verdict(reason.clone());
-                            if deps.contains(&(r.role, r.rank)) {
-                                loss.set(reason);
-                            }
-                        }
-                    }
-                },
-                Err(e) => {
-                    progress(json!({"kind": "store_error", "error": e.to_string()}));
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            },
-            ch = health.changed(), if health_open => {
-                if ch.is_err() {
-                    // The keep-alive ended (leaving, or the lease is gone): nothing more to hear there.
-                    health_open = false;
-                    continue;
-                }
-                let h = health.borrow().clone();
-                if let Some(h) = h {
-                    progress(json!({"kind": "store_error", "error": h}));
-                }
-            }
-        }
-    }
-}
-
-/// The first lost peer of this worker, and a wake-up for waits that should end with it.
-#[derive(Default)]
-struct Loss {
-    reason: Mutex<Option<String>>,
-    notify: tokio::sync::Notify,
-    /// The transport (or the session) reported a lost peer.
-    transport: std::sync::atomic::AtomicBool,
-    /// What the store said about lost ranks.
-    verdicts: Mutex<Vec<String>>,
-    verdict_notify: tokio::sync::Notify,
-}
-
-impl Loss {
-    fn set(&self, reason: String) {
-        self.reason.lock().expect("loss lock").get_or_insert(reason);
-        self.notify.notify_waiters();
-    }
-
-    fn set_transport(&self) {
-        self.transport.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn transport_lost(&self) -> bool {
-        self.transport.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn verdict(&self, v: String) {
-        self.verdicts.lock().expect("loss lock").push(v);
-        self.verdict_notify.notify_waiters();
-    }
-
-    fn verdicts(&self) -> Vec<String> {
-        self.verdicts.lock().expect("loss lock").clone()
-    }
-
-    /// Waits at most `within` for the store to report a lost rank.
-    async fn wait_verdict(&self, within: Duration) -> Option<String> {
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            let n = self.verdict_notify.notified();
-            tokio::pin!(n);
-            n.as_mut().enable();
-            if let Some(v) = self.verdicts.lock().expect("loss lock").first().cloned() {
-                return Some(v);
-            }
-            if tokio::time::timeout_at(deadline, n).await.is_err() {
-                return None;
-            }
-        }
-    }
-
-    fn get(&self) -> Option<String> {
-        self.reason.lock().expect("loss lock").clone()
-    }
-
-    /// Runs a bootstrap wait, ending it early with the loss reason if a peer is lost meanwhile.
-    async fn guard<T, E: std::fmt::Display>(
-        &self,
-        fut: impl std::future::Future<Output = Result<T, E>>,
-    ) -> Result<T, String> {
-        let notified = self.notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if let Some(r) = self.get() {
-            return Err(r);
-        }
-        tokio::select! {
-            r = fut => r.map_err(|e| e.to_string()),
-            _ = notified => Err(self.get().unwrap_or_else(|| "a peer was lost".into())),
-        }
-    }
-}
-
-impl Ctx {
-    /// Waits until `key` is put (at most the worker's timeout) and returns its value.
-    async fn get(&self, key: &str) -> Result<serde_json::Value, String> {
-        wait_value(&*self.store, key, self.wait).await.map_err(|e| e.to_string())
-    }
-
-    /// Puts `key` under this rank's lease.
-    async fn put(&self, key: &str, v: serde_json::Value) -> Result<(), String> {
-        self.store.put(key, &v, Some(self.lease)).await.map(|_| ()).map_err(|e| e.to_string())
-    }
-}
-
-struct Ctx {
-    loss: Arc<Loss>,
-    w: Workload,
-    topo: Topology,
-    rank: RankId,
-    store: Arc<dyn MetadataStore>,
-    /// This rank's lease: every key it puts lives under it.
-    lease: LeaseId,
-    wait: Duration,
-    bufs: Arc<Vec<PoolMemory>>,
-    pages: u32,
-}
-
-/// Total length of the union of intervals.
-fn union(v: &mut [(f64, f64)]) -> f64 {
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut total = 0.0;
-    let mut cur: Option<(f64, f64)> = None;
-    for &(a, b) in v.iter() {
-        cur = match cur {
-            Some((s, e)) if a <= e => Some((s, e.max(b))),
-            Some((s, e)) => {
-                total += e - s;
-                Some((a, b))
-            }
-            None => Some((a, b)),
-        };
-    }
-    total + cur.map(|(s, e)| e - s).unwrap_or(0.0)
-}
-
-/// Fail fast: after one failed request no new request starts (requests in flight still finish or
-/// fail; the session fails those of a lost peer at once).
-fn stopped(s: &Mutex<WorkerSummary>) -> bool {
-    !s.lock().expect("summary lock").errors.is_empty()
-}
-
 fn progress(v: serde_json::Value) {
     println!("{v}");
 }
 
-/// The pages of a request in chunks of `chunk_pages` (0: one chunk).
-fn chunks(w: &Workload, src: &[u32], dst: &[u32]) -> Vec<Chunk> {
-    let n = if w.chunk_pages == 0 { src.len().max(1) } else { w.chunk_pages as usize };
-    let k = src.len().div_ceil(n).max(1);
-    (0..k)
-        .map(|i| {
-            let r = i * n..((i + 1) * n).min(src.len());
-            Chunk { index: i as u32, last: i + 1 == k, src_pages: src[r.clone()].to_vec(), dst_pages: dst[r].to_vec() }
-        })
-        .collect()
+/// What the worker's own store watch learned: the store's verdicts on lost ranks, and a store that
+/// stayed unreachable longer than the lease TTL (peers then consider this rank lost: stop).
+#[derive(Default)]
+struct Report {
+    verdicts: Mutex<Vec<String>>,
+    fatal: Mutex<Option<String>>,
+    changed: tokio::sync::Notify,
 }
 
-async fn prefill(
-    ctx: Ctx,
-    backend: Arc<dyn KvTransferBackend>,
-    pool: KvPool,
-    peers: Vec<Registration>,
-    inject: bool,
-) -> Result<WorkerSummary, String> {
-    let w = ctx.w.clone();
-    let sender = Arc::new(
-        SenderSession::new(Arc::clone(&backend), ctx.topo, ctx.rank, pool, w.notify.into())
-            .map_err(|e| e.to_string())?,
-    );
-    let receivers = sender.receivers();
-    for d in &receivers {
-        let reg = peers.iter().find(|p| p.rank == *d).ok_or_else(|| format!("decode rank {d} did not register"))?;
-        sender.connect(*d, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
+impl Report {
+    fn fatal(&self) -> Option<String> {
+        lock(&self.fatal).clone()
     }
-    // Watch the endpoint for lost receivers, so requests waiting on the bootstrap (for page lists
-    // or readiness) fail at once instead of at the bootstrap deadline.
-    let names: HashMap<u64, RankId> = peers.iter().map(|p| (p.endpoint.identity, p.rank)).collect();
-    let watch = {
-        let (backend, loss) = (Arc::clone(&backend), Arc::clone(&ctx.loss));
-        tokio::spawn(async move {
-            loop {
-                match backend.recv(Duration::from_millis(200)).await {
-                    Ok(evs) => {
-                        for e in evs {
-                            if let kvxfer_core::BackendEvent::PeerLost { identity, reason } = e {
-                                let who = names.get(&identity).map(|r| format!("decode rank {r}")).unwrap_or_default();
-                                loss.set_transport();
-                                loss.set(format!("lost {who}: {reason}"));
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        loss.set(format!("endpoint failed: {e}"));
-                        return;
+
+    /// Waits at most `within` for the store to report a lost rank.
+    async fn wait_verdict(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let n = self.changed.notified();
+            if !lock(&self.verdicts).is_empty() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, n).await.is_err() {
+                return false;
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Prints joins, leaves and losses of every rank of the cluster (progress lines only: the agent
+/// fails the requests a lost peer touches by itself). Runs until aborted.
+async fn watch_members(store: Arc<dyn MetadataStore>, mut mw: MemberWatch, report: Arc<Report>, ttl: Duration) {
+    let started = Instant::now();
+    let mut failing: Option<Instant> = None;
+    loop {
+        match mw.next(Duration::from_millis(500)).await {
+            Ok(evs) => {
+                failing = None;
+                for e in evs {
+                    let (kind, m) = match &e {
+                        MemberEvent::Joined(m) => ("peer_joined", m),
+                        MemberEvent::Left(m) => ("peer_left", m),
+                        MemberEvent::Lost(m) => ("peer_lost", m),
+                    };
+                    let r = &m.registration;
+                    let peer = json!({"role": r.role.to_string(), "rank": r.rank.to_string(), "label": r.label, "epoch": m.epoch});
+                    if let MemberEvent::Lost(_) = e {
+                        let reason = format!("{} lost: its lease in {} expired", m.describe(), store.name());
+                        let secs = started.elapsed().as_secs_f64();
+                        progress(
+                            json!({"kind": kind, "peer": peer, "store": store.name(), "reason": reason, "watching_s": secs}),
+                        );
+                        lock(&report.verdicts).push(reason);
+                        report.changed.notify_waiters();
+                    } else {
+                        progress(json!({"kind": kind, "peer": peer}));
                     }
                 }
             }
-        })
-    };
-    let ctx = Arc::new(ctx);
-    let summary = Arc::new(Mutex::new(WorkerSummary {
-        role: "prefill".into(),
-        rank: ctx.rank.to_string(),
-        ..Default::default()
-    }));
-    let started = Instant::now();
-    let mut window = std::collections::VecDeque::new();
-    for r in 0..w.requests {
-        if window.len() == w.inflight as usize {
-            let h: tokio::task::JoinHandle<()> = window.pop_front().expect("non-empty");
-            h.await.map_err(|e| format!("request task panicked: {e}"))?;
+            Err(e) => {
+                progress(json!({"kind": "store_error", "error": e.to_string()}));
+                let since = *failing.get_or_insert_with(Instant::now);
+                if since.elapsed() >= ttl && lock(&report.fatal).is_none() {
+                    *lock(&report.fatal) = Some(format!(
+                        "{} unreachable for {:?} (lease TTL {ttl:?}), peers consider this rank lost: {e}",
+                        store.name(),
+                        since.elapsed()
+                    ));
+                    report.changed.notify_waiters();
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
-        if stopped(&summary) {
+    }
+}
+
+/// One worker's state, shared by its request slots.
+struct Ctx {
+    agent: Agent,
+    w: Workload,
+    run: RunArgs,
+    rank: RankId,
+    pages: u32,
+    inject: bool,
+    started: Instant,
+    report: Arc<Report>,
+    summary: Mutex<WorkerSummary>,
+    /// Set after the first failure: no new request starts (requests in flight finish or fail).
+    stop: AtomicBool,
+}
+
+impl Ctx {
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire) || self.report.fatal().is_some()
+    }
+
+    fn interval(&self, t0: Instant) -> (f64, f64) {
+        ((t0 - self.started).as_secs_f64(), self.started.elapsed().as_secs_f64())
+    }
+}
+
+async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
+    let (w, side, rank) = (&args.workload, Side::from(args.role), RankId::new(args.tp_rank, args.pp_stage));
+    let topo = w.topology()?;
+    topo.check_rank(side, rank).map_err(|e| e.to_string())?;
+    let wait = Duration::from_secs_f64(args.timeout_s);
+    let ttl = Duration::from_secs_f64(args.lease_ttl_s.max(0.1));
+    let addr = match (&args.metadata, &args.bootstrap) {
+        (Some(a), _) | (None, Some(a)) => MetadataAddr::parse(a).map_err(|e| e.to_string())?,
+        (None, None) => return Err("give --bootstrap host:port or --metadata etcd://host:port/prefix".into()),
+    };
+    // The worker's own store client: the membership watch behind the progress lines, `finished/`.
+    let store = metadata::connect(&addr, metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
+    let (members, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
+    let mut cfg = AgentConfig::new(side, rank, topo, addr);
+    cfg.backend = w.backend.clone();
+    cfg.backend_options = w.options();
+    cfg.notify = w.notify.into();
+    cfg.lease_ttl = ttl;
+    cfg.connect_timeout = wait;
+    cfg.request_timeout = w.request_timeout();
+    let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
+    let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
+    progress(json!({"kind": "registered", "store": store.name(), "epoch": agent.epoch()}));
+    let report = Arc::new(Report::default());
+    let watcher = tokio::spawn(watch_members(Arc::clone(&store), members, Arc::clone(&report), ttl));
+    let summary = WorkerSummary {
+        role: side.to_string(),
+        rank: rank.to_string(),
+        abort_rate: args.run.abort_rate,
+        layerwise: args.run.layerwise,
+        ..Default::default()
+    };
+    let ctx = Arc::new(Ctx {
+        agent,
+        w: w.clone(),
+        run: args.run.clone(),
+        rank,
+        pages,
+        inject: args.inject_wrong_byte,
+        started: Instant::now(),
+        report: Arc::clone(&report),
+        summary: Mutex::new(summary),
+        stop: AtomicBool::new(false),
+    });
+    let result = run_slots(&ctx, &*store, side, wait).await;
+    let mut s = lock(&ctx.summary).clone();
+    s.errors.extend(result.err().into_iter().chain(report.fatal()));
+    // A peer was lost (the transport may see it first): wait, bounded, for the store to name it.
+    let verdict_wait = ttl + Duration::from_secs(1);
+    if !s.errors.is_empty() && ctx.agent.stats().peers_lost > 0 && !report.wait_verdict(verdict_wait).await {
+        eprintln!("kvxfer worker {side} {rank}: {} reported no lost rank within {verdict_wait:?}", store.name());
+    }
+    watcher.abort();
+    if !s.errors.is_empty() {
+        s.errors.extend(lock(&report.verdicts).iter().cloned());
+    }
+    s.transfer_seconds = union(&mut s.intervals);
+    // Leave the cluster (peers see `left`) and close the registrations.
+    if let Ok(c) = Arc::try_unwrap(ctx) {
+        if let Err(e) = c.agent.shutdown(Instant::now() + Duration::from_secs(5)).await {
+            eprintln!("kvxfer worker {side} {rank}: shutting down: {e}");
+        }
+    }
+    Ok(s)
+}
+
+/// Connects, runs the request slots, then the end of the run: decode checks its whole pool and puts
+/// `finished`, prefill waits for its receivers' `finished`, decode waits for its senders to leave.
+async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: Duration) -> Result<(), String> {
+    ctx.agent.wait_connected(Instant::now() + wait + Duration::from_secs(1)).await.map_err(|e| e.to_string())?;
+    let slots: Vec<_> =
+        (0..ctx.w.inflight.min(ctx.w.requests)).map(|i| tokio::spawn(slot(Arc::clone(ctx), i))).collect();
+    for h in slots {
+        h.await.map_err(|e| format!("a request slot panicked: {e}"))?;
+    }
+    lock(&ctx.summary).seconds = ctx.started.elapsed().as_secs_f64();
+    if side == Side::Decode {
+        let all: Vec<u32> = (0..ctx.pages).collect();
+        let c = Arc::clone(ctx);
+        let stray = tokio::task::spawn_blocking(move || sentinel_errors(&c, &all, "bytes changed outside any request"))
+            .await
+            .map_err(|e| format!("final check panicked: {e}"))?;
+        lock(&ctx.summary).errors.extend(stray);
+    }
+    if !lock(&ctx.summary).errors.is_empty() || ctx.stopped() {
+        return Ok(());
+    }
+    let topo = ctx.agent.topology();
+    let finished = |r: RankId| format!("finished/{}.{}", r.tp, r.pp);
+    if side == Side::Prefill {
+        // A sender that left early would look like a lost peer to a receiver still checking.
+        let lost_before = ctx.agent.stats().peers_lost;
+        for d in topo.receivers(ctx.rank) {
+            let key = finished(d);
+            let lost = async {
+                while ctx.agent.stats().peers_lost == lost_before {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            };
+            tokio::select! {
+                r = wait_value(store, &key, wait) => {
+                    r.map_err(|e| format!("waiting for decode rank {d} to finish: {e}"))?;
+                }
+                _ = lost => return Err(format!("decode rank {d} was lost before it finished its final check")),
+            }
+        }
+        return Ok(());
+    }
+    // The key lives under a lease of its own: deleted below, expired if this process dies.
+    let lease = store.grant(wait + Duration::from_secs(10)).await.map_err(|e| e.to_string())?;
+    let r = async {
+        store.put(&finished(ctx.rank), &json!(true), Some(lease)).await.map_err(|e| e.to_string())?;
+        for p in topo.senders(ctx.rank) {
+            let what = format!("prefill rank {p} leaving");
+            let left = |e: Option<&metadata::Entry>| e.map_or(true, |e| record_of(&e.value).is_some_and(|r| r.left));
+            wait_until(store, &record_key(Side::Prefill, p), wait, &what, left).await.map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+    .await;
+    let _ = store.delete(&finished(ctx.rank)).await;
+    let _ = store.revoke(lease).await;
+    r
+}
+
+/// Either side's request, for the wait both sides share.
+enum Req {
+    Recv(Receiver),
+    Send(Sender),
+}
+
+impl Req {
+    fn abort(&self, why: &str) {
+        match self {
+            Req::Recv(r) => r.abort(why),
+            Req::Send(s) => s.abort(why),
+        }
+    }
+
+    /// Waits until the request is final with its pages reusable. Past `deadline` (or when the store
+    /// is lost) aborts it and waits, bounded, for the fence; an error then means the request failed.
+    async fn settle(&self, ctx: &Ctx, deadline: Instant) -> Result<RequestStatus, String> {
+        let mut late: Option<String> = None;
+        let mut limit = deadline;
+        loop {
+            if let Some(f) = ctx.report.fatal() {
+                self.abort(&f);
+            }
+            let until = limit.min(Instant::now() + Duration::from_millis(200));
+            let s = match self {
+                Req::Recv(r) => r.wait(until).await,
+                Req::Send(s) => s.wait(until).await,
+            };
+            match s {
+                Ok(s) if s.pages_reusable => return late.map_or(Ok(s), Err),
+                Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+                Err(EngineError::Timeout { .. }) if Instant::now() < limit => {}
+                Err(e) if late.is_none() => {
+                    let why = format!("not final in time ({e}); aborted");
+                    self.abort(&why);
+                    (late, limit) = (Some(why), Instant::now() + Duration::from_secs(10));
+                }
+                Err(e) => return Err(format!("{}; its pages are still not reusable: {e}", late.unwrap_or_default())),
+            }
+        }
+    }
+
+    fn release(self) -> Result<RequestStatus, String> {
+        match self {
+            Req::Recv(r) => r.release(),
+            Req::Send(s) => s.release(),
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// Whether (and after how long) request `r` is aborted: a deterministic draw per request, the same
+/// on every decode rank. Half of the aborts come right after the handoff, half after up to 3 ms.
+fn abort_plan(seed: u64, rate: f64, r: u32) -> Option<Duration> {
+    let h = SplitMix(seed ^ SALT_ABORT ^ (u64::from(r) << 20)).next_u64();
+    if rate <= 0.0 || (h >> 11) as f64 / (1u64 << 53) as f64 >= rate {
+        return None;
+    }
+    Some(if h & 1 == 0 { Duration::ZERO } else { Duration::from_micros((h >> 1) % 3000) })
+}
+
+enum Outcome {
+    /// Bytes (and prefill: ops) of this rank's share; decode: the latency.
+    Done {
+        bytes: u64,
+        ops: u64,
+        latency: Duration,
+    },
+    Aborted(String),
+}
+
+/// Runs requests `i, i + inflight, ...` one after the other on the slot's pages.
+async fn slot(ctx: Arc<Ctx>, i: u32) {
+    let decode = ctx.agent.role() == Side::Decode;
+    let mut after_abort = false;
+    for r in (i..ctx.w.requests).step_by(ctx.w.inflight as usize) {
+        if ctx.stopped() {
             break;
         }
-        let (ctx, sender, summary, receivers) =
-            (Arc::clone(&ctx), Arc::clone(&sender), Arc::clone(&summary), receivers.clone());
-        window.push_back(tokio::spawn(async move {
-            let res = send_request(&ctx, &sender, &receivers, r, inject).await;
-            let mut s = summary.lock().expect("summary lock");
-            match res {
-                Ok((bytes, ops, t0, t1)) => {
-                    s.intervals.push(((t0 - started).as_secs_f64(), (t1 - started).as_secs_f64()));
-                    s.bytes += bytes;
-                    s.ops += ops;
-                    s.requests += 1;
+        let res = if decode { receive(&ctx, r, after_abort).await } else { send(&ctx, r).await };
+        let mut s = lock(&ctx.summary);
+        match res {
+            Ok(Outcome::Done { bytes, ops, latency }) => {
+                after_abort = false;
+                s.requests += 1;
+                s.completed += 1;
+                s.bytes += bytes;
+                s.ops += ops;
+                if decode {
+                    let us = latency.as_micros() as u64;
+                    s.verified += 1;
+                    s.verified_bytes += bytes;
+                    s.latencies_us.push(us);
+                    progress(json!({"kind": "done", "request": r, "latency_us": us}));
+                } else {
                     progress(json!({"kind": "sent", "request": r}));
                 }
-                Err(e) => s.errors.push(format!("request {r}: {e}")),
             }
-        }));
-    }
-    for h in window {
-        h.await.map_err(|e| format!("request task panicked: {e}"))?;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    // Stay connected until every receiver has verified everything (a sender that leaves early
-    // would look like a lost peer), then leave gracefully. After a failure, leave at once.
-    for d in receivers.iter().filter(|_| !stopped(&summary)) {
-        ctx.loss.guard(ctx.get(&format!("finished/{}", rank_key(*d)))).await?;
-    }
-    watch.abort();
-    // The caller then leaves (rank record marked `left`, lease revoked): the receivers stay up until
-    // then, so their exit is never mistaken for a loss here.
-    let mut s = summary.lock().expect("summary lock").clone();
-    s.seconds = elapsed;
-    s.transfer_seconds = union(&mut s.intervals);
-    Ok(s)
-}
-
-fn fill_source(ctx: &Ctx, src: &[u32], r: u32, inject: bool) {
-    let map: HashMap<u32, u64> = kvxfer_core::oracle::token_map(src, ctx.w.page_size);
-    let base = token_base(r);
-    let tok = |p: u32| map.get(&p).map(|t| base + t);
-    for host in ctx.bufs.iter() {
-        let b = host.buffer;
-        let geom = BufferGeom::new(&ctx.topo, Side::Prefill, ctx.rank, b.layer, b.kind, ctx.pages);
-        let pb = geom.page_bytes();
-        let hb = ctx.topo.kv().head_bytes(b.kind);
-        let mut tmp = vec![0u8; pb as usize];
-        for &p in src {
-            page_pattern(&geom, hb, u64::from(p) * pb, &mut tmp, &tok);
-            host.write(u64::from(p) * pb, &tmp).expect("page inside the pool, not being sent");
-        }
-    }
-    if inject && r == 0 && ctx.rank == RankId::new(0, 0) {
-        if let (Some(host), Some(&p)) = (ctx.bufs.first(), src.first()) {
-            let geom = BufferGeom::new(&ctx.topo, Side::Prefill, ctx.rank, 0, host.buffer.kind, ctx.pages);
-            let off = u64::from(p) * geom.page_bytes();
-            let mut b = [0u8];
-            host.read(off, &mut b).expect("in pool");
-            host.write(off, &[b[0] ^ 0x5a]).expect("in pool");
+            Ok(Outcome::Aborted(why)) => {
+                after_abort = true;
+                s.requests += 1;
+                s.aborted += 1;
+                progress(json!({"kind": "aborted", "request": r, "reason": why}));
+            }
+            Err(e) => {
+                progress(json!({"kind": "failed", "request": r, "error": e}));
+                s.errors.push(format!("request {r}: {e}"));
+                ctx.stop.store(true, Ordering::Release);
+            }
         }
     }
 }
 
-async fn send_request(
-    ctx: &Arc<Ctx>,
-    sender: &SenderSession,
-    receivers: &[RankId],
-    r: u32,
-    inject: bool,
-) -> Result<(u64, u64, Instant, Instant), String> {
-    let src = request_pages(&ctx.w, r, SALT_PREFILL);
-    {
-        let (ctx, src) = (Arc::clone(ctx), src.clone());
-        tokio::task::spawn_blocking(move || fill_source(&ctx, &src, r, inject))
-            .await
-            .map_err(|e| format!("filling source pages panicked: {e}"))?;
+async fn blocking<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| format!("{what} panicked: {e}"))
+}
+
+async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool) -> Result<Outcome, String> {
+    let dst = request_pages(&ctx.w, r, SALT_DECODE);
+    if after_abort {
+        // The slot's previous request was aborted and its pages reset once fenced: nothing may land since.
+        let (c, d) = (Arc::clone(ctx), dst.clone());
+        let what = "bytes changed after the fence of an aborted request";
+        if let Some(e) = blocking("sentinel check", move || sentinel_errors(&c, &d, what)).await?.pop() {
+            return Err(e);
+        }
     }
-    let dst: Vec<u32> = serde_json::from_value(ctx.loss.guard(ctx.get(&format!("req/{r}"))).await?)
-        .map_err(|e| format!("bad page list for request {r}: {e}"))?;
-    for d in receivers {
-        ctx.loss.guard(ctx.get(&format!("ready/{r}/{}", rank_key(*d)))).await?;
-    }
+    let rx = ctx.agent.receiver(RequestId(u64::from(r))).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
-    let deadline = t0 + ctx.w.request_timeout();
-    let (mut bytes, mut ops) = (0, 0);
-    for c in chunks(&ctx.w, &src, &dst) {
-        let s = sender.send_chunk(RequestId(u64::from(r)), &c, deadline).await.map_err(|e| e.to_string())?;
-        bytes += s.bytes;
-        ops += s.ops;
+    rx.send_metadata(&dst, None).map_err(|e| e.to_string())?;
+    let abort = abort_plan(ctx.w.seed, ctx.run.abort_rate, r);
+    if let Some(delay) = abort {
+        tokio::time::sleep(delay).await;
+        rx.abort(&format!("decode rank {} aborts request {r} (--abort-rate {})", ctx.rank, ctx.run.abort_rate));
     }
-    Ok((bytes, ops, t0, Instant::now()))
-}
-
-async fn decode(ctx: Ctx, backend: Arc<dyn KvTransferBackend>, pool: KvPool) -> Result<WorkerSummary, String> {
-    let w = ctx.w.clone();
-    let recv = Arc::new(ReceiverSession::new(backend, ctx.topo, ctx.rank, pool).map_err(|e| e.to_string())?);
-    let all_decode = ctx.topo.ranks(Side::Decode);
-    let ctx = Arc::new(ctx);
-    let summary =
-        Arc::new(Mutex::new(WorkerSummary { role: "decode".into(), rank: ctx.rank.to_string(), ..Default::default() }));
-    let started = Instant::now();
-    let mut window = std::collections::VecDeque::new();
-    for r in 0..w.requests {
-        if window.len() == w.inflight as usize {
-            let h: tokio::task::JoinHandle<()> = window.pop_front().expect("non-empty");
-            h.await.map_err(|e| format!("request task panicked: {e}"))?;
-        }
-        if stopped(&summary) {
-            break;
-        }
-        let (ctx, recv, summary, all) = (Arc::clone(&ctx), Arc::clone(&recv), Arc::clone(&summary), all_decode.clone());
-        window.push_back(tokio::spawn(async move {
-            let res = receive_request(&ctx, &recv, &all, r).await;
-            {
-                let mut s = summary.lock().expect("summary lock");
-                match &res {
-                    Ok((lat, bytes, t0)) => {
-                        let a = (*t0 - started).as_secs_f64();
-                        s.intervals.push((a, a + lat.as_secs_f64()));
-                        s.requests += 1;
-                        s.bytes += bytes;
-                        s.verified_bytes += bytes;
-                        s.latencies_us.push(lat.as_micros() as u64);
-                        progress(json!({"kind": "done", "request": r, "latency_us": lat.as_micros() as u64}));
-                    }
-                    Err(e) => {
-                        s.errors.push(format!("request {r}: {e}"));
-                        progress(json!({"kind": "failed", "request": r, "error": e}));
-                    }
-                }
-            }
-            // Free the page slot whatever happened, so the stream goes on.
-            let _ = ctx.put(&format!("done/{r}/{}", rank_key(ctx.rank)), json!(res.is_ok())).await;
-        }));
+    let req = Req::Recv(rx);
+    let st = req.settle(ctx, t0 + ctx.w.request_timeout() + Duration::from_secs(5)).await?;
+    let (latency, ok) = (t0.elapsed(), st.phase == Phase::Success);
+    if ok {
+        lock(&ctx.summary).intervals.push(ctx.interval(t0));
     }
-    for h in window {
-        h.await.map_err(|e| format!("request task panicked: {e}"))?;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    // No byte outside a request's pages may ever change, and every request's pages were restored:
-    // the whole pool must hold the sentinel again.
-    let ctx2 = Arc::clone(&ctx);
-    let stray = tokio::task::spawn_blocking(move || {
-        let mut wrong = Vec::new();
-        for host in ctx2.bufs.iter() {
-            let b = host.buffer;
-            let mut v = vec![0u8; host.len() as usize];
-            if let Err(e) = host.read(0, &mut v) {
-                wrong.push(format!("layer {} {}: cannot read the pool: {e}", b.layer, b.kind));
-                continue;
-            }
-            if let Some(i) = v.iter().position(|x| *x != SENTINEL) {
-                let n = v.iter().filter(|x| **x != SENTINEL).count();
-                wrong.push(format!(
-                    "layer {} {}: {n} bytes changed outside any request, first at offset {i}",
-                    b.layer, b.kind
-                ));
-            }
-        }
-        wrong
-    })
-    .await
-    .map_err(|e| format!("final check panicked: {e}"))?;
-    let mut s = summary.lock().expect("summary lock").clone();
-    s.errors.extend(stray);
-    s.seconds = elapsed;
-    s.transfer_seconds = union(&mut s.intervals);
-    ctx.put(&format!("finished/{}", rank_key(ctx.rank)), json!(true)).await?;
-    if s.errors.is_empty() {
-        // Each sender leaves once it saw `finished` (or is gone): only then may this rank exit.
-        for p in ctx.topo.senders(ctx.rank) {
-            let what = format!("prefill rank {p} leaving");
-            wait_until(&*ctx.store, &record_key(Side::Prefill, p), ctx.wait, &what, |e| match e {
-                None => true,
-                Some(e) => record_of(&e.value).is_some_and(|r| r.left),
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        }
-    }
-    Ok(s)
-}
-
-async fn receive_request(
-    ctx: &Arc<Ctx>,
-    recv: &ReceiverSession,
-    all: &[RankId],
-    r: u32,
-) -> Result<(Duration, u64, Instant), String> {
-    let w = &ctx.w;
-    let key = format!("req/{r}");
-    let dst: Vec<u32> = if ctx.rank == RankId::new(0, 0) {
-        if r >= w.inflight {
-            for d in all {
-                ctx.get(&format!("done/{}/{}", r - w.inflight, rank_key(*d))).await?;
-            }
-        }
-        let dst = request_pages(w, r, SALT_DECODE);
-        ctx.put(&key, json!(dst)).await?;
-        dst
+    // Verify (a completed transfer) and restore the sentinel either way; then release.
+    let c = Arc::clone(ctx);
+    let verified = blocking("verification", move || verify_and_reset(&c, &dst, r, ok)).await?;
+    req.release()?;
+    let why = st.reason.unwrap_or_else(|| "failed without a reason".into());
+    if ok {
+        Ok(Outcome::Done { bytes: verified?, ops: 0, latency })
+    } else if abort.is_some() && why.contains("--abort-rate") {
+        // Failed by this rank's abort (or another decode rank's, through the prefill ranks).
+        Ok(Outcome::Aborted(why))
     } else {
-        serde_json::from_value(ctx.get(&key).await?).map_err(|e| format!("bad page list: {e}"))?
-    };
-    let req = RequestId(u64::from(r));
-    let t0 = Instant::now();
-    recv.expect(req, &dst, ExpectOptions::default(), t0 + w.request_timeout()).map_err(|e| e.to_string())?;
-    ctx.put(&format!("ready/{r}/{}", rank_key(ctx.rank)), json!(true)).await?;
-    // A sender the store reports lost (its lease expired: dead, frozen or cut off, even while its
-    // connection looks open) fails the request at once, naming the rank.
-    let waited = {
-        let lost = ctx.loss.notify.notified();
-        tokio::pin!(lost);
-        lost.as_mut().enable();
-        if let Some(reason) = ctx.loss.get() {
-            recv.abort(req, &reason);
-        }
-        tokio::select! {
-            r = recv.wait(req) => r,
-            _ = lost => {
-                if let Some(reason) = ctx.loss.get() {
-                    recv.abort(req, &reason);
-                }
-                recv.wait(req).await
-            }
-        }
-    };
-    if let Err(SessionError::Failed { failure: Failure::PeerLost { .. }, .. }) = &waited {
-        ctx.loss.set_transport();
+        Err(why)
     }
-    let latency = t0.elapsed();
-    recv.release(req);
-    let (ctx2, dst2) = (Arc::clone(ctx), dst.clone());
-    let ok = waited.is_ok();
-    // Verify (only when the transfer completed) and restore the sentinel either way.
-    let verified = tokio::task::spawn_blocking(move || verify_and_reset(&ctx2, &dst2, r, ok))
-        .await
-        .map_err(|e| format!("verification panicked: {e}"))?;
-    waited.map_err(|e| e.to_string())?;
-    Ok((latency, verified?, t0))
 }
 
 /// The oracle's content of one page starting at byte `off` of a buffer: [`BufferGeom::coord`] once per
@@ -791,16 +609,17 @@ fn page_pattern(geom: &BufferGeom, hb: u64, off: u64, out: &mut [u8], tok: &dyn 
 }
 
 fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, String> {
+    let topo = ctx.agent.topology();
     let map = kvxfer_core::oracle::token_map(dst, ctx.w.page_size);
     let base = token_base(r);
     let tok = |p: u32| map.get(&p).map(|t| base + t);
     let mut bytes = 0;
     let mut first_err = None;
-    for host in ctx.bufs.iter() {
+    for host in ctx.agent.host_memory() {
         let b = host.buffer;
-        let geom = BufferGeom::new(&ctx.topo, Side::Decode, ctx.rank, b.layer, b.kind, ctx.pages);
+        let geom = BufferGeom::new(topo, Side::Decode, ctx.rank, b.layer, b.kind, ctx.pages);
         let pb = geom.page_bytes();
-        let hb = ctx.topo.kv().head_bytes(b.kind);
+        let hb = topo.kv().head_bytes(b.kind);
         let mut tmp = vec![0u8; pb as usize];
         let mut want = vec![0u8; pb as usize];
         let sentinel = vec![SENTINEL; pb as usize];
@@ -829,15 +648,153 @@ fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, 
     }
 }
 
+/// One error per buffer in which some byte of `pages` does not hold the sentinel.
+fn sentinel_errors(ctx: &Ctx, pages: &[u32], what: &str) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for host in ctx.agent.host_memory() {
+        let (b, pb) = (host.buffer, host.len() / u64::from(ctx.pages));
+        let mut tmp = vec![0u8; pb as usize];
+        let (mut n, mut first) = (0, None);
+        for &p in pages {
+            if let Err(e) = host.read(u64::from(p) * pb, &mut tmp) {
+                wrong
+                    .push(format!("decode rank {}: layer {} {}: cannot read page {p}: {e}", ctx.rank, b.layer, b.kind));
+                break;
+            }
+            n += tmp.iter().filter(|x| **x != SENTINEL).count();
+            first = first.or_else(|| tmp.iter().position(|x| *x != SENTINEL).map(|i| (p, i)));
+        }
+        if let Some((p, i)) = first {
+            wrong.push(format!(
+                "decode rank {}: layer {} {}: {n} {what}, first at page {p} byte {i}",
+                ctx.rank, b.layer, b.kind
+            ));
+        }
+    }
+    wrong
+}
+
+fn fill_source(ctx: &Ctx, src: &[u32], r: u32) {
+    let topo = ctx.agent.topology();
+    let map = kvxfer_core::oracle::token_map(src, ctx.w.page_size);
+    let base = token_base(r);
+    let tok = |p: u32| map.get(&p).map(|t| base + t);
+    for host in ctx.agent.host_memory() {
+        let b = host.buffer;
+        let geom = BufferGeom::new(topo, Side::Prefill, ctx.rank, b.layer, b.kind, ctx.pages);
+        let (pb, hb) = (geom.page_bytes(), topo.kv().head_bytes(b.kind));
+        let mut tmp = vec![0u8; pb as usize];
+        for &p in src {
+            page_pattern(&geom, hb, u64::from(p) * pb, &mut tmp, &tok);
+            host.write(u64::from(p) * pb, &tmp).expect("page inside the pool, not being sent");
+        }
+    }
+    if ctx.inject && r == 0 && ctx.rank == RankId::new(0, 0) {
+        if let (Some(host), Some(&p)) = (ctx.agent.host_memory().first(), src.first()) {
+            let (off, mut b) = (u64::from(p) * (host.len() / u64::from(ctx.pages)), [0u8]);
+            host.read(off, &mut b).expect("in pool");
+            host.write(off, &[b[0] ^ 0x5a]).expect("in pool");
+        }
+    }
+}
+
+/// Pages per chunk (`--chunk-pages`, 0: the whole request).
+fn chunk_len(w: &Workload, pages: usize) -> usize {
+    if w.chunk_pages == 0 {
+        pages.max(1)
+    } else {
+        w.chunk_pages as usize
+    }
+}
+
+async fn send(ctx: &Arc<Ctx>, r: u32) -> Result<Outcome, String> {
+    let (w, src) = (&ctx.w, request_pages(&ctx.w, r, SALT_PREFILL));
+    let tx = ctx.agent.sender(RequestId(u64::from(r))).map_err(|e| e.to_string())?;
+    // The slot's previous request is final: nothing reads these pages.
+    let (c, s) = (Arc::clone(ctx), src.clone());
+    blocking("filling source pages", move || fill_source(&c, &s, r)).await?;
+    tx.init(src.len() as u32).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + w.request_timeout() + Duration::from_secs(5);
+    // Every decode rank's handoff (the agent fails the request at its deadline or on a lost peer).
+    let mut phase = tx.status().phase;
+    while phase == Phase::Bootstrapping && Instant::now() < deadline && !ctx.stopped() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        phase = tx.status().phase;
+    }
+    if phase == Phase::Bootstrapping {
+        tx.abort(&format!("prefill rank {} stopped before every decode rank handed request {r} off", ctx.rank));
+    }
+    let t0 = Instant::now();
+    let layers = ctx.agent.topology().stage_layers(Side::Prefill, ctx.rank.pp);
+    // Layer-wise: one call per layer of each chunk; otherwise one per chunk.
+    let calls = src.chunks(chunk_len(w, src.len())).flat_map(|c| (0..layers).map(move |l| (c, l)));
+    for (chunk, l) in calls.filter(|_| phase == Phase::WaitingForInput) {
+        let sent = match (ctx.run.layerwise, l) {
+            (true, _) => tx.send_layers(chunk, l..l + 1),
+            (false, 0) => tx.send(chunk),
+            (false, _) => continue,
+        };
+        if let Err(e) = sent {
+            // Failed meanwhile (a decode rank aborted it, a peer was lost): the status says why.
+            if !matches!(tx.status().phase, Phase::Aborting | Phase::Failed) {
+                tx.abort(&e.to_string());
+                return Err(e.to_string());
+            }
+            break;
+        }
+    }
+    let req = Req::Send(tx);
+    let st = req.settle(ctx, deadline).await?;
+    req.release()?;
+    let why = match st.phase {
+        Phase::Success => {
+            lock(&ctx.summary).intervals.push(ctx.interval(t0));
+            // The planner's count of this rank's share (every decode rank hands off the same choice).
+            let (dst, n) = (request_pages(w, r, SALT_DECODE), chunk_len(w, src.len()));
+            let pairs =
+                src.chunks(n).zip(dst.chunks(n)).flat_map(|(s, d)| plan_sender(ctx.agent.topology(), ctx.rank, s, d));
+            let (bytes, ops) = pairs.flatten().fold((0, 0), |(b, o), p| (b + p.bytes(), o + p.op_count()));
+            return Ok(Outcome::Done { bytes, ops, latency: t0.elapsed() });
+        }
+        _ => st.reason.unwrap_or_else(|| "failed without a reason".into()),
+    };
+    if ctx.run.abort_rate > 0.0 && why.contains("aborted the request") {
+        Ok(Outcome::Aborted(why))
+    } else {
+        Err(why)
+    }
+}
+
+/// Total length of the union of intervals.
+fn union(v: &mut [(f64, f64)]) -> f64 {
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut cur: Option<(f64, f64)> = None;
+    for &(a, b) in v.iter() {
+        cur = match cur {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + cur.map(|(s, e)| e - s).unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+    use kvxfer_core::Topology;
 
     #[derive(Parser)]
     struct T {
         #[command(flatten)]
         w: Workload,
+        #[command(flatten)]
+        run: RunArgs,
     }
 
     #[test]
@@ -851,7 +808,7 @@ mod tests {
                 page_size: 4,
                 layout,
             };
-            let side = |tp| SideSpec { kv, parallel: Parallel { tp, pp: 1 } };
+            let side = |tp| SideSpec { kv, parallel: Parallel::new(tp, 1) };
             let topo = Topology::new(&side(2), &side(4)).unwrap();
             for kind in [kvxfer_core::KvKind::K, kvxfer_core::KvKind::V] {
                 let geom = BufferGeom::new(&topo, Side::Prefill, RankId::new(1, 0), 1, kind, 6);
@@ -876,15 +833,26 @@ mod tests {
     }
 
     #[test]
-    fn chunks_split_pages_in_order() {
-        let mut w = T::parse_from(["t"]).w;
-        w.chunk_pages = 2;
-        let c = chunks(&w, &[1, 2, 3, 4, 5], &[9, 8, 7, 6, 5]);
-        assert_eq!(c.len(), 3);
-        assert_eq!(c[2], Chunk { index: 2, last: true, src_pages: vec![5], dst_pages: vec![5] });
-        assert!(!c[0].last);
-        w.chunk_pages = 0;
-        assert_eq!(chunks(&w, &[1, 2], &[3, 4]).len(), 1);
+    fn abort_choice_is_deterministic_and_near_the_rate() {
+        let n = 10_000;
+        let picked = (0..n).filter(|r| abort_plan(7, 0.3, *r).is_some()).count();
+        assert!((2_700..3_300).contains(&picked), "{picked} of {n}");
+        assert!((0..n).all(|r| abort_plan(7, 0.0, r).is_none()));
+        assert!((0..n).all(|r| abort_plan(7, 1.0, r).is_some()));
+        assert!((0..100).all(|r| abort_plan(7, 0.3, r) == abort_plan(7, 0.3, r)));
+        assert!((0..n).filter_map(|r| abort_plan(7, 0.5, r)).all(|d| d < Duration::from_millis(3)));
+    }
+
+    #[test]
+    fn abort_rate_is_a_validated_fraction() {
+        assert_eq!(parse_rate("0.3"), Ok(0.3));
+        assert_eq!(parse_rate("1"), Ok(1.0));
+        for bad in ["-0.1", "1.5", "nan", "x", ""] {
+            assert!(parse_rate(bad).unwrap_err().contains("[0, 1]"), "{bad}");
+        }
+        let t = T::parse_from(["t", "--abort-rate", "0.25", "--layerwise"]);
+        assert_eq!(T::parse_from(std::iter::once("t".to_owned()).chain(t.run.to_args())).run.abort_rate, 0.25);
+        assert!(T::try_parse_from(["t", "--abort-rate", "2"]).is_err());
     }
 
     #[test]

@@ -41,6 +41,13 @@
 //! pages has confirmed it cannot any more (it finished, fenced, reported failure, or was lost),
 //! the pages are NOT free. [`RequestStatus::pages_reusable`] says when they are.
 //!
+//! Reusing a room: a decode rank may hand a room off again (a new generation) once it released the
+//! earlier use. On the prefill side a sender belongs to the use whose handoffs it finds when it is
+//! created: if the only handoff a decode rank left for the room is one it already aborted, the sender
+//! is that aborted use and fails at once (the decode side is already fenced); a later handoff of the
+//! room is kept for the next sender. Engines whose request ids are unique (SGLang's bootstrap rooms,
+//! vLLM's request ids) never meet this.
+//!
 //! # Memory
 //!
 //! [`KvMemory::Buffers`] hands the agent memory the engine owns (GPU or host). The engine must keep
@@ -64,9 +71,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bootstrap::Registration as RankRegistration;
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
-use crate::session::{
-    Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window,
-};
+use crate::session::{Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window};
 
 /// The identity a rank's endpoint carries (in [`BackendConfig::identity`] and in lost-peer events):
 /// prefill ranks use their sender key, decode ranks a value with the top bit set. The one encoding
@@ -176,7 +181,9 @@ impl fmt::Debug for KvMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KvMemory::Host { pages, fill } => write!(f, "Host {{ pages: {pages}, fill: {fill} }}"),
-            KvMemory::Buffers { pages, buffers } => write!(f, "Buffers {{ pages: {pages}, {} buffers }}", buffers.len()),
+            KvMemory::Buffers { pages, buffers } => {
+                write!(f, "Buffers {{ pages: {pages}, {} buffers }}", buffers.len())
+            }
         }
     }
 }
@@ -620,17 +627,38 @@ impl Agent {
         let mut req = SendReq { created: Some(Instant::now()), ..SendReq::default() };
         // Handoffs that came first: the latest of each decode rank.
         let mut early = lock(&self.inner.early);
+        let mut aborts = Vec::new();
         early.retain(|(d, n, _)| {
             if n.request != room {
                 return true;
             }
-            if let NotificationBody::Handoff { pages, aux_slot } = &n.body {
-                req.handoffs.insert(*d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+            match &n.body {
+                NotificationBody::Handoff { pages, aux_slot } => {
+                    let h = Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot };
+                    req.handoffs.insert(*d, h);
+                }
+                NotificationBody::Abort(reason) => aborts.push((*d, n.generation, reason.clone())),
+                _ => {}
             }
             false
         });
         drop(early);
+        // A decode rank aborted its handoff before this sender existed (it was fenced then): the
+        // request fails at once; `settle` tells the other decode ranks.
+        for (d, generation, reason) in aborts {
+            if req.handoffs.get(&d).is_some_and(|h| h.generation == generation) {
+                req.abort_from.insert(d);
+                req.failure.get_or_insert_with(|| {
+                    format!("prefill rank {}: decode rank {d} aborted the request: {reason}", self.rank())
+                });
+            }
+        }
+        let failed = req.failure.is_some();
         sends.insert(room, req);
+        drop(sends);
+        if failed {
+            self.inner.settle(room);
+        }
         Ok(Sender { inner: Arc::clone(&self.inner), room })
     }
 
@@ -663,7 +691,8 @@ impl Agent {
         }
         // Let the aborts and fences go out (bounded).
         let until = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < until && lock(&self.inner.sends).values().any(|r| r.outstanding > 0 || !r.told_if_needed())
+        while Instant::now() < until
+            && lock(&self.inner.sends).values().any(|r| r.outstanding > 0 || !r.told_if_needed())
         {
             tokio::time::sleep(TICK).await;
         }
@@ -897,7 +926,11 @@ impl Sender {
             }
             q.aux_sent = true;
             q.outstanding += 1;
-            Ok(q.handoffs.iter().filter(|(_, h)| h.aux_slot.is_some()).map(|(d, h)| (*d, h.generation)).collect::<Vec<_>>())
+            Ok(q.handoffs
+                .iter()
+                .filter(|(_, h)| h.aux_slot.is_some())
+                .map(|(d, h)| (*d, h.generation))
+                .collect::<Vec<_>>())
         })?;
         let this = Arc::clone(inner);
         inner.handle.spawn(async move {
@@ -991,7 +1024,12 @@ impl Inner {
 
     // ---------------------------------------------------------------- connect and membership
 
-    async fn connect_and_watch(self: Arc<Self>, store: Arc<dyn MetadataStore>, me: RankRegistration, watch: MemberWatch) {
+    async fn connect_and_watch(
+        self: Arc<Self>,
+        store: Arc<dyn MetadataStore>,
+        me: RankRegistration,
+        watch: MemberWatch,
+    ) {
         let other = self.other();
         let want = self.topo.ranks(other).len() as u32;
         let r = tokio::select! {
@@ -1038,16 +1076,17 @@ impl Inner {
                 return Ok(());
             }
         }
-        let id = match (&self.sender, &self.receiver) {
-            (Some(s), _) => {
-                s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
-                s.peer_of(reg.rank)
-            }
-            (_, Some(_)) => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
-                format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
-            })?),
-            _ => None,
-        };
+        let id =
+            match (&self.sender, &self.receiver) {
+                (Some(s), _) => {
+                    s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
+                    s.peer_of(reg.rank)
+                }
+                (_, Some(_)) => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
+                    format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
+                })?),
+                _ => None,
+            };
         if let Some(rx) = &self.receiver {
             rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
         }
@@ -1084,7 +1123,10 @@ impl Inner {
                             MemberEvent::Lost(m) | MemberEvent::Left(m) => {
                                 let r = &m.registration;
                                 if r.role == self.other() {
-                                    let why = format!("{} rank {} ({}) left or lost its lease in the metadata store", r.role, r.rank, r.label);
+                                    let why = format!(
+                                        "{} rank {} ({}) left or lost its lease in the metadata store",
+                                        r.role, r.rank, r.label
+                                    );
                                     self.peer_lost(r.rank, why);
                                 }
                             }
@@ -1122,11 +1164,8 @@ impl Inner {
                 }
             }
             Side::Prefill => {
-                let rooms: Vec<RequestId> = lock(&self.sends)
-                    .iter()
-                    .filter(|(_, q)| !q.done && q.failure.is_none())
-                    .map(|(k, _)| *k)
-                    .collect();
+                let rooms: Vec<RequestId> =
+                    lock(&self.sends).iter().filter(|(_, q)| !q.done && q.failure.is_none()).map(|(k, _)| *k).collect();
                 for room in rooms {
                     self.sender_abort(room, format!("lost decode rank {r}: {why}"));
                 }
@@ -1207,7 +1246,9 @@ impl Inner {
                         let Some(generation) = r.generation else { continue };
                         if let Some(Fence::Closing(keys)) = rx.fence(*room) {
                             for k in keys {
-                                if r.abort_sent.insert(k) {
+                                // Not connected yet (bootstrapping): ask on a later tick, once it is;
+                                // an ask sent now would be dropped and the fence never close.
+                                if self.peer_id(rank_of_key(k)).is_some() && r.abort_sent.insert(k) {
                                     asks.push((*room, generation, k));
                                 }
                             }
@@ -1298,7 +1339,10 @@ impl Inner {
         match tokio::time::timeout(crate::session::NOTIFY_TIMEOUT, self.backend.notify(peer, note)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => self.peer_lost(p, format!("notifying prefill rank {p} failed: {e}")),
-            Err(_) => self.peer_lost(p, format!("notifying prefill rank {p} took more than {:?}", crate::session::NOTIFY_TIMEOUT)),
+            Err(_) => self.peer_lost(
+                p,
+                format!("notifying prefill rank {p} took more than {:?}", crate::session::NOTIFY_TIMEOUT),
+            ),
         }
     }
 
@@ -1324,7 +1368,8 @@ impl Inner {
             return (Phase::Failed, Some(why.clone()), true);
         }
         if r.generation.is_none() {
-            let phase = if self.connected.load(Ordering::Acquire) { Phase::WaitingForInput } else { Phase::Bootstrapping };
+            let phase =
+                if self.connected.load(Ordering::Acquire) { Phase::WaitingForInput } else { Phase::Bootstrapping };
             return (phase, None, true);
         }
         match rx.status(room) {
@@ -1387,9 +1432,50 @@ impl Inner {
         if let Some(q) = sends.get_mut(&n.request) {
             match q.handoffs.get(&d) {
                 None if !q.done && q.failure.is_none() => {
-                    q.handoffs.insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
-                    drop(sends);
+                    q.handoffs
+                        .insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+                    // Its abort came first (it was fenced then): nothing may be sent for it.
+                    let aborted = lock(&self.early).iter().find_map(|(r, e, _)| match &e.body {
+                        NotificationBody::Abort(why)
+                            if *r == d && e.request == n.request && e.generation == n.generation =>
+                        {
+                            Some(why.clone())
+                        }
+                        _ => None,
+                    });
+                    if let Some(why) = aborted {
+                        q.abort_from.insert(d);
+                        q.failure =
+                            Some(format!("prefill rank {}: decode rank {d} aborted the request: {why}", self.cfg.rank));
+                        drop(sends);
+                        self.settle(n.request);
+                    } else {
+                        drop(sends);
+                    }
                     self.wake.notify_waiters();
+                    return;
+                }
+                // The request already failed here and lacks this rank's handoff: it belongs to this
+                // use; answer it with the failure at once instead of leaving it to its deadline.
+                None if !q.done => {
+                    q.handoffs
+                        .insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+                    let told = q.told;
+                    let why = q.failure.clone().unwrap_or_default();
+                    drop(sends);
+                    if told {
+                        let note =
+                            Notification::new(n.request, SenderKey::of(self.cfg.rank), NotificationBody::Failure(why))
+                                .with_generation(n.generation);
+                        let this = Arc::clone(self);
+                        self.handle.spawn(async move {
+                            if let Some(s) = &this.sender {
+                                if let Err(e) = s.notify_rank(d, &note).await {
+                                    tracing::warn!(rank = %this.cfg.rank, dst = %d, error = %e, "could not tell decode");
+                                }
+                            }
+                        });
+                    }
                     return;
                 }
                 Some(h) if h.generation == n.generation => return,
@@ -1433,14 +1519,21 @@ impl Inner {
             return;
         }
         if !mine {
-            // Not started here (or another use): drop its handoff; nothing was posted.
-            lock(&self.early).retain(|(r, e, _)| !(*r == d && e.request == room && e.generation == n.generation));
+            // Not started here (or another use): nothing was posted. Keep the abort with the early
+            // handoffs (same bounds): a sender created later for the room, or the handoff itself if
+            // the abort overtook it, then fails at once instead of writing into fenced pages.
+            let mut early = lock(&self.early);
+            while early.len() >= self.cfg.early_max.max(1) {
+                early.pop_front();
+            }
+            early.push_back((d, n.clone(), Instant::now()));
         }
         let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
             .with_generation(n.generation);
         let this = Arc::clone(self);
         self.handle.spawn(async move {
             if let Some(s) = &this.sender {
+                this.link_to(s, d).await;
                 if s.notify_rank(d, &fence).await.is_ok() {
                     lock(&this.stats).fences += 1;
                 }
@@ -1448,7 +1541,25 @@ impl Inner {
         });
     }
 
-    fn with_send<T>(&self, room: RequestId, f: impl FnOnce(&mut SendReq) -> Result<T, String>) -> Result<T, EngineError> {
+    /// Waits (bounded by the request timeout) until this prefill rank's own connection to decode
+    /// rank `d` is up: `d` connects to this rank on its own, so its abort may arrive first, and a
+    /// fence sent before would be dropped (the decode rank would stay `Aborting`).
+    async fn link_to(&self, s: &SenderSession, d: RankId) {
+        let until = Instant::now() + self.cfg.request_timeout;
+        while s.peer_of(d).is_none()
+            && Instant::now() < until
+            && self.stop.reason().is_none()
+            && lock(&self.connect_error).is_none()
+        {
+            tokio::time::sleep(TICK).await;
+        }
+    }
+
+    fn with_send<T>(
+        &self,
+        room: RequestId,
+        f: impl FnOnce(&mut SendReq) -> Result<T, String>,
+    ) -> Result<T, EngineError> {
         let mut sends = lock(&self.sends);
         let Some(q) = sends.get_mut(&room) else {
             return Err(EngineError::InvalidCall {
@@ -1678,10 +1789,13 @@ impl Inner {
             let Some(s) = &this.sender else { return };
             for (d, n) in notes {
                 let fenced = matches!(n.body, NotificationBody::Fenced);
+                this.link_to(s, d).await;
                 match s.notify_rank(d, &n).await {
                     Ok(()) if fenced => lock(&this.stats).fences += 1,
                     Ok(()) => {}
-                    Err(e) => tracing::warn!(rank = %this.cfg.rank, %room, dst = %d, error = %e, "could not tell decode"),
+                    Err(e) => {
+                        tracing::warn!(rank = %this.cfg.rank, %room, dst = %d, error = %e, "could not tell decode")
+                    }
                 }
             }
         });
