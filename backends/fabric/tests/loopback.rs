@@ -219,9 +219,19 @@ async fn out_of_band_and_large_notifications_in_order() {
         let big: Vec<u8> = pattern(300_000, 3);
         let sent = vec![
             Notification::chunk(RequestId(1), key, 0, false),
-            Notification { generation: 0, request: RequestId(1), sender: key, body: NotificationBody::Aux(big.clone()) },
+            Notification {
+                generation: 0,
+                request: RequestId(1),
+                sender: key,
+                body: NotificationBody::Aux(big.clone()),
+            },
             Notification::failure(RequestId(2), key, "prefill rank 3 lost its GPU"),
-            Notification { generation: 0, request: RequestId(1), sender: key, body: NotificationBody::State(vec![9; 5000]) },
+            Notification {
+                generation: 0,
+                request: RequestId(1),
+                sender: key,
+                body: NotificationBody::State(vec![9; 5000]),
+            },
         ];
         for n in &sent {
             p.a.notify(p.peer, n).await.unwrap();
@@ -234,10 +244,20 @@ async fn out_of_band_and_large_notifications_in_order() {
         let limit = p.a.capabilities().limits.max_notification_bytes as usize;
         let max = kvxfer_core::notify::MAX_PAYLOAD;
         assert!(limit > max, "{prov}: {limit}");
-        let n = Notification { generation: 0, request: RequestId(3), sender: key, body: NotificationBody::Aux(pattern(max, 9)) };
+        let n = Notification {
+            generation: 0,
+            request: RequestId(3),
+            sender: key,
+            body: NotificationBody::Aux(pattern(max, 9)),
+        };
         p.a.notify(p.peer, &n).await.unwrap();
         assert_eq!(notifications(&p.b, 1, Duration::from_secs(10)).await, vec![n], "{prov}");
-        let huge = Notification { generation: 0, request: RequestId(3), sender: key, body: NotificationBody::Aux(vec![1; max + 1]) };
+        let huge = Notification {
+            generation: 0,
+            request: RequestId(3),
+            sender: key,
+            body: NotificationBody::Aux(vec![1; max + 1]),
+        };
         let e = p.a.notify(p.peer, &huge).await.unwrap_err();
         assert!(matches!(e, BackendError::Limit { .. } | BackendError::Codec { .. }), "{prov}: {e}");
     }

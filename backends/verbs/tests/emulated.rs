@@ -23,7 +23,12 @@ fn endpoint(identity: u64, opts: &[(&str, &str)]) -> Arc<dyn KvTransferBackend> 
 
 fn aux(request: u64, len: usize) -> Notification {
     let payload = (0..len).map(|i| (i as u64 * 31 + request) as u8).collect();
-    Notification { generation: 0, request: RequestId(request), sender: SenderKey::from_u64(9), body: NotificationBody::Aux(payload) }
+    Notification {
+        generation: 0,
+        request: RequestId(request),
+        sender: SenderKey::from_u64(9),
+        body: NotificationBody::Aux(payload),
+    }
 }
 
 fn soon() -> Instant {

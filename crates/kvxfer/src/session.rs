@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use kvxfer_core::plan::{check_pages, plan_sender, PairPlan};
 use kvxfer_core::{
-    BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure, Fence,
-    HostBuffer, KvTransferBackend, MemDesc, MemError, Notification, NotificationBody, NotifyStyle, PeerId, PlanError,
-    RankId, RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerConfig, TrackerError, TrackerStats, Transfer,
-    WriteOp,
+    BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure,
+    Fence, HostBuffer, KvTransferBackend, MemDesc, MemError, Notification, NotificationBody, NotifyStyle, PeerId,
+    PlanError, RankId, RegionId, Registration, RequestId, SenderKey, Side, Status, Topology, TrackerConfig,
+    TrackerError, TrackerStats, Transfer, WriteOp,
 };
 use serde::{Deserialize, Serialize};
 
@@ -942,7 +942,8 @@ impl ReceiverSession {
             Some(keys) => keys,
             None => self.expected_senders(),
         };
-        let spec = ExpectSpec { generation: options.generation, senders, aux: options.aux, state: options.state, deadline };
+        let spec =
+            ExpectSpec { generation: options.generation, senders, aux: options.aux, state: options.state, deadline };
         lock(&self.tracker)
             .expect(request, spec, Instant::now())
             .map(|_| ())
