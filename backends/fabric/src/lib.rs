@@ -28,6 +28,8 @@
 mod backend;
 pub mod baseline;
 pub mod ffi;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod wire;
 
 use std::sync::Arc;

@@ -1,6 +1,8 @@
 //! What travels besides the data: the endpoint-metadata payload and the messages between endpoints.
 //!
 //! Every message is a 20-byte header (kind, sender nonce, receiver nonce, sequence) and a body.
+//! Header bytes: magic 0xfb, kind, 2 reserved bytes (written as 0, ignored when read), then the
+//! sender nonce (u32), the receiver nonce (u32) and the sequence (u64), little endian.
 //! Notification bodies are fragments of the toolkit's [`kvxfer_core::toolkit::Fragmenter`] (sized to
 //! the receiver's posted buffers) and are put back together by its `Reassembler`; [`Staged`] pairs
 //! an attached notification with the remote-CQ-data token of its last write.

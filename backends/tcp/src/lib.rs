@@ -12,7 +12,8 @@
 //! - **Both notification styles.** Attached notifications ride on data stream 0 after the data and
 //!   are delivered only once every stream's part of the batch is placed (never for an aborted batch);
 //!   out-of-band notifications use a separate control stream.
-//! - **Several streams per peer** (`connections`), ops striped over them by bytes.
+//! - **Several streams per peer** (`connections`), a post's frames dealt over them by bytes; each
+//!   stream runs on a thread of its own (a current-thread runtime watching only that socket).
 //! - **Wire safety.** A random per-endpoint token, carried only in the endpoint metadata, is checked
 //!   in the handshake. Every WRITE frame is checked against the receiver's registered regions (every
 //!   stride step, payload length, overlaps with itself and with frames in flight on other streams)
@@ -25,13 +26,18 @@
 //! environment fallbacks `KVXFER_TCP_<OPTION>`): `listen` (default `127.0.0.1:0`), `advertise`
 //! (host put in the metadata; default: the listen address, or 127.0.0.1 when it is unspecified),
 //! `connections` (data streams per peer, default 2), `timeout_s` (connect, handshake, frame,
-//! acknowledgement and disconnect deadline, default 120).
+//! acknowledgement and disconnect deadline, default 120), `socket_buffer` (SO_SNDBUF/SO_RCVBUF in
+//! bytes, default 0: the kernel's autotuning), `poll_us` (how long a receiving stream polls its empty
+//! socket before sleeping, default 0).
 
 pub mod wire;
 
+#[doc(hidden)]
+pub mod fuzzing;
 mod io;
 mod recv;
 mod send;
+mod sock;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -46,7 +52,7 @@ use kvxfer_core::{
 };
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 
 use crate::recv::Shared;
@@ -91,18 +97,28 @@ pub struct TcpOptions {
     pub connections: u32,
     /// Deadline for connect, handshake, a frame's body, an acknowledgement, and a disconnect.
     pub timeout: Duration,
+    /// SO_SNDBUF and SO_RCVBUF requested for every stream, in bytes (0: the kernel's autotuning).
+    pub socket_buffer: u32,
+    /// How long a receiving stream polls its empty socket before it sleeps (zero: never polls).
+    pub poll: Duration,
 }
 
 impl TcpOptions {
     /// Parses `config.options`, falling back to `KVXFER_TCP_<OPTION>` environment variables, then
     /// to the defaults. Unknown options are an error that lists the known ones.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let o = Options::new(NAME, config, &["listen", "advertise", "connections", "timeout_s"])?;
+        let o = Options::new(
+            NAME,
+            config,
+            &["listen", "advertise", "connections", "timeout_s", "socket_buffer", "poll_us"],
+        )?;
         Ok(Self {
             listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an address like 127.0.0.1:0")?,
             advertise: o.get("advertise"),
             connections: o.int_in("connections", 2, 1..=64)?,
             timeout: o.seconds("timeout_s", Duration::from_secs(120), 86_400.0)?,
+            socket_buffer: o.int_in("socket_buffer", sock::DEFAULT_BUFFER, 0..=1 << 30)?,
+            poll: Duration::from_micros(o.int_in("poll_us", recv::DEFAULT_POLL.as_micros() as u64, 0..=1_000_000)?),
         })
     }
 }
@@ -147,7 +163,8 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn from_hex(s: &str) -> Option<[u8; wire::TOKEN_LEN]> {
-    if s.len() != 2 * wire::TOKEN_LEN {
+    // Hex digits only: `from_str_radix` alone also takes a sign (`+f`).
+    if s.len() != 2 * wire::TOKEN_LEN || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; wire::TOKEN_LEN];
@@ -216,14 +233,11 @@ impl TcpBackend {
         };
         let io_err =
             |context: String, e: std::io::Error| BackendError::Io { backend: NAME, context, detail: e.to_string() };
-        let std_listener =
-            std::net::TcpListener::bind(opts.listen).map_err(|e| io_err(format!("binding {}", opts.listen), e))?;
-        std_listener.set_nonblocking(true).map_err(|e| io_err("making the listener non-blocking".into(), e))?;
-        let local = std_listener.local_addr().map_err(|e| io_err("reading the listen address".into(), e))?;
         let listener = {
             let _guard = rt.enter();
-            TcpListener::from_std(std_listener).map_err(|e| io_err("registering the listener".into(), e))?
+            sock::listen(opts.listen, opts.socket_buffer).map_err(|e| io_err(format!("binding {}", opts.listen), e))?
         };
+        let local = listener.local_addr().map_err(|e| io_err("reading the listen address".into(), e))?;
         let host = match &opts.advertise {
             Some(h) => h.clone(),
             None if local.ip().is_unspecified() => "127.0.0.1".into(),
@@ -234,13 +248,16 @@ impl TcpBackend {
         } else {
             format!("{host}:{}", local.port())
         };
-        let shared = Arc::new(Shared::new(
-            config.identity,
-            random_bytes()?,
-            RegionTable::new(NAME, CAPABILITIES.limits.max_regions),
-            Arc::new(EventQueue::new()),
-            opts.timeout,
-        ));
+        let shared = Arc::new(
+            Shared::new(
+                config.identity,
+                random_bytes()?,
+                RegionTable::new(NAME, CAPABILITIES.limits.max_regions),
+                Arc::new(EventQueue::new()),
+                opts.timeout,
+            )
+            .with_poll(opts.poll),
+        );
         let accept = rt.spawn(recv::accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(Self { shared, opts, advertised, peers: PeerTable::new(NAME), accept, rt })
     }
@@ -263,7 +280,7 @@ impl TcpBackend {
     ) -> Result<TcpStream, BackendError> {
         let conn = |detail: String| BackendError::Connect { backend: NAME, peer: m.addr.clone(), detail };
         let t = self.opts.timeout;
-        let mut s = tokio::time::timeout(t, TcpStream::connect(&m.addr))
+        let mut s = tokio::time::timeout(t, sock::connect(&m.addr, self.opts.socket_buffer))
             .await
             .map_err(|_| conn(format!("no connection within {t:?}")))?
             .map_err(|e| conn(e.to_string()))?;

@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::wire::{self, FrameType, Header, OpDesc};
-use crate::{io, NAME};
+use crate::{io, sock, NAME};
 
 /// Payload bytes of one WRITE frame at most: an abort waits for at most one frame per stream.
 pub(crate) const FRAME_BYTES: u64 = 8 << 20;
@@ -66,6 +66,14 @@ impl Item {
 fn split(item: Item, piece: u64, mut put: impl FnMut(Item)) {
     let (s, d) = (item.src, item.dst);
     let contiguous = wire::contiguous(s.stride, s.len, s.count) && wire::contiguous(d.stride, d.len, d.count);
+    if contiguous && item.bytes() <= piece {
+        // The common case (a block, a page run): one piece, without the segmenter's allocation.
+        let len = item.bytes();
+        return put(Item {
+            src: SrcOp { len, stride: len, count: 1, ..s },
+            dst: OpDesc { len, stride: len, count: 1, ..d },
+        });
+    }
     if contiguous || s.len > piece {
         for k in 0..if contiguous { 1 } else { s.count } {
             let op = WriteOp::contiguous(
@@ -96,40 +104,41 @@ fn split(item: Item, piece: u64, mut put: impl FnMut(Item)) {
     }
 }
 
-/// Deals the items over `streams` streams (least loaded first, order kept per stream) and packs
-/// each stream's items into frames. Returns, per stream, its frames.
+/// Packs the items, in post order, into frames and deals the frames over `streams` streams (least
+/// loaded first, order kept per stream). Returns, per stream, its frames.
+///
+/// Frames carry consecutive items, so a post of small blocks read in source order keeps its source
+/// contiguous within a frame (one read guard and one slice per run, see [`source_runs`]); frames
+/// hold at most a quarter of a stream's share of the post (at least 64 KiB, at most
+/// [`FRAME_BYTES`]), so the streams stay balanced and a stream's first frame is on the wire early.
 pub(crate) fn plan(items: Vec<Item>, streams: usize, total: u64) -> Vec<Vec<Vec<Item>>> {
     let piece = if streams == 1 { FRAME_BYTES } else { (total / (streams as u64 * 4)).clamp(64 << 10, FRAME_BYTES) };
-    let mut per: Vec<Vec<Item>> = vec![Vec::new(); streams];
-    let mut load = vec![0u64; streams];
+    let mut frames: Vec<Vec<Item>> = Vec::new();
+    let (mut bytes, mut pieces) = (0u64, 0u64);
     for item in items {
         split(item, piece, |it| {
-            let i = (0..streams).min_by_key(|i| load[*i]).expect("at least one stream");
-            load[i] += it.bytes();
-            per[i].push(it);
+            let fits = frames.last().is_some_and(|f| {
+                f.len() < wire::MAX_OPS as usize
+                    && bytes + it.bytes() <= piece
+                    && pieces + it.pieces() <= wire::MAX_FRAME_RANGES
+            });
+            if !fits {
+                frames.push(Vec::new());
+                (bytes, pieces) = (0, 0);
+            }
+            bytes += it.bytes();
+            pieces += it.pieces();
+            frames.last_mut().expect("pushed").push(it);
         });
     }
-    per.into_iter()
-        .map(|items| {
-            let mut frames: Vec<Vec<Item>> = Vec::new();
-            let (mut bytes, mut pieces) = (0u64, 0u64);
-            for it in items {
-                let fits = frames.last().is_some_and(|f| {
-                    f.len() < wire::MAX_OPS as usize
-                        && bytes + it.bytes() <= FRAME_BYTES
-                        && pieces + it.pieces() <= wire::MAX_FRAME_RANGES
-                });
-                if !fits {
-                    frames.push(Vec::new());
-                    (bytes, pieces) = (0, 0);
-                }
-                bytes += it.bytes();
-                pieces += it.pieces();
-                frames.last_mut().expect("pushed").push(it);
-            }
-            frames
-        })
-        .collect()
+    let mut per: Vec<Vec<Vec<Item>>> = vec![Vec::new(); streams];
+    let mut load = vec![0u64; streams];
+    for f in frames {
+        let i = (0..streams).min_by_key(|i| load[*i]).expect("at least one stream");
+        load[i] += f.iter().map(Item::bytes).sum::<u64>();
+        per[i].push(f);
+    }
+    per
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -366,13 +375,20 @@ impl Link {
             timeout,
         });
         let mut out = Vec::with_capacity(streams.len());
-        for s in streams {
-            let (r, w) = s.into_split();
+        for (i, s) in streams.into_iter().enumerate() {
             let (tx, rx) = mpsc::unbounded_channel();
-            let acks = Acks::default();
-            let wt = tokio::spawn(writer(w, rx, Arc::clone(&acks), Arc::clone(&state)));
-            let rt = tokio::spawn(reader(r, acks, Arc::clone(&state)));
-            lock(&state.tasks).extend([wt.abort_handle(), rt.abort_handle()]);
+            // Each stream's writer and acknowledgement reader run on a thread of their own (see
+            // `sock::on_own_thread`).
+            let st = Arc::clone(&state);
+            let started = sock::on_own_thread(s, &format!("kvxfer-tcp-tx{i}"), move |s| {
+                let (r, w) = s.into_split();
+                let acks = Acks::default();
+                vec![tokio::spawn(writer(w, rx, Arc::clone(&acks), Arc::clone(&st))), tokio::spawn(reader(r, acks, st))]
+            });
+            match started {
+                Ok(tasks) => lock(&state.tasks).extend(tasks),
+                Err(e) => state.fail(state.lost(format!("starting the stream's thread: {e}"))),
+            }
             out.push(Stream { tx });
         }
         let control = out.pop().expect("control stream");
@@ -466,6 +482,31 @@ fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
     h.encode()
 }
 
+/// A frame's source pieces as `(slot, offset, count, stride, len)` runs, in wire order: contiguous
+/// pieces that continue the previous contiguous run in the same source region extend it (one
+/// range); a strided piece stays its own run.
+fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
+    let mut runs: Vec<(usize, u64, u64, u64, u64)> = Vec::with_capacity(ops.len());
+    for op in ops {
+        let contiguous = wire::contiguous(op.stride, op.len, op.count);
+        if let Some(last) = runs.last_mut() {
+            let (slot, offset, count, _, len) = *last;
+            if contiguous && count == 1 && slot == op.slot && offset + len == op.offset {
+                let len = len + op.len * op.count;
+                *last = (slot, offset, 1, len, len);
+                continue;
+            }
+        }
+        if contiguous {
+            let len = op.len * op.count;
+            runs.push((op.slot, op.offset, 1, len, len));
+        } else {
+            runs.push((op.slot, op.offset, op.count, op.stride, op.len));
+        }
+    }
+    runs
+}
+
 /// Starts and writes one WRITE frame, or drops it (a DROP PART in its place when it carried the
 /// stream's part of an attached notification).
 async fn write_job(
@@ -480,17 +521,19 @@ async fn write_job(
     let dropped = if note_part { &dropped[..] } else { &[] };
     let Some(refs) = xfer.start(true) else { return w.write_all(dropped).await };
     let _holding = Holding(Arc::clone(&xfer));
-    // One read guard per op piece, over its span: reads exclude only writes, so the ranges are
-    // sliced out of it (a guard per range would cost more than sending a short range).
+    // One read guard per run of source bytes: reads exclude only writes, so the ranges are sliced
+    // out of it (a guard per range would cost more than sending a short range), and contiguous ops
+    // that continue each other in the same source region (a post of many small blocks read in
+    // order, landing anywhere) share one guard and one slice.
     let mut guards = Vec::with_capacity(ops.len());
-    for op in &ops {
-        let span = (op.count - 1) * op.stride + op.len;
-        match refs[op.slot].desc().read_guard(op.offset, span) {
-            Ok(g) => guards.push((g, op.count, op.stride, op.len)),
+    for (slot, offset, count, stride, len) in source_runs(&ops) {
+        let span = (count - 1) * stride + len;
+        match refs[slot].desc().read_guard(offset, span) {
+            Ok(g) => guards.push((g, count, stride, len)),
             Err(e) => {
                 xfer.unstart(BackendError::Io {
                     backend: NAME,
-                    context: format!("reading source {}", refs[op.slot].id()),
+                    context: format!("reading source {}", refs[slot].id()),
                     detail: format!("{e} (a transfer into this endpoint is writing a source range)"),
                 });
                 drop(guards);
@@ -592,6 +635,33 @@ mod tests {
     }
 
     #[test]
+    fn source_runs_merge_only_continuing_contiguous_pieces() {
+        let op = |slot, offset, len, count, stride| SrcOp { slot, offset, stride, len, count };
+        let ops = [
+            op(0, 0, 4096, 1, 4096),
+            op(0, 4096, 4096, 1, 4096),
+            op(0, 8192, 1024, 4, 1024),  // contiguous strided form: continues the run
+            op(1, 12288, 4096, 1, 4096), // another region
+            op(1, 20480, 4096, 1, 4096), // a gap
+            op(1, 24576, 256, 8, 512),   // strided: its own run
+            op(1, 28672, 256, 1, 256),   // continues the strided piece's last range, but not a run
+            op(1, 28928, 256, 1, 256),
+        ];
+        assert_eq!(
+            source_runs(&ops),
+            vec![
+                (0, 0, 1, 12288, 12288),
+                (1, 12288, 1, 4096, 4096),
+                (1, 20480, 1, 4096, 4096),
+                (1, 24576, 8, 512, 256),
+                (1, 28672, 1, 512, 512),
+            ]
+        );
+        let bytes = |r: &[(usize, u64, u64, u64, u64)]| r.iter().map(|r| r.2 * r.4).sum::<u64>();
+        assert_eq!(bytes(&source_runs(&ops)), ops.iter().map(|o| o.len * o.count).sum::<u64>());
+    }
+
+    #[test]
     fn planning_covers_every_byte_once_within_frame_limits() {
         let items = vec![
             item(0, 3 << 20, 0, 3 << 20, 3 << 20, 1),
@@ -616,6 +686,17 @@ mod tests {
             }
             assert_eq!(sum, total, "{streams} streams");
         }
+        // Small blocks read in source order (landing anywhere): every frame reads one source run,
+        // and the streams carry equal shares.
+        let blocks: Vec<Item> =
+            (0..4096u64).map(|i| item(i << 12, 4096, ((i * 7919) % 4096) << 12, 4096, 4096, 1)).collect();
+        let out = plan(blocks, 2, 16 << 20);
+        for f in out.iter().flatten() {
+            let ops: Vec<SrcOp> = f.iter().map(|i| i.src).collect();
+            assert_eq!(source_runs(&ops).len(), 1);
+        }
+        let shares: Vec<u64> = out.iter().map(|s| s.iter().flatten().map(Item::bytes).sum()).collect();
+        assert_eq!(shares, vec![8 << 20, 8 << 20]);
         // The strided op keeps its source/destination correspondence.
         let out = plan(vec![item(0, 512, 8, 1024, 256, 2000)], 3, 512_000);
         let mut pairs: Vec<(u64, u64)> = out.iter().flatten().flatten().map(|i| (i.dst.offset, i.src.offset)).collect();

@@ -225,7 +225,8 @@ pub fn encode_hello_reply(identity: u64, rejection: Option<&str>) -> Vec<u8> {
     b
 }
 
-/// A decoded HELLO reply header: `(server identity, rejected, reason length)`.
+/// A decoded HELLO reply header: `(server identity, rejected, reason length)`. Checks magic, version,
+/// status and the reserved byte; only a rejection carries a reason.
 pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32), WireError> {
     if b[0..4] != HELLO_MAGIC {
         bail!("peer did not answer the kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
@@ -239,9 +240,15 @@ pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32),
         1 => true,
         s => bail!("unknown handshake status {s}"),
     };
+    if b[7] != 0 {
+        bail!("reserved handshake reply byte is not zero");
+    }
     let len = u32_at(b, 16);
     if len > MAX_MESSAGE {
         bail!("handshake reason of {len} bytes exceeds {MAX_MESSAGE}");
+    }
+    if !rejected && len != 0 {
+        bail!("an accepted handshake with a reason of {len} bytes");
     }
     Ok((u64_at(b, 8), rejected, len))
 }

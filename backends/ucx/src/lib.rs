@@ -60,6 +60,8 @@ use kvxfer_core::{
 use tokio::sync::oneshot;
 
 mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 mod liveness;
 pub mod perftest;
 mod ucp;

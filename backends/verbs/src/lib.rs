@@ -30,6 +30,8 @@ pub mod attrs;
 mod emu;
 mod endpoint;
 mod ffi;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod proto;
 pub mod ring;
 mod transfer;

@@ -16,6 +16,8 @@
 
 pub mod backend;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod heads;
 pub mod mem;
 pub mod model;

@@ -12,6 +12,7 @@
 //! aux, state: u32 length, payload bytes (at most MAX_PAYLOAD)
 //! failure, abort: u16 length, UTF-8 reason (at most MAX_REASON bytes)
 //! handoff: u8 has-aux (0 or 1), u32 aux slot, u32 page count, that many u32 pages (payload at most MAX_PAYLOAD)
+//!          (the aux slot is written as 0 when has-aux is 0, and ignored by the decoder)
 //! fenced: nothing
 //! ```
 //!

@@ -9,6 +9,8 @@
 
 pub mod bootstrap;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metadata;
 pub mod session;
 
