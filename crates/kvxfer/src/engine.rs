@@ -812,8 +812,7 @@ impl Receiver {
         )
         .with_generation(generation);
         let inner2 = Arc::clone(inner);
-        let room = self.room;
-        inner.handle.spawn(async move { inner2.hand_off(room, note).await });
+        inner.handle.spawn(async move { inner2.hand_off(note).await });
         Ok(())
     }
 
@@ -942,7 +941,7 @@ impl Sender {
                     first.get_or_insert(e.to_string());
                 }
             }
-            this.part_done(room, first.map_or(Ok(()), Err), false);
+            this.part_done(room, first.map_or(Ok(()), Err));
         });
         Ok(())
     }
@@ -1346,7 +1345,7 @@ impl Inner {
         }
     }
 
-    async fn hand_off(self: Arc<Self>, room: RequestId, note: Notification) {
+    async fn hand_off(self: Arc<Self>, note: Notification) {
         // Bootstrapping: wait (bounded by the request's deadline) for the connections.
         let deadline = Instant::now() + self.cfg.request_timeout;
         while !self.connected.load(Ordering::Acquire) && Instant::now() < deadline {
@@ -1359,7 +1358,6 @@ impl Inner {
         let senders = self.topo.senders(self.cfg.rank);
         let sends = senders.iter().map(|p| self.to_prefill(*p, &note));
         join_all(sends).await;
-        let _ = room;
         self.wake.notify_waiters();
     }
 
@@ -1700,7 +1698,7 @@ impl Inner {
         let this = Arc::clone(self);
         let handle = self.handle.spawn(async move {
             let r = part.await;
-            this.part_done(room, r.clone(), finish && last);
+            this.part_done(room, r.clone());
             r
         });
         if !whole && !finish {
@@ -1714,19 +1712,16 @@ impl Inner {
         Ok(())
     }
 
-    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>, was_last: bool) {
+    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>) {
         {
             let mut sends = lock(&self.sends);
             let Some(q) = sends.get_mut(&room) else { return };
             q.outstanding = q.outstanding.saturating_sub(1);
-            match r {
-                Err(e) if q.failure.is_none() => {
+            if let Err(e) = r {
+                if q.failure.is_none() {
                     q.failure = Some(format!("prefill rank {}: {e}", self.cfg.rank));
                     q.cancel.cancel(e);
                 }
-                Err(_) => {}
-                Ok(()) if was_last && q.failure.is_none() => {}
-                Ok(()) => {}
             }
             if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
                 q.done = true;
