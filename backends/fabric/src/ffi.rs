@@ -423,6 +423,11 @@ pub struct Endpoint {
     next_mr: u64,
     next_key: u64,
     name: Vec<u8>,
+    /// Every address inserted into `av`, with its `fi_addr_t`. Kept for the endpoint's whole life
+    /// (across recycling): an address is inserted once. libfabric 1.17's shm counts every insertion,
+    /// duplicates included, against its 256-peer limit, so re-inserting the addresses of recycled
+    /// peers once per use made `fi_av_insert` fail after 256 uses of a recycled endpoint.
+    av_known: HashMap<Vec<u8>, u64>,
     /// In-flight operations by context address. Dropped after the handles are closed (Drop below).
     ops: HashMap<usize, Op>,
     recv_slab: Option<(MemDesc, MrHandle, usize)>,
@@ -620,6 +625,7 @@ impl Endpoint {
             next_mr: 1,
             next_key: 1,
             name: Vec::new(),
+            av_known: HashMap::new(),
             ops: HashMap::new(),
             recv_slab: None,
             unposted: Vec::new(),
@@ -727,22 +733,36 @@ impl Endpoint {
         self.tx_in_flight
     }
 
-    /// Inserts a peer's address into the address vector.
+    /// Inserts a peer's address into the address vector, once: inserting a known address again
+    /// returns its `fi_addr_t` without calling the provider.
     pub fn av_insert(&mut self, addr: &[u8]) -> Result<u64, BackendError> {
+        if let Some(&known) = self.av_known.get(addr) {
+            return Ok(known);
+        }
         let mut fi_addr: u64 = FI_ADDR_UNSPEC;
         // SAFETY: `addr` is a readable buffer; the provider reads one address of its own format from it
         // (the caller checked the peer uses the same provider, whose fi_getname produced it);
         // `fi_addr` is a valid out-pointer.
         let n = unsafe { sys::kvx_fi_av_insert(self.av, addr.as_ptr().cast(), 1, &mut fi_addr, 0, ptr::null_mut()) };
         if n != 1 {
-            let code = if n < 0 { n as i64 } else { -(sys::FI_EINVAL as i64) };
-            return Err(BackendError::Ffi {
-                backend: NAME,
-                call: "fi_av_insert",
-                code,
-                detail: format!("{}; inserted {n} of 1 addresses ({} bytes)", strerror(code), addr.len()),
-            });
+            // A synchronous AV without an event queue reports a refused address only by inserting
+            // none: there is no error code to give.
+            let (code, detail) = if n < 0 {
+                (n as i64, format!("{}; {} bytes of address", strerror(n as i64), addr.len()))
+            } else {
+                (
+                    -(sys::FI_EINVAL as i64),
+                    format!(
+                        "the provider inserted {n} of 1 addresses ({} bytes) and gives no reason; this \
+                         address vector holds {} addresses (libfabric 1.17's shm refuses more than 256)",
+                        addr.len(),
+                        self.av_known.len()
+                    ),
+                )
+            };
+            return Err(BackendError::Ffi { backend: NAME, call: "fi_av_insert", code, detail });
         }
+        self.av_known.insert(addr.to_vec(), fi_addr);
         Ok(fi_addr)
     }
 
