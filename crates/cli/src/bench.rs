@@ -566,7 +566,8 @@ fn peer_main(args: &PeerArgs) -> Result<(), String> {
                 let mut metas = Vec::new();
                 for (i, rank) in ranks.iter().enumerate() {
                     let identity = kvxfer::engine::identity(Side::Decode, *rank) | ((i as u64) << 32);
-                    let config = BackendConfig { identity, options: args.backend_opts.iter().cloned().collect() };
+                    let config =
+                        BackendConfig { identity, options: args.backend_opts.iter().cloned().collect(), secret: None };
                     let backend = kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
                     let ids: Vec<(RegionId, u64)> = regions.iter().map(|(r, l)| (RegionId(*r), *l)).collect();
                     let regs = rt.block_on(register_regions(backend.as_ref(), &ids, |_, _| {}))?;
@@ -771,7 +772,7 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
     let _g = rt.enter();
-    let config = BackendConfig { identity: 1, options: args.backend_opts.iter().cloned().collect() };
+    let config = BackendConfig { identity: 1, options: args.backend_opts.iter().cloned().collect(), secret: None };
     let backend: Arc<dyn KvTransferBackend> =
         kvxfer::backends::create(&args.backend, &config).map_err(|e| e.to_string())?;
     // Registered (and kept so) for every run; the sessions and the raw posts read them.

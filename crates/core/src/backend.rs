@@ -334,12 +334,23 @@ pub struct BackendConfig {
     pub identity: u64,
     /// Backend-specific options, e.g. `listen=127.0.0.1:0`, `connections=4`, `tls=tcp`.
     pub options: BTreeMap<String, String>,
+    /// The cluster's shared secret ([`crate::secret`]). When set, a backend that supports it admits
+    /// only connections that prove the same secret by challenge-response, binds each connection to
+    /// the identity it proved, and proves itself to the peers it connects to; when unset, it trusts
+    /// whoever reaches its ports (the backend's README says what that means for it). Never printed.
+    pub secret: Option<crate::secret::Secret>,
 }
 
 impl BackendConfig {
     /// A config with an identity and no options.
     pub fn new(identity: u64) -> Self {
-        Self { identity, options: BTreeMap::new() }
+        Self { identity, options: BTreeMap::new(), secret: None }
+    }
+
+    /// Sets the shared secret.
+    pub fn with_secret(mut self, secret: Option<crate::secret::Secret>) -> Self {
+        self.secret = secret;
+        self
     }
 
     /// Adds an option.

@@ -8,6 +8,7 @@
 //! - [`backend`]: the [`KvTransferBackend`] trait, capabilities, and the `inventory` registry.
 //! - [`mem`]: memory descriptors with a kind, and the memory-lifetime rules (the crate's only
 //!   `unsafe`, behind [`MemDesc::from_raw_parts`]).
+//! - [`secret`]: the cluster's shared secret and the keyed proofs of every authenticated channel.
 //! - [`toolkit`]: what every backend needs (region and peer tables, event queue, options,
 //!   op segmentation, notification fragments), written once.
 //!
@@ -24,6 +25,7 @@ pub mod model;
 pub mod notify;
 pub mod oracle;
 pub mod plan;
+pub mod secret;
 pub mod toolkit;
 pub mod tracker;
 
@@ -40,6 +42,7 @@ pub use model::{
 };
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
+pub use secret::{Secret, SecretError, SECRET_ENV};
 pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Status, TrackerConfig, TrackerStats};
 
 /// Re-exported so backend crates submit descriptors without naming `inventory` themselves.

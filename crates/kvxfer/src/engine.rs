@@ -65,7 +65,8 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use kvxfer_core::{
     BackendConfig, BackendEvent, BufferRef, Fence, KvTransferBackend, MemDesc, Notification, NotificationBody,
-    NotifyStyle, PeerId, RankId, RequestId, SenderKey, Side, Status, Topology, TrackerConfig, TrackerStats,
+    NotifyStyle, PeerId, RankId, RequestId, Secret, SecretError, SenderKey, Side, Status, Topology, TrackerConfig,
+    TrackerStats,
 };
 use serde::{Deserialize, Serialize};
 
@@ -131,6 +132,11 @@ pub struct AgentConfig {
     pub window: Window,
     /// A label for this rank in peers' error messages (host, process id).
     pub label: String,
+    /// The cluster's shared secret: proved to the bootstrap service on every request, and given to
+    /// the backend ([`BackendConfig::secret`]), which then admits only connections from ranks that
+    /// prove it. `None` (the default of [`AgentConfig::new`]) trusts everyone who can reach the ports;
+    /// [`AgentConfig::with_env_secret`] takes it from `KVXFER_SECRET`.
+    pub secret: Option<Secret>,
 }
 
 impl AgentConfig {
@@ -153,7 +159,16 @@ impl AgentConfig {
             early_ttl: Duration::from_secs(60),
             window: Window::default(),
             label: format!("pid {}", std::process::id()),
+            secret: None,
         }
+    }
+
+    /// Sets [`Self::secret`] from `KVXFER_SECRET` when that is set (an empty one is an error).
+    pub fn with_env_secret(mut self) -> Result<Self, SecretError> {
+        if let Some(s) = Secret::from_env()? {
+            self.secret = Some(s);
+        }
+        Ok(self)
     }
 }
 
@@ -453,7 +468,11 @@ impl Agent {
         let setup = |detail: String| EngineError::Setup { role, rank, detail };
         let topo = cfg.topology;
         topo.check_rank(role, rank).map_err(|e| setup(e.to_string()))?;
-        let bcfg = BackendConfig { identity: identity(role, rank), options: cfg.backend_options.clone() };
+        let bcfg = BackendConfig {
+            identity: identity(role, rank),
+            options: cfg.backend_options.clone(),
+            secret: cfg.secret.clone(),
+        };
         let backend = crate::backends::create(&cfg.backend, &bcfg).map_err(|e| setup(e.to_string()))?;
         backend.capabilities().check_style(backend.name(), cfg.notify).map_err(|e| setup(e.to_string()))?;
         let (pool, pool_memory, registrations) = match memory {
@@ -495,9 +514,10 @@ impl Agent {
                 ),
             ),
         };
-        let store = crate::metadata::connect(&cfg.metadata, crate::metadata::DEFAULT_OP_TIMEOUT)
-            .await
-            .map_err(|e| setup(e.to_string()))?;
+        let store =
+            crate::metadata::connect_with(&cfg.metadata, crate::metadata::DEFAULT_OP_TIMEOUT, cfg.secret.clone())
+                .await
+                .map_err(|e| setup(e.to_string()))?;
         let me = RankRegistration {
             role,
             rank,

@@ -21,17 +21,8 @@
 //! client does not authenticate the service. Use a private network, or a tunnel, for that.
 
 use std::fmt;
-use std::path::Path;
-use std::sync::Arc;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
-/// The environment variable a secret is read from ([`Secret::from_env`]).
-pub const SECRET_ENV: &str = "KVXFER_SECRET";
-
-/// Length of a challenge nonce, in bytes.
-pub const NONCE_BYTES: usize = 32;
+pub use kvxfer_core::secret::{nonce, Secret, SecretError, NONCE_BYTES, SECRET_ENV};
 
 /// Domain separation: proofs of this protocol cannot be confused with other uses of the same secret.
 const CONTEXT: &[u8] = b"kvxfer-bootstrap-auth-v1\0";
@@ -41,100 +32,6 @@ pub(crate) const AUTH_PREFIX: &str = "{\"auth\":\"";
 
 /// Hex digits of a proof (HMAC-SHA256).
 const PROOF_HEX: usize = 64;
-
-type HmacSha256 = Hmac<Sha256>;
-
-/// A shared secret. Its bytes are never printed: `Debug` shows `Secret(..)`, and there is no
-/// `Display` and no serialization. Clones share one copy.
-#[derive(Clone)]
-pub struct Secret(Arc<[u8]>);
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
-
-/// A secret that cannot be used, saying why and what to do (never with the secret itself).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SecretError {
-    /// The secret is empty.
-    #[error("the shared secret from {source_name} is empty; put at least 16 random bytes there (e.g. `head -c 32 /dev/urandom | base64`)")]
-    Empty {
-        /// Where it came from (a file name or the environment variable).
-        source_name: String,
-    },
-    /// The secret file cannot be read.
-    #[error("cannot read the shared secret from {path}: {detail}")]
-    Unreadable {
-        /// The file.
-        path: String,
-        /// The cause.
-        detail: String,
-    },
-}
-
-impl Secret {
-    /// A secret from bytes; refuses an empty one.
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, SecretError> {
-        Self::named(bytes.into(), "the caller")
-    }
-
-    fn named(bytes: Vec<u8>, source_name: &str) -> Result<Self, SecretError> {
-        if bytes.is_empty() {
-            return Err(SecretError::Empty { source_name: source_name.to_owned() });
-        }
-        Ok(Self(bytes.into()))
-    }
-
-    /// The secret in [`SECRET_ENV`] (`KVXFER_SECRET`): `None` when the variable is not set, an error
-    /// when it is set but empty. Its bytes are used as they are (no trimming).
-    pub fn from_env() -> Result<Option<Self>, SecretError> {
-        match std::env::var_os(SECRET_ENV) {
-            None => Ok(None),
-            Some(v) => Self::named(os_bytes(v), SECRET_ENV).map(Some),
-        }
-    }
-
-    /// The secret in a file: its bytes, without trailing line breaks and spaces (so `echo secret >
-    /// file` works). Errors name the file, never its content.
-    pub fn from_file(path: &Path) -> Result<Self, SecretError> {
-        let mut bytes = std::fs::read(path)
-            .map_err(|e| SecretError::Unreadable { path: path.display().to_string(), detail: e.to_string() })?;
-        while bytes.last().is_some_and(|b| matches!(b, b'\n' | b'\r' | b' ' | b'\t')) {
-            bytes.pop();
-        }
-        Self::named(bytes, &path.display().to_string())
-    }
-
-    /// The proof for `body` on a connection whose challenge was `nonce`.
-    fn mac(&self, nonce: &[u8], body: &[u8]) -> HmacSha256 {
-        // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
-        let mut mac = <HmacSha256 as Mac>::new_from_slice(&self.0).unwrap_or_else(|_| unreachable!("HMAC key"));
-        mac.update(CONTEXT);
-        mac.update(nonce);
-        mac.update(body);
-        mac
-    }
-}
-
-#[cfg(unix)]
-fn os_bytes(v: std::ffi::OsString) -> Vec<u8> {
-    use std::os::unix::ffi::OsStringExt;
-    v.into_vec()
-}
-
-#[cfg(not(unix))]
-fn os_bytes(v: std::ffi::OsString) -> Vec<u8> {
-    v.to_string_lossy().into_owned().into_bytes()
-}
-
-/// A fresh challenge nonce from the operating system's random source.
-pub(crate) fn nonce() -> std::io::Result<[u8; NONCE_BYTES]> {
-    let mut n = [0u8; NONCE_BYTES];
-    getrandom::getrandom(&mut n).map_err(std::io::Error::other)?;
-    Ok(n)
-}
 
 /// Lower-case hex.
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -182,7 +79,7 @@ pub(crate) fn parse_challenge(line: &str) -> Option<Vec<u8>> {
 /// The request line to send (without newline) for a request serialized as `body` (a JSON object),
 /// on a connection whose challenge was `nonce`.
 pub(crate) fn sign(secret: &Secret, nonce: &[u8], body: &[u8]) -> Vec<u8> {
-    let proof = hex(&secret.mac(nonce, body).finalize().into_bytes());
+    let proof = hex(&secret.proof(&[CONTEXT, nonce, body]));
     let rest = body.strip_prefix(b"{").unwrap_or(body);
     let mut line = Vec::with_capacity(AUTH_PREFIX.len() + PROOF_HEX + 2 + rest.len());
     line.extend_from_slice(AUTH_PREFIX.as_bytes());
@@ -226,7 +123,9 @@ pub(crate) fn verify(secret: &Secret, nonce: &[u8], line: &str) -> Result<String
     let mut body = String::with_capacity(rest.len() + 1);
     body.push('{');
     body.push_str(rest);
-    secret.mac(nonce, body.as_bytes()).verify_slice(&proof).map_err(|_| Refusal::Wrong)?;
+    if !secret.verify(&[CONTEXT, nonce, body.as_bytes()], &proof) {
+        return Err(Refusal::Wrong);
+    }
     Ok(body)
 }
 
@@ -268,7 +167,7 @@ mod tests {
         let f = dir.join("secret");
         std::fs::write(&f, "abc \n").unwrap();
         let s = Secret::from_file(&f).unwrap();
-        assert_eq!(&*s.0, b"abc");
+        assert_eq!(s, Secret::new(b"abc".to_vec()).unwrap());
         std::fs::write(&f, "\n").unwrap();
         let e = Secret::from_file(&f).unwrap_err().to_string();
         assert!(e.contains("empty") && e.contains("secret"), "{e}");
