@@ -55,6 +55,17 @@ pub trait BackendFactory: Send + Sync + 'static {
     fn agent_backend(&self) -> Option<(String, std::collections::BTreeMap<String, String>)> {
         None
     }
+    /// A new endpoint as [`BackendFactory::create`], configured with the cluster secret `secret`
+    /// ([`kvxfer_core::BackendConfig::secret`]). `None` (the default) says the backend does not
+    /// authenticate its connections: the `auth` family is then skipped with that reason.
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<kvxfer_core::Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        let _ = (identity, secret);
+        None
+    }
 }
 
 /// A transfer scenario.

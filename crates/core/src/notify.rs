@@ -111,6 +111,14 @@ impl Notification {
         Self { request, generation: 0, sender, body }
     }
 
+    /// Whether this notification's sender key names the rank `identity`: its [`SenderKey::to_u64`]
+    /// equals it. A rank puts its own identity as the key of every notification it sends, so a
+    /// backend that authenticated a connection as `identity` refuses, as a protocol error of that
+    /// connection, every notification on it for which this is false (a forged sender).
+    pub fn is_from(&self, identity: u64) -> bool {
+        self.sender.to_u64() == identity
+    }
+
     /// The same notification for another generation of its room.
     pub fn with_generation(mut self, generation: u64) -> Self {
         self.generation = generation;

@@ -94,6 +94,14 @@ pub fn from_identity(id: u64) -> (Side, RankId) {
     }
 }
 
+/// The sender key a rank puts on the notifications it sends: its [`identity`] as a key, so that a
+/// backend can bind every notification to the identity its connection proved (`to_u64` of the key
+/// equals the identity; for prefill ranks that is `SenderKey::of(rank)`, for decode ranks the key
+/// carries the decode bit in its `dp` field). Only `tp` and `pp` are read back ([`rank_of_key`]).
+pub fn own_key(side: Side, rank: RankId) -> SenderKey {
+    SenderKey::from_u64(identity(side, rank))
+}
+
 fn rank_of_key(k: SenderKey) -> RankId {
     RankId::new(u32::from(k.tp), u32::from(k.pp))
 }
@@ -827,7 +835,7 @@ impl Receiver {
         };
         let note = Notification::new(
             self.room,
-            SenderKey::of(inner.cfg.rank),
+            own_key(Side::Decode, inner.cfg.rank),
             NotificationBody::Handoff { pages: pages.to_vec(), aux_slot },
         )
         .with_generation(generation);
@@ -1279,8 +1287,9 @@ impl Inner {
                         Some(Status::Failed(f)) => f.to_string(),
                         _ => "aborted".into(),
                     };
-                    let note = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Abort(reason))
-                        .with_generation(generation);
+                    let note =
+                        Notification::new(room, own_key(Side::Decode, self.cfg.rank), NotificationBody::Abort(reason))
+                            .with_generation(generation);
                     let this = Arc::clone(self);
                     self.handle.spawn(async move { this.to_prefill(rank_of_key(k), &note).await });
                 }
