@@ -17,7 +17,9 @@
 //! on both sides at once), `capabilities` (every claim exercised, every unclaimed feature refused),
 //! `selfconnect` and `bidirectional`; and `lifecycle` (a request's life through the engine API's
 //! agents: early handoffs, generations and room reuse, abort from either side, release,
-//! heterogeneous TP).
+//! heterogeneous TP); and `auth` (with the cluster secret: one secret connects, a wrong or missing
+//! one is refused naming authentication, a forged notification is never delivered and its connection
+//! is reported lost; skipped for backends that do not authenticate).
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -33,6 +35,7 @@ use kvxfer_core::{
 };
 use libtest_mimic::{Arguments, Failed, Trial};
 
+mod auth;
 mod contract;
 mod lifecycle;
 
@@ -876,6 +879,11 @@ pub fn trials(factory: Arc<dyn BackendFactory>) -> (Vec<Trial>, Vec<(String, usi
             let skip = style_skip(style).or_else(|| lifecycle::skip_reason(f.as_ref()));
             add(format!("{name}_{}", style_name(style)), skip, Box::new(move || block(case(f, style))));
         }
+    }
+    let auth_skip = global_skip.clone().or_else(|| auth::skip_reason(factory.as_ref()));
+    for (name, case) in auth::cases() {
+        let f = Arc::clone(&factory);
+        add(name.into(), auth_skip.clone(), Box::new(move || block(case(f))));
     }
     let mut skips: Vec<(String, usize)> = skips.into_iter().collect();
     skips.sort();

@@ -9,6 +9,13 @@
 //! between two segments, so once the abort resolves no byte of it lands any more. Only one region
 //! table is locked at a time, so an endpoint connected to itself, or two endpoints writing to each
 //! other at once, cannot deadlock.
+//!
+//! **The cluster secret** ([`BackendConfig::secret`]): endpoints connect only when both have the same
+//! secret or neither has one (a connect across a mismatch fails naming authentication). With a secret,
+//! every notification must carry its sender's identity as its key ([`Notification::is_from`]); one
+//! that does not is refused at the receiving endpoint: not delivered, counted
+//! ([`LocalBackend::forged_notifications`]), the sender reported lost there (`PeerLost`), and the
+//! sender refused from then on. Without a secret the backend trusts every endpoint of the process.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +26,7 @@ use kvxfer_core::backend::EndpointMetadata;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration,
-    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Transfer, TransferState,
+    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret, Transfer, TransferState,
     TransferStatus, WriteOp,
 };
 use serde::{Deserialize, Serialize};
@@ -44,10 +51,10 @@ kvxfer_core::register_backend!(
     create
 );
 
-/// Creates an endpoint. No options.
+/// Creates an endpoint. No options; the secret, if any, is kept (see the crate docs).
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
     Options::new(NAME, config, &[])?;
-    Ok(Arc::new(LocalBackend::new(config.identity)))
+    Ok(Arc::new(LocalBackend::with_secret(config.identity, config.secret.clone())))
 }
 
 fn endpoints() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
@@ -73,6 +80,50 @@ struct Endpoint {
     events: EventQueue,
     /// Endpoints that connected to us, or that we connected to: told when we go away.
     linked: Mutex<Vec<Weak<Endpoint>>>,
+    /// The cluster secret, if any.
+    secret: Option<Secret>,
+    /// Endpoints (by id) refused after a forged notification.
+    refused: Mutex<Vec<u64>>,
+    /// Forged notifications refused.
+    forged: AtomicU64,
+}
+
+impl Endpoint {
+    /// Delivers `n` from `from` (what the receiving side of a connection does): with a secret, a
+    /// notification not keyed with the sender's identity is refused and the sender cut off.
+    fn deliver(&self, from: &Endpoint, n: Notification) -> Result<(), BackendError> {
+        if self.secret.is_some() {
+            if lock(&self.refused).contains(&from.id) {
+                return Err(BackendError::Protocol {
+                    backend: NAME,
+                    peer: format!("local endpoint {} (identity {:#x})", self.id, self.identity),
+                    detail: "this endpoint refused the connection after a forged notification".into(),
+                });
+            }
+            if !n.is_from(from.identity) {
+                lock(&self.refused).push(from.id);
+                self.forged.fetch_add(1, Ordering::Relaxed);
+                let reason = format!(
+                    "forged notification: endpoint {} proved identity {:#x} but keyed a notification of request {} \
+                     with sender {} ({:#x}); connection refused",
+                    from.id,
+                    from.identity,
+                    n.request,
+                    n.sender,
+                    n.sender.to_u64()
+                );
+                tracing::warn!(target: "kvxfer_local", "{reason}");
+                self.events.push(BackendEvent::PeerLost { identity: from.identity, reason: reason.clone() });
+                return Err(BackendError::Protocol {
+                    backend: NAME,
+                    peer: format!("local endpoint {} (identity {:#x})", self.id, self.identity),
+                    detail: reason,
+                });
+            }
+        }
+        self.events.push(BackendEvent::Notification(n));
+        Ok(())
+    }
 }
 
 struct Peer {
@@ -88,8 +139,13 @@ pub struct LocalBackend {
 }
 
 impl LocalBackend {
-    /// A new endpoint with the given identity.
+    /// A new endpoint with the given identity and no secret.
     pub fn new(identity: u64) -> Self {
+        Self::with_secret(identity, None)
+    }
+
+    /// A new endpoint with the given identity and cluster secret (see the crate docs).
+    pub fn with_secret(identity: u64, secret: Option<Secret>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let ep = Arc::new(Endpoint {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -98,9 +154,17 @@ impl LocalBackend {
             regions: RegionTable::new(NAME, CAPABILITIES.limits.max_regions),
             events: EventQueue::new(),
             linked: Mutex::new(Vec::new()),
+            secret,
+            refused: Mutex::new(Vec::new()),
+            forged: AtomicU64::new(0),
         });
         lock(endpoints()).insert(ep.id, Arc::downgrade(&ep));
         Self { ep, peers: PeerTable::new(NAME) }
+    }
+
+    /// Forged notifications this endpoint refused (see the crate docs).
+    pub fn forged_notifications(&self) -> u64 {
+        self.ep.forged.load(Ordering::Relaxed)
     }
 
     fn peer(&self, peer: PeerId) -> Result<(Arc<Peer>, Arc<Endpoint>), BackendError> {
@@ -185,7 +249,13 @@ fn copy_step(from: &MemDesc, so: u64, to: &MemDesc, d: u64, len: u64) -> Result<
 }
 
 /// Runs a transfer to its end: copies, then the attached notification, then the final state.
-async fn run(state: Arc<TransferState>, ops: Vec<Resolved>, to: Weak<Endpoint>, notify: Option<Notification>) {
+async fn run(
+    state: Arc<TransferState>,
+    ops: Vec<Resolved>,
+    from: Arc<Endpoint>,
+    to: Weak<Endpoint>,
+    notify: Option<Notification>,
+) {
     let plain: Vec<WriteOp> = ops.iter().map(|r| r.op).collect();
     let mut since_yield = 0;
     for seg in segments(&plain, STEP) {
@@ -212,7 +282,12 @@ async fn run(state: Arc<TransferState>, ops: Vec<Resolved>, to: Weak<Endpoint>, 
     }
     if let Some(n) = notify {
         match to.upgrade() {
-            Some(ep) => ep.events.push(BackendEvent::Notification(n)),
+            Some(ep) => {
+                if let Err(e) = ep.deliver(&from, n) {
+                    state.fail(e);
+                    return;
+                }
+            }
             None => {
                 state.fail(BackendError::PeerLost {
                     backend: NAME,
@@ -258,6 +333,20 @@ impl KvTransferBackend for LocalBackend {
                 peer: format!("local endpoint {}", p.endpoint),
                 detail: "no such endpoint in this process (the local backend cannot cross processes)".into(),
             })?;
+        let mismatch = match (&self.ep.secret, &other.secret) {
+            (None, None) => None,
+            (Some(a), Some(b)) if a == b => None,
+            (Some(_), Some(_)) => Some("authentication failed: the endpoints have different cluster secrets"),
+            (None, Some(_)) => Some("authentication required: the peer has a cluster secret and this endpoint none"),
+            (Some(_), None) => Some("authentication failed: the peer has no cluster secret and cannot prove one"),
+        };
+        if let Some(why) = mismatch {
+            return Err(BackendError::Connect {
+                backend: NAME,
+                peer: format!("local endpoint {}", p.endpoint),
+                detail: format!("{why}; configure the same cluster secret (KVXFER_SECRET) on every rank"),
+            });
+        }
         if other.token != p.token {
             return Err(BackendError::Connect {
                 backend: NAME,
@@ -296,7 +385,7 @@ impl KvTransferBackend for LocalBackend {
             inflight.retain(|s| !s.status().is_final());
             inflight.push(state.clone());
         }
-        let task = run(state.clone(), resolved, Arc::downgrade(&other), notify.cloned());
+        let task = run(state.clone(), resolved, Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
         match tokio::runtime::Handle::try_current() {
             Ok(h) => drop(h.spawn(task)),
             Err(_) => futures::executor::block_on(task),
@@ -308,8 +397,7 @@ impl KvTransferBackend for LocalBackend {
         let (_, ep) = self.peer(peer)?;
         let len = notification.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len();
         CAPABILITIES.check_post(NAME, 0, len)?;
-        ep.events.push(BackendEvent::Notification(notification.clone()));
-        Ok(())
+        ep.deliver(&self.ep, notification.clone())
     }
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {

@@ -18,6 +18,13 @@ impl BackendFactory for Local {
     fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
         Some((kvxfer_local::NAME.into(), BTreeMap::new()))
     }
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<kvxfer_core::Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        Some(kvxfer_local::create(&BackendConfig::new(identity).with_secret(secret)))
+    }
 }
 
 fn main() -> std::process::ExitCode {
