@@ -1509,8 +1509,10 @@ impl Inner {
                 _ => {}
             }
         }
-        drop(sends);
-        // No sender yet (or it belongs to another use of the room): keep it, bounded.
+        // No sender yet (or it belongs to another use of the room): keep it, bounded. `sends` stays
+        // locked until the handoff is in `early` (lock order sends -> early, as in `sender()`):
+        // released before, a sender created in between drained `early` before the handoff was in
+        // it, and the request waited for its deadline (seen in CI: a prefill that never sent).
         let mut early = lock(&self.early);
         let mut expired = 0;
         while early.len() >= self.cfg.early_max.max(1) {
@@ -1519,6 +1521,7 @@ impl Inner {
         }
         early.push_back((d, n, Instant::now()));
         drop(early);
+        drop(sends);
         let mut s = lock(&self.stats);
         s.early_handoffs_kept += 1;
         s.early_handoffs_expired += expired;
@@ -1532,28 +1535,31 @@ impl Inner {
         // (every write completed) or already settled: nothing can land, so fence now.
         let (mine, running) = {
             let mut sends = lock(&self.sends);
-            match sends.get_mut(&room) {
+            let found = match sends.get_mut(&room) {
                 Some(q) if q.handoffs.get(&d).is_some_and(|h| h.generation == n.generation) => {
                     q.abort_from.insert(d);
                     (true, !(q.done || q.told))
                 }
                 _ => (false, false),
+            };
+            if !found.0 {
+                // Not started here (or another use): nothing was posted. Keep the abort with the
+                // early handoffs (same bounds): a sender created later for the room, or the handoff
+                // itself if the abort overtook it, then fails at once instead of writing into fenced
+                // pages. Pushed while `sends` is held (lock order sends -> early), so neither a new
+                // sender nor the overtaken handoff can look at `early` before the abort is in it.
+                let mut early = lock(&self.early);
+                while early.len() >= self.cfg.early_max.max(1) {
+                    early.pop_front();
+                }
+                early.push_back((d, n.clone(), Instant::now()));
             }
+            found
         };
         if mine && running {
             self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"));
             self.settle(room);
             return;
-        }
-        if !mine {
-            // Not started here (or another use): nothing was posted. Keep the abort with the early
-            // handoffs (same bounds): a sender created later for the room, or the handoff itself if
-            // the abort overtook it, then fails at once instead of writing into fenced pages.
-            let mut early = lock(&self.early);
-            while early.len() >= self.cfg.early_max.max(1) {
-                early.pop_front();
-            }
-            early.push_back((d, n.clone(), Instant::now()));
         }
         let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
             .with_generation(n.generation);
