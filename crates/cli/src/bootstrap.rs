@@ -9,7 +9,7 @@ use clap::builder::TypedValueParser as _;
 
 use kvxfer::bootstrap::{
     raise_open_file_limit, BootstrapServer, Limits, Secret, ServerConfig, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_VALUE_BYTES, DEFAULT_MAX_WAITS, MAX_REQUEST_LINE, SECRET_ENV,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE, DEFAULT_MAX_VALUE_BYTES, DEFAULT_MAX_WAITS, MAX_REQUEST_LINE, SECRET_ENV,
 };
 
 /// Descriptors the service needs besides its connections (listener, runtime, refusals lingering).
@@ -28,6 +28,10 @@ pub struct BootstrapArgs {
     /// open-file soft limit to fit (up to the hard limit).
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u64).range(1..=1_000_000).map(|v| v as usize))]
     pub max_connections: usize,
+    /// Connections open at once from one source address; one beyond gets an error line and is closed
+    /// while other sources are still served.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS_PER_SOURCE, value_parser = clap::value_parser!(u64).range(1..=1_000_000).map(|v| v as usize))]
+    pub max_connections_per_source: usize,
     /// Waits held at once (get, peers, store watches); one beyond is answered with an error.
     #[arg(long, default_value_t = DEFAULT_MAX_WAITS)]
     pub max_waits: usize,
@@ -90,6 +94,7 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
     };
     let limits = Limits {
         max_connections: args.max_connections,
+        max_connections_per_source: args.max_connections_per_source,
         max_waits: args.max_waits,
         max_value_bytes: args.max_value_bytes,
         max_request_line: args.max_line_bytes,
@@ -136,9 +141,9 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
         }
         let l = server.limits();
         eprintln!(
-            "kvxfer bootstrap: limits: {} connections, {} waits, values up to {} bytes, lines up to {} bytes, \
+            "kvxfer bootstrap: limits: {} connections ({} per source), {} waits, values up to {} bytes, lines up to {} bytes, \
              request line within {:?}",
-            l.max_connections, l.max_waits, l.max_value_bytes, l.max_request_line, l.idle_timeout
+            l.max_connections, l.max_connections_per_source, l.max_waits, l.max_value_bytes, l.max_request_line, l.idle_timeout
         );
         match args.for_s {
             Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,

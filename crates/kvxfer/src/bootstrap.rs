@@ -90,6 +90,10 @@ pub const MAX_REQUEST_LINE: usize = 16 << 20;
 /// Default of [`Limits::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 
+/// Default of [`Limits::max_connections_per_source`]: a quarter of the connections, so one host
+/// (or one misbehaving client) cannot take them all; a host of 8 ranks uses a few dozen.
+pub const DEFAULT_MAX_CONNECTIONS_PER_SOURCE: usize = 1024;
+
 /// Default of [`Limits::max_waits`]: half the connections, so waits never starve short calls.
 pub const DEFAULT_MAX_WAITS: usize = 2048;
 
@@ -171,6 +175,8 @@ pub struct ServerStats {
     pub accepted: u64,
     /// Connections refused at [`Limits::max_connections`].
     pub refused_connections: u64,
+    /// Connections refused at [`Limits::max_connections_per_source`].
+    pub refused_per_source: u64,
     /// Waits refused at [`Limits::max_waits`].
     pub refused_waits: u64,
     /// Values refused at [`Limits::max_value_bytes`].
@@ -381,6 +387,9 @@ pub fn raise_open_file_limit(want: u64) -> std::io::Result<u64> {
 pub struct Limits {
     /// Connections open at once; a connection beyond is answered one error line and closed.
     pub max_connections: usize,
+    /// Connections open at once from one source address (IP); one beyond is answered one error line
+    /// and closed, while other sources are still served.
+    pub max_connections_per_source: usize,
     /// Waits held at once (`get` and `peers` that must wait, store watches); a wait beyond is
     /// answered with an error at once.
     pub max_waits: usize,
@@ -397,6 +406,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_source: DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
             max_waits: DEFAULT_MAX_WAITS,
             max_value_bytes: DEFAULT_MAX_VALUE_BYTES,
             max_request_line: MAX_REQUEST_LINE,
@@ -410,6 +420,9 @@ impl Limits {
         let bad = |detail: String| Err(BootstrapError::Config { detail });
         if self.max_connections == 0 {
             return bad("max_connections must be at least 1".into());
+        }
+        if self.max_connections_per_source == 0 {
+            return bad("max_connections_per_source must be at least 1".into());
         }
         if self.max_value_bytes == 0 {
             return bad("max_value_bytes must be at least 1".into());
@@ -561,6 +574,7 @@ struct Counters {
     lingering: AtomicUsize,
     accepted: AtomicU64,
     refused_connections: AtomicU64,
+    refused_per_source: AtomicU64,
     refused_waits: AtomicU64,
     refused_values: AtomicU64,
     auth_failures: AtomicU64,
@@ -588,11 +602,18 @@ impl Drop for Slot<'_> {
 }
 
 /// A connection slot, given back when the connection's task ends.
-struct ConnSlot(Arc<Service>);
+struct ConnSlot(Arc<Service>, std::net::IpAddr);
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
         self.0.counters.connections.fetch_sub(1, Ordering::AcqRel);
+        let mut by = self.0.by_source.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = by.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                by.remove(&self.1);
+            }
+        }
     }
 }
 
@@ -603,6 +624,8 @@ struct Service {
     limits: Limits,
     secret: Option<Secret>,
     counters: Counters,
+    /// Open connections per source address.
+    by_source: Mutex<HashMap<std::net::IpAddr, usize>>,
 }
 
 impl Service {
@@ -628,6 +651,7 @@ impl Service {
             waits: c.waits.load(Ordering::Acquire) as u64,
             accepted: g(&c.accepted),
             refused_connections: g(&c.refused_connections),
+            refused_per_source: g(&c.refused_per_source),
             refused_waits: g(&c.refused_waits),
             refused_values: g(&c.refused_values),
             auth_failures: g(&c.auth_failures),
@@ -848,6 +872,7 @@ impl BootstrapServer {
             limits: config.limits,
             secret: config.secret,
             counters: Counters::default(),
+            by_source: Mutex::new(HashMap::new()),
         });
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&svc)));
         Ok(Self { addr: local, svc, task })
@@ -907,10 +932,10 @@ async fn accept_loop(listener: TcpListener, svc: Arc<Service>) {
     let mut warned: Option<Instant> = None;
     loop {
         while tasks.try_join_next().is_some() {}
-        let stream = match listener.accept().await {
-            Ok((s, _)) => {
+        let (stream, source) = match listener.accept().await {
+            Ok((s, a)) => {
                 backoff = Duration::ZERO;
-                s
+                (s, a.ip())
             }
             Err(e) => {
                 // Out of descriptors (EMFILE/ENFILE), memory or buffers: the pending connection stays
@@ -942,7 +967,32 @@ async fn accept_loop(listener: TcpListener, svc: Arc<Service>) {
             refuse_busy(&svc, stream, resp, &mut tasks);
             continue;
         }
-        let slot = ConnSlot(Arc::clone(&svc));
+        let per = svc.limits.max_connections_per_source;
+        let admitted = {
+            let mut by = svc.by_source.lock().unwrap_or_else(|p| p.into_inner());
+            let n = by.entry(source).or_insert(0);
+            if *n < per {
+                *n += 1;
+                true
+            } else {
+                false
+            }
+        };
+        if !admitted {
+            svc.counters.connections.fetch_sub(1, Ordering::AcqRel);
+            bump(&svc.counters.refused_per_source);
+            let resp = Response::error(
+                Some("busy"),
+                format!(
+                    "{source} has {per} connections open to this service, the limit per source \
+                     (max_connections_per_source, `kvxfer bootstrap --max-connections-per-source`); close idle \
+                     ones, retry later, or raise the limit"
+                ),
+            );
+            refuse_busy(&svc, stream, resp, &mut tasks);
+            continue;
+        }
+        let slot = ConnSlot(Arc::clone(&svc), source);
         tasks.spawn(async move {
             let _ = serve_conn(&slot.0, stream).await;
             drop(slot);
@@ -1515,6 +1565,38 @@ mod tests {
         c.put("k", Value::Bool(true)).await.unwrap();
         let s = c.stats().await.unwrap();
         assert!(s.refused_connections >= 2 && s.connections == 1 && s.keys == 1, "{s:?}");
+    }
+
+    #[tokio::test]
+    async fn one_source_beyond_its_limit_is_refused_while_others_are_served() {
+        let limits = Limits { max_connections: 10, max_connections_per_source: 2, ..Limits::default() };
+        let server = server_with(limits, None).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(TcpStream::connect(server.addr()).await.unwrap());
+        }
+        until(&server, |s| s.connections == 2).await;
+        let mut r = BufReader::new(TcpStream::connect(server.addr()).await.unwrap());
+        let l = raw_line(&mut r).await;
+        assert!(
+            l.contains("\"ok\":false") && l.contains("127.0.0.1 has 2 connections") && l.contains("per source"),
+            "{l}"
+        );
+        assert_eq!(raw_line(&mut r).await, "", "not closed");
+        // Another source address (127.0.0.2, loopback too) is still served.
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut other = BufReader::new(sock.connect(server.addr()).await.unwrap());
+        other.get_mut().write_all(b"{\"op\":\"stats\"}\n").await.unwrap();
+        let l = raw_line(&mut other).await;
+        assert!(l.contains("\"ok\":true") && l.contains("\"refused_per_source\":1"), "{l}");
+        // The slots of a source come back as its connections close.
+        held.clear();
+        drop(other);
+        until(&server, |s| s.connections == 0).await;
+        let c = BootstrapClient::new(server.addr().to_string()).with_timeout(Duration::from_secs(2));
+        c.put("k", Value::Bool(true)).await.unwrap();
+        assert_eq!(server.stats().refused_per_source, 1);
     }
 
     #[tokio::test]
