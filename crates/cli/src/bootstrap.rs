@@ -51,6 +51,28 @@ pub struct BootstrapArgs {
     /// port can read and write every key.
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// Speak TLS (mutual, cluster CA) with this certificate (PEM); needs --tls-key and --tls-ca.
+    /// Without the three flags, KVXFER_TLS_CERT / KVXFER_TLS_KEY / KVXFER_TLS_CA are used if set.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+    /// The cluster CA certificate (PEM): the only root trusted for clients' certificates.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// The TLS setup of the flags, else of the environment, else none.
+fn load_tls(args: &BootstrapArgs) -> Result<Option<kvxfer_tls::Tls>, String> {
+    match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => {
+            let files = kvxfer_tls::TlsFiles { cert: cert.clone(), key: key.clone(), ca: ca.clone() };
+            warn_if_readable_by_others(key);
+            kvxfer_tls::Tls::from_files(&files, None).map(Some).map_err(|e| e.to_string())
+        }
+        _ => kvxfer_tls::Tls::from_env().map_err(|e| e.to_string()),
+    }
 }
 
 /// Where the secret came from, for the start-up note (never the secret itself).
@@ -92,6 +114,13 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let tls = match load_tls(args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvxfer bootstrap: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let limits = Limits {
         max_connections: args.max_connections,
         max_connections_per_source: args.max_connections_per_source,
@@ -122,7 +151,8 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
     };
     rt.block_on(async {
         let from = secret.as_ref().map(|(_, from)| from.clone());
-        let config = ServerConfig { secret: secret.map(|(s, _)| s), limits };
+        let with_tls = tls.is_some();
+        let config = ServerConfig { secret: secret.map(|(s, _)| s), limits, tls };
         let server = match BootstrapServer::start_with(&args.listen, config).await {
             Ok(s) => s,
             Err(e) => {
@@ -131,6 +161,9 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
             }
         };
         println!("bootstrap listening on {}", server.addr());
+        if with_tls {
+            eprintln!("kvxfer bootstrap: TLS on every connection (clients need a certificate of the same cluster CA)");
+        }
         match from {
             Some(from) => eprintln!("kvxfer bootstrap: every request must prove the shared secret from {from}"),
             None => eprintln!(

@@ -492,6 +492,41 @@ fn with_a_secret_only_proven_requests_are_served_and_a_replayed_line_is_refused(
 }
 
 #[test]
+fn with_tls_flags_only_clients_of_the_cluster_are_served() {
+    let dir = std::env::temp_dir().join(format!("kvxfer-longrun-tls-{}", std::process::id()));
+    let (tls, generated) = kvxfer_tls::Tls::generate().unwrap();
+    let files = generated.write_to(&dir).unwrap();
+    let p = |f: &std::path::Path| f.to_str().unwrap().to_owned();
+    let args = ["--tls-cert", &p(&files.cert), "--tls-key", &p(&files.key), "--tls-ca", &p(&files.ca)];
+    let svc = Service::start(&args, &[], None);
+    let rt = rt();
+    let c = svc.client().with_tls(Some(tls.clone()));
+    rt.block_on(c.put("k", json!("over tls"))).unwrap();
+    assert_eq!(rt.block_on(c.get("k", Duration::from_secs(5))).unwrap(), json!("over tls"));
+    // A plaintext client gets nothing; the service counts the failed handshake.
+    let e = rt.block_on(svc.client().get("k", Duration::from_secs(1))).unwrap_err();
+    assert!(!e.to_string().contains("over tls"), "{e}");
+    let s = stats(&rt, &c);
+    assert!(s.tls_failures >= 1, "{s:?}");
+    assert!(svc.output_with("TLS on every connection").contains("TLS on every connection"));
+    // The same from the environment; an incomplete set of flags is refused by the parser.
+    let env = Service::start(
+        &[],
+        &[("KVXFER_TLS_CERT", &p(&files.cert)), ("KVXFER_TLS_KEY", &p(&files.key)), ("KVXFER_TLS_CA", &p(&files.ca))],
+        None,
+    );
+    rt.block_on(env.client().with_tls(Some(tls)).put("e", json!(1))).unwrap();
+    let out = Command::new(EXE)
+        .args(["bootstrap", "--listen", "127.0.0.1:0", "--for-s", "1", "--tls-cert", &p(&files.cert)])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an incomplete TLS setup must be refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tls-key") && err.contains("--tls-ca"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn at_the_open_file_limit_the_service_backs_off_instead_of_spinning_and_recovers() {
     // 48 descriptors for the whole process: the connections beyond about 38 meet EMFILE in accept.
     let svc = Service::start(&["--max-connections", "1000", "--idle-timeout-s", "60"], &[], Some(48));

@@ -66,8 +66,7 @@ use kvxfer_core::model::kv_mismatches;
 use kvxfer_core::{EndpointMetadata, RankId, Side, SideSpec, Topology};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::metadata::auth;
@@ -183,6 +182,8 @@ pub struct ServerStats {
     pub refused_values: u64,
     /// Requests refused for a missing or wrong proof of the shared secret.
     pub auth_failures: u64,
+    /// Connections whose TLS handshake failed or did not finish in time (TLS services only).
+    pub tls_failures: u64,
     /// Connections closed because no complete request line came within [`Limits::idle_timeout`].
     pub idle_closed: u64,
     /// Request lines refused as too long, not UTF-8, or not a request.
@@ -448,6 +449,10 @@ pub struct ServerConfig {
     pub secret: Option<Secret>,
     /// The limits.
     pub limits: Limits,
+    /// TLS for every connection ([`kvxfer_tls`]: mutual, cluster CA): the handshake must finish
+    /// within [`Limits::idle_timeout`], a client without a certificate of the cluster is refused
+    /// (counted in [`ServerStats::tls_failures`]). `None`: plaintext.
+    pub tls: Option<kvxfer_tls::Tls>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -578,6 +583,7 @@ struct Counters {
     refused_waits: AtomicU64,
     refused_values: AtomicU64,
     auth_failures: AtomicU64,
+    tls_failures: AtomicU64,
     idle_closed: AtomicU64,
     malformed: AtomicU64,
     accept_errors: AtomicU64,
@@ -623,6 +629,7 @@ struct Service {
     store: MemShared,
     limits: Limits,
     secret: Option<Secret>,
+    tls: Option<kvxfer_tls::Tls>,
     counters: Counters,
     /// Open connections per source address.
     by_source: Mutex<HashMap<std::net::IpAddr, usize>>,
@@ -655,6 +662,7 @@ impl Service {
             refused_waits: g(&c.refused_waits),
             refused_values: g(&c.refused_values),
             auth_failures: g(&c.auth_failures),
+            tls_failures: g(&c.tls_failures),
             idle_closed: g(&c.idle_closed),
             malformed: g(&c.malformed),
             accept_errors: g(&c.accept_errors),
@@ -871,6 +879,7 @@ impl BootstrapServer {
             store: MemShared::new(),
             limits: config.limits,
             secret: config.secret,
+            tls: config.tls,
             counters: Counters::default(),
             by_source: Mutex::new(HashMap::new()),
         });
@@ -994,7 +1003,20 @@ async fn accept_loop(listener: TcpListener, svc: Arc<Service>) {
         }
         let slot = ConnSlot(Arc::clone(&svc), source);
         tasks.spawn(async move {
-            let _ = serve_conn(&slot.0, stream).await;
+            match &slot.0.tls {
+                None => {
+                    let _ = serve_conn(&slot.0, stream).await;
+                }
+                Some(tls) => match tls.accept(stream, slot.0.limits.idle_timeout).await {
+                    Ok(s) => {
+                        let _ = serve_conn(&slot.0, s).await;
+                    }
+                    Err(e) => {
+                        bump(&slot.0.counters.tls_failures);
+                        tracing::warn!("bootstrap: {e}");
+                    }
+                },
+            }
             drop(slot);
         });
     }
@@ -1011,15 +1033,26 @@ fn refuse_busy(svc: &Arc<Service>, stream: TcpStream, resp: Response, tasks: &mu
     let svc = Arc::clone(svc);
     tasks.spawn(async move {
         let _slot = Slot(&svc.counters.lingering);
-        let (r, w) = stream.into_split();
-        close_with(w, r, &line, IDLE_LINGER).await;
+        match &svc.tls {
+            None => {
+                let (r, w) = tokio::io::split(stream);
+                close_with(w, r, &line, IDLE_LINGER).await;
+            }
+            // The refusal must travel inside TLS to be read: a short handshake first.
+            Some(tls) => {
+                if let Ok(s) = tls.accept(stream, IDLE_LINGER).await {
+                    let (r, w) = tokio::io::split(s);
+                    close_with(w, r, &line, IDLE_LINGER).await;
+                }
+            }
+        }
     });
 }
 
 /// Writes `line`, closes the sending half, and reads (discarding, constant memory) for at most
 /// `linger`: closing with unread input would reset the connection and could destroy the answer
 /// before the client reads it.
-async fn close_with<R: AsyncRead + Unpin>(mut w: OwnedWriteHalf, mut r: R, line: &[u8], linger: Duration) {
+async fn close_with<W: AsyncWrite + Unpin, R: AsyncRead + Unpin>(mut w: W, mut r: R, line: &[u8], linger: Duration) {
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         let _ = w.write_all(line).await;
         let _ = w.shutdown().await;
@@ -1036,9 +1069,9 @@ async fn client_gone<R: AsyncRead + Unpin>(r: &mut R) {
     while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
 }
 
-async fn serve_conn(svc: &Service, stream: TcpStream) -> std::io::Result<()> {
+async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(svc: &Service, stream: S) -> std::io::Result<()> {
     let limits = &svc.limits;
-    let (r, mut w) = stream.into_split();
+    let (r, mut w) = tokio::io::split(stream);
     let mut r = BufReader::new(r);
     let mut line = String::new();
     // The greeting (with a secret) and the whole request line must come within the idle deadline,
@@ -1159,12 +1192,21 @@ pub struct BootstrapClient {
     timeout: Duration,
     /// The shared secret, if the service requires one.
     secret: Option<Secret>,
+    /// TLS, if the service speaks it.
+    tls: Option<kvxfer_tls::Tls>,
 }
 
 impl BootstrapClient {
     /// A client of the service at `addr` (`host:port`). Nothing is sent until the first call.
     pub fn new(addr: impl Into<String>) -> Self {
-        Self { addr: addr.into(), timeout: Duration::from_secs(30), secret: None }
+        Self { addr: addr.into(), timeout: Duration::from_secs(30), secret: None, tls: None }
+    }
+
+    /// The same client speaking TLS ([`kvxfer_tls`]; the service must use a certificate of the same
+    /// cluster CA). The handshake counts against the connect bound ([`Self::with_timeout`]).
+    pub fn with_tls(mut self, tls: Option<kvxfer_tls::Tls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The same client with another bound on connecting and on calls that do not wait for others.
@@ -1207,7 +1249,27 @@ impl BootstrapClient {
             .await
             .map_err(|_| io(format!("no connection within {:?}", self.timeout)))?
             .map_err(|e| io(format!("cannot connect: {e}")))?;
-        let (r, mut w) = stream.into_split();
+        match &self.tls {
+            None => self.exchange(stream, op, req, wait, deadline).await,
+            Some(tls) => {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let s = tls.connect(stream, left).await.map_err(|e| io(e.to_string()))?;
+                self.exchange(s, op, req, wait, deadline).await
+            }
+        }
+    }
+
+    /// One request and its answer on a connected stream (plain or TLS).
+    async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        stream: S,
+        op: &str,
+        req: &Request,
+        wait: Duration,
+        deadline: tokio::time::Instant,
+    ) -> Result<Response, BootstrapError> {
+        let io = |detail: String| BootstrapError::Io { addr: self.addr.clone(), detail };
+        let (r, mut w) = tokio::io::split(stream);
         let mut r = BufReader::new(r);
         let body = serde_json::to_vec(req).map_err(|e| io(e.to_string()))?;
         let mut line = match &self.secret {
@@ -1417,7 +1479,7 @@ mod tests {
     }
 
     async fn server_with(limits: Limits, secret: Option<Secret>) -> BootstrapServer {
-        BootstrapServer::start_with("127.0.0.1:0", ServerConfig { secret, limits }).await.unwrap()
+        BootstrapServer::start_with("127.0.0.1:0", ServerConfig { secret, limits, tls: None }).await.unwrap()
     }
 
     /// Reads one line from a raw connection (at most 5 s).

@@ -145,6 +145,9 @@ pub struct AgentConfig {
     /// prove it. `None` (the default of [`AgentConfig::new`]) trusts everyone who can reach the ports;
     /// [`AgentConfig::with_env_secret`] takes it from `KVXFER_SECRET`.
     pub secret: Option<Secret>,
+    /// TLS to the bootstrap service ([`kvxfer_tls`]; the service must use the same cluster CA).
+    /// The backend's own streams take TLS through its options (tcp: `tls=on`, see its README).
+    pub bootstrap_tls: Option<kvxfer_tls::Tls>,
 }
 
 impl AgentConfig {
@@ -168,6 +171,7 @@ impl AgentConfig {
             window: Window::default(),
             label: format!("pid {}", std::process::id()),
             secret: None,
+            bootstrap_tls: None,
         }
     }
 
@@ -522,10 +526,14 @@ impl Agent {
                 ),
             ),
         };
-        let store =
-            crate::metadata::connect_with(&cfg.metadata, crate::metadata::DEFAULT_OP_TIMEOUT, cfg.secret.clone())
-                .await
-                .map_err(|e| setup(e.to_string()))?;
+        let store = crate::metadata::connect_secured(
+            &cfg.metadata,
+            crate::metadata::DEFAULT_OP_TIMEOUT,
+            cfg.secret.clone(),
+            cfg.bootstrap_tls.clone(),
+        )
+        .await
+        .map_err(|e| setup(e.to_string()))?;
         let me = RankRegistration {
             role,
             rank,

@@ -42,7 +42,7 @@ fn soon() -> Instant {
 }
 
 async fn server(secret: &Secret) -> BootstrapServer {
-    let cfg = ServerConfig { secret: Some(secret.clone()), limits: Limits::default() };
+    let cfg = ServerConfig { secret: Some(secret.clone()), limits: Limits::default(), tls: None };
     BootstrapServer::start_with("127.0.0.1:0", cfg).await.unwrap()
 }
 

@@ -216,7 +216,7 @@ async fn bootstrap_service_over_tcp() {
 async fn bootstrap_service_with_a_shared_secret() {
     use kvxfer::bootstrap::{Limits, Secret, ServerConfig};
     let secret = Secret::new(b"a shared secret".to_vec()).unwrap();
-    let config = ServerConfig { secret: Some(secret.clone()), limits: Limits::default() };
+    let config = ServerConfig { secret: Some(secret.clone()), limits: Limits::default(), tls: None };
     let server = BootstrapServer::start_with("127.0.0.1:0", config).await.unwrap();
     let addr = server.addr().to_string();
     let st =

@@ -47,6 +47,15 @@ impl BootstrapStore {
         self
     }
 
+    /// The same store speaking TLS to the service (see [`kvxfer_tls`]). No effect on a store inside
+    /// this process.
+    pub fn with_tls(mut self, tls: Option<kvxfer_tls::Tls>) -> Self {
+        if let Transport::Tcp(c) = &self.transport {
+            self.transport = Transport::Tcp(c.clone().with_tls(tls));
+        }
+        self
+    }
+
     /// A store inside this process (no service, no sockets), with keys under `prefix`.
     pub fn in_process(store: Arc<MemShared>, prefix: &str) -> Self {
         Self {

@@ -314,9 +314,20 @@ pub async fn connect_with(
     op_timeout: Duration,
     secret: Option<auth::Secret>,
 ) -> Result<Arc<dyn MetadataStore>, StoreError> {
+    connect_secured(addr, op_timeout, secret, None).await
+}
+
+/// As [`connect_with`], and over TLS to a bootstrap service started with TLS
+/// ([`crate::bootstrap::ServerConfig::tls`]; same cluster CA). etcd: neither is used.
+pub async fn connect_secured(
+    addr: &MetadataAddr,
+    op_timeout: Duration,
+    secret: Option<auth::Secret>,
+    tls: Option<kvxfer_tls::Tls>,
+) -> Result<Arc<dyn MetadataStore>, StoreError> {
     match addr {
         MetadataAddr::Bootstrap { addr, prefix } => {
-            let mut s = bootstrap::BootstrapStore::new(addr, prefix).with_timeout(op_timeout);
+            let mut s = bootstrap::BootstrapStore::new(addr, prefix).with_timeout(op_timeout).with_tls(tls);
             if let Some(secret) = secret {
                 s = s.with_secret(secret);
             }
@@ -324,12 +335,12 @@ pub async fn connect_with(
         }
         #[cfg(feature = "etcd")]
         MetadataAddr::Etcd { endpoints, prefix } => {
-            let _ = secret;
+            let _ = (secret, tls);
             Ok(Arc::new(etcd::EtcdStore::connect(endpoints, prefix, op_timeout).await?))
         }
         #[cfg(not(feature = "etcd"))]
         MetadataAddr::Etcd { .. } => {
-            let _ = (op_timeout, secret);
+            let _ = (op_timeout, secret, tls);
             Err(StoreError::Address {
                 addr: addr.to_string(),
                 detail: "this build has no etcd support; rebuild with the cargo feature `etcd` \
