@@ -14,7 +14,7 @@ use kvxfer_core::toolkit::{EventQueue, RegionTable};
 use kvxfer_core::{EndpointMetadata, HostBuffer, Notification, NotificationBody, RegionId, RequestId, SenderKey};
 
 use crate::recv::{admit_write, Shared};
-use crate::wire::{self, FrameType, Header, Hello, OpDesc, StreamKind};
+use crate::wire::{self, Challenge, FrameType, Header, Hello, OpDesc, StreamKind};
 use crate::{TcpMetadata, NAME};
 
 /// Regions the fuzzed receiver has registered: `(id, bytes)`.
@@ -107,33 +107,82 @@ pub fn frames(mut data: &[u8]) -> bool {
     true
 }
 
-/// `tcp_handshake`: `data` read as a HELLO ([`Hello::decode`], as the server reads it) and as a HELLO
-/// reply with its reason ([`wire::decode_hello_reply`], as the client reads it). Whatever decodes
-/// re-encodes to the same bytes.
+/// The secret the handshake target proves and verifies with (the seeds are signed with it).
+fn fuzz_secret() -> kvxfer_core::Secret {
+    kvxfer_core::Secret::new(b"kvxfer fuzz secret".to_vec()).expect("non-empty")
+}
+
+/// The challenge the signed seeds answer.
+fn seed_challenge() -> [u8; wire::CHALLENGE_LEN] {
+    Challenge { identity: 42, secret: true, nonce: [0x3c; wire::NONCE_BYTES] }.encode()
+}
+
+/// `tcp_handshake`: `data` read as a CHALLENGE ([`Challenge::decode`], as the client reads it), as a
+/// HELLO ([`Hello::decode`], as the server reads it, its proof verified against [`seed_challenge`]
+/// and the fuzz secret; the signed seeds verify) and as a HELLO reply with its reason
+/// ([`wire::decode_hello_reply`], as the client reads it, a proof verified the same way). Whatever
+/// decodes re-encodes to the same bytes.
 pub fn handshake(data: &[u8]) -> bool {
     let mut accepted = false;
+    if let Some(b) = data.get(..wire::CHALLENGE_LEN) {
+        let b: &[u8; wire::CHALLENGE_LEN] = b.try_into().expect("challenge length");
+        if let Ok(c) = Challenge::decode(b) {
+            assert_eq!(&c.encode(), b, "CHALLENGE re-encodes to other bytes");
+            accepted |= data.len() == wire::CHALLENGE_LEN;
+        }
+    }
     if let Some(b) = data.get(..wire::HELLO_LEN) {
         let b: &[u8; wire::HELLO_LEN] = b.try_into().expect("hello length");
         if let Ok(h) = Hello::decode(b) {
             assert_eq!(&h.encode(), b, "HELLO re-encodes to other bytes");
-            accepted = data.len() == wire::HELLO_LEN;
+            let verified = h.verify(&fuzz_secret(), &seed_challenge());
+            assert!(!verified || h.proof.is_some(), "a HELLO without a proof verified");
+            if verified {
+                let again = Hello { proof: None, ..h }.sign(&fuzz_secret(), &seed_challenge());
+                assert_eq!(again, h, "a verified proof is not the one signing makes");
+            }
+            accepted |= data.len() == wire::HELLO_LEN;
         }
     }
     if let Some(b) = data.get(..wire::HELLO_REPLY_LEN) {
         let b: &[u8; wire::HELLO_REPLY_LEN] = b.try_into().expect("reply length");
-        if let Ok((identity, rejected, len)) = wire::decode_hello_reply(b) {
-            assert!(len <= wire::MAX_MESSAGE);
+        if let Ok(head) = wire::decode_hello_reply(b) {
+            assert!(head.reason_len <= wire::MAX_MESSAGE);
+            assert!(!(head.rejected && head.proof.is_some()), "a rejection with a proof decoded");
             let reason = &data[wire::HELLO_REPLY_LEN..];
-            let Some(reason) = reason.get(..len as usize) else { return accepted };
+            let Some(reason) = reason.get(..head.reason_len as usize) else { return accepted };
             let _ = String::from_utf8_lossy(reason);
-            if let Ok(s) = std::str::from_utf8(reason) {
-                let again = wire::encode_hello_reply(identity, rejected.then_some(s));
-                assert_eq!(again, data[..wire::HELLO_REPLY_LEN + reason.len()], "reply re-encodes otherwise");
+            if head.proof.is_none() {
+                if let Ok(s) = std::str::from_utf8(reason) {
+                    let again = wire::encode_hello_reply(head.identity, head.rejected.then_some(s));
+                    assert_eq!(again, data[..wire::HELLO_REPLY_LEN + reason.len()], "reply re-encodes otherwise");
+                }
+            } else {
+                let hello = seed_hello(StreamKind::Data, 0, 2, true);
+                if wire::verify_reply(&fuzz_secret(), &seed_challenge(), &hello, b) {
+                    let again = wire::encode_proved_reply(head.identity, &fuzz_secret(), &seed_challenge(), &hello);
+                    assert_eq!(&again, b, "a verified reply is not the one the server makes");
+                }
             }
             accepted |= data.len() == wire::HELLO_REPLY_LEN + reason.len();
         }
     }
     accepted
+}
+
+/// A HELLO of the seed corpus (signed with the fuzz secret over [`seed_challenge`] when `signed`).
+fn seed_hello(kind: StreamKind, index: u8, streams: u32, signed: bool) -> [u8; wire::HELLO_LEN] {
+    let h = Hello {
+        kind,
+        index,
+        token: [0xab; wire::TOKEN_LEN],
+        link: 0x1122_3344_5566_7788,
+        identity: 42,
+        streams,
+        nonce: [0xc3; wire::NONCE_BYTES],
+        proof: None,
+    };
+    if signed { h.sign(&fuzz_secret(), &seed_challenge()) } else { h }.encode()
 }
 
 /// The envelope and payload parsing every backend's `endpoint_metadata` entry shares: `data` as the
@@ -224,16 +273,19 @@ pub fn frame_seeds() -> Vec<(String, Vec<u8>)> {
 
 /// Valid handshakes made by the real encoders: the seed corpus of `tcp_handshake`.
 pub fn handshake_seeds() -> Vec<(String, Vec<u8>)> {
-    let hello = |kind, index, streams| {
-        Hello { kind, index, token: [0xab; wire::TOKEN_LEN], link: 0x1122_3344_5566_7788, identity: 42, streams }
-            .encode()
-            .to_vec()
-    };
+    let secret = fuzz_secret();
+    let signed = seed_hello(StreamKind::Data, 0, 2, true);
     vec![
-        ("hello-data".to_owned(), hello(StreamKind::Data, 0, 2)),
-        ("hello-control".to_owned(), hello(StreamKind::Control, 64, 64)),
+        ("challenge-secret".to_owned(), seed_challenge().to_vec()),
+        (
+            "challenge-open".to_owned(),
+            Challenge { identity: 42, secret: false, nonce: [0x5c; wire::NONCE_BYTES] }.encode().to_vec(),
+        ),
+        ("hello-data".to_owned(), signed.to_vec()),
+        ("hello-control".to_owned(), seed_hello(StreamKind::Control, 64, 64, false).to_vec()),
         ("reply-accepted".to_owned(), wire::encode_hello_reply(42, None)),
-        ("reply-rejected".to_owned(), wire::encode_hello_reply(42, Some("access token rejected"))),
+        ("reply-proved".to_owned(), wire::encode_proved_reply(42, &secret, &seed_challenge(), &signed).to_vec()),
+        ("reply-rejected".to_owned(), wire::encode_hello_reply(42, Some(&wire::AuthFailure::ProofInvalid.to_string()))),
     ]
 }
 

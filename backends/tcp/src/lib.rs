@@ -14,21 +14,35 @@
 //!   out-of-band notifications use a separate control stream.
 //! - **Several streams per peer** (`connections`), a post's frames dealt over them by bytes; each
 //!   stream runs on a thread of its own (a current-thread runtime watching only that socket).
+//! - **Authentication** ([`BackendConfig::secret`], the cluster secret). Every stream opens with a
+//!   challenge-response handshake: the listener sends a fresh nonce, the connecting side answers with
+//!   an HMAC of the secret over that nonce, its own nonce, both identities, the link and stream ids
+//!   and the token, and the listener answers with its own proof over the whole exchange (mutual; no
+//!   reusable token crosses the wire, and a captured exchange does not verify on another stream).
+//!   Endpoints connect only when both have the same secret or neither has one; a mismatch fails
+//!   `connect` naming authentication. With a secret every notification, attached or out of band,
+//!   must be keyed with the identity its stream proved ([`Notification::is_from`]); one that is not
+//!   is never delivered, is counted ([`TcpBackend::forged_notifications`]), fails the link and is
+//!   reported as [`BackendEvent::PeerLost`]. Without a secret nothing is authenticated: anyone who
+//!   has the endpoint's metadata can write into its registered regions and notify with any key (the
+//!   embedded default for local use). The handshake is bounded by `handshake_timeout_s`.
 //! - **Wire safety.** A random per-endpoint token, carried only in the endpoint metadata, is checked
-//!   in the handshake. Every WRITE frame is checked against the receiver's registered regions (every
-//!   stride step, payload length, overlaps with itself and with frames in flight on other streams)
-//!   before one byte is placed; a violation answers an ERROR frame and closes the stream, nothing
-//!   written. Malformed frames are protocol errors, never panics.
+//!   in the handshake (with or without a secret). Every WRITE frame is checked against the
+//!   receiver's registered regions (every stride step, payload length, overlaps with itself and with
+//!   frames in flight on other streams) before one byte is placed; a violation answers an ERROR frame
+//!   and closes the link's streams, nothing written. Malformed frames are protocol errors, never
+//!   panics.
 //! - **Peer loss** fails the link's transfers (error naming the peer and the cause) and reports
 //!   [`BackendEvent::PeerLost`] with the peer's identity on both sides.
 //!
 //! The wire protocol is in [`wire`] and the crate README. Options (`BackendConfig::options`, with
 //! environment fallbacks `KVXFER_TCP_<OPTION>`): `listen` (default `127.0.0.1:0`), `advertise`
 //! (host put in the metadata; default: the listen address, or 127.0.0.1 when it is unspecified),
-//! `connections` (data streams per peer, default 2), `timeout_s` (connect, handshake, frame,
-//! acknowledgement and disconnect deadline, default 120), `socket_buffer` (SO_SNDBUF/SO_RCVBUF in
-//! bytes, default 0: the kernel's autotuning), `poll_us` (how long a receiving stream polls its empty
-//! socket before sleeping, default 0).
+//! `connections` (data streams per peer, default 2), `timeout_s` (connect, rest-of-a-frame once its
+//! first byte arrived, acknowledgement, notification and disconnect deadline, default 120),
+//! `handshake_timeout_s` (a stream's whole handshake, default 5), `socket_buffer`
+//! (SO_SNDBUF/SO_RCVBUF in bytes, default 0: the kernel's autotuning), `poll_us` (how long a
+//! receiving stream polls its empty socket before sleeping, default 0).
 
 pub mod wire;
 
@@ -75,7 +89,7 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
 
 kvxfer_core::register_backend!(
     NAME,
-    "pure-Rust TCP (tokio): vectored zero-copy frames, token-checked handshake, both notification styles",
+    "pure-Rust TCP (tokio): vectored zero-copy frames, challenge-response handshake, both notification styles",
     CAPABILITIES,
     create,
 );
@@ -95,8 +109,12 @@ pub struct TcpOptions {
     pub advertise: Option<String>,
     /// Data streams per peer.
     pub connections: u32,
-    /// Deadline for connect, handshake, a frame's body, an acknowledgement, and a disconnect.
+    /// Deadline for connect, the rest of a frame once its first byte arrived, an acknowledgement,
+    /// a notification and a disconnect.
     pub timeout: Duration,
+    /// Deadline of a stream's handshake: an incoming stream must complete its HELLO within it from
+    /// its accept (else it is closed), and a connecting side waits at most this long for each answer.
+    pub handshake_timeout: Duration,
     /// SO_SNDBUF and SO_RCVBUF requested for every stream, in bytes (0: the kernel's autotuning).
     pub socket_buffer: u32,
     /// How long a receiving stream polls its empty socket before it sleeps (zero: never polls).
@@ -110,13 +128,14 @@ impl TcpOptions {
         let o = Options::new(
             NAME,
             config,
-            &["listen", "advertise", "connections", "timeout_s", "socket_buffer", "poll_us"],
+            &["listen", "advertise", "connections", "timeout_s", "handshake_timeout_s", "socket_buffer", "poll_us"],
         )?;
         Ok(Self {
             listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an address like 127.0.0.1:0")?,
             advertise: o.get("advertise"),
             connections: o.int_in("connections", 2, 1..=64)?,
             timeout: o.seconds("timeout_s", Duration::from_secs(120), 86_400.0)?,
+            handshake_timeout: o.seconds("handshake_timeout_s", recv::DEFAULT_HANDSHAKE, 3_600.0)?,
             socket_buffer: o.int_in("socket_buffer", sock::DEFAULT_BUFFER, 0..=1 << 30)?,
             poll: Duration::from_micros(o.int_in("poll_us", recv::DEFAULT_POLL.as_micros() as u64, 0..=1_000_000)?),
         })
@@ -256,7 +275,8 @@ impl TcpBackend {
                 Arc::new(EventQueue::new()),
                 opts.timeout,
             )
-            .with_poll(opts.poll),
+            .with_poll(opts.poll)
+            .with_auth(config.secret.clone(), opts.handshake_timeout),
         );
         let accept = rt.spawn(recv::accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(Self { shared, opts, advertised, peers: PeerTable::new(NAME), accept, rt })
@@ -272,6 +292,26 @@ impl TcpBackend {
         &self.advertised
     }
 
+    /// Whether this endpoint has a cluster secret (authenticates every stream and binds
+    /// notifications to the identity each stream proved).
+    pub fn authenticates(&self) -> bool {
+        self.shared.secret.is_some()
+    }
+
+    /// Notifications refused so far because their key was not the identity their stream proved
+    /// (each failed its link, reported as `PeerLost`).
+    pub fn forged_notifications(&self) -> u64 {
+        self.shared.forged.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Incoming handshakes refused so far: malformed, wrong token, failed authentication, a misused
+    /// link id, or none complete within the handshake deadline.
+    pub fn refused_handshakes(&self) -> u64 {
+        self.shared.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Opens one stream of a link: connect, then the handshake (CHALLENGE, HELLO, reply), each
+    /// answer awaited for at most the handshake deadline.
     async fn open_stream(
         &self,
         m: &TcpMetadata,
@@ -279,36 +319,60 @@ impl TcpBackend {
         hello: Hello,
     ) -> Result<TcpStream, BackendError> {
         let conn = |detail: String| BackendError::Connect { backend: NAME, peer: m.addr.clone(), detail };
-        let t = self.opts.timeout;
+        let protocol = |e: wire::WireError| BackendError::Protocol { backend: NAME, peer: m.addr.clone(), detail: e.0 };
+        let (t, hs) = (self.opts.timeout, self.opts.handshake_timeout);
         let mut s = tokio::time::timeout(t, sock::connect(&m.addr, self.opts.socket_buffer))
             .await
             .map_err(|_| conn(format!("no connection within {t:?}")))?
             .map_err(|e| conn(e.to_string()))?;
         let _ = s.set_nodelay(true);
+        let mut cb = [0u8; wire::CHALLENGE_LEN];
+        tokio::time::timeout(hs, s.read_exact(&mut cb))
+            .await
+            .map_err(|_| conn(format!("no handshake challenge within {hs:?} (handshake_timeout_s)")))?
+            .map_err(|e| conn(format!("handshake: reading the challenge: {e}")))?;
+        let challenge = wire::Challenge::decode(&cb).map_err(protocol)?;
+        if challenge.identity != expect_identity {
+            return Err(conn(format!(
+                "metadata names identity {expect_identity:#x} but the endpoint at this address is {:#x} (stale metadata?)",
+                challenge.identity
+            )));
+        }
+        let secret = self.shared.secret.as_ref();
+        if secret.is_some() && !challenge.secret {
+            return Err(conn(wire::AuthFailure::PeerHasNoSecret.to_string()));
+        }
+        let hello = match secret {
+            Some(sec) => hello.sign(sec, &cb),
+            None => hello,
+        };
+        let hb = hello.encode();
         let exchange = async {
-            s.write_all(&hello.encode()).await?;
+            s.write_all(&hb).await?;
             let mut rep = [0u8; wire::HELLO_REPLY_LEN];
             s.read_exact(&mut rep).await?;
             Ok::<_, std::io::Error>(rep)
         };
-        let rep = tokio::time::timeout(t, exchange)
+        let rep = tokio::time::timeout(hs, exchange)
             .await
-            .map_err(|_| conn(format!("no handshake answer within {t:?}")))?
+            .map_err(|_| conn(format!("no handshake answer within {hs:?} (handshake_timeout_s)")))?
             .map_err(|e| conn(format!("handshake: {e}")))?;
-        let (identity, rejected, len) = wire::decode_hello_reply(&rep).map_err(|e| BackendError::Protocol {
-            backend: NAME,
-            peer: m.addr.clone(),
-            detail: e.0,
-        })?;
-        if rejected {
-            let mut reason = vec![0u8; len as usize];
-            let _ = tokio::time::timeout(t, s.read_exact(&mut reason)).await;
-            return Err(conn(format!("handshake rejected: {}", String::from_utf8_lossy(&reason))));
+        let head = wire::decode_hello_reply(&rep).map_err(protocol)?;
+        if head.rejected {
+            let mut reason = vec![0u8; head.reason_len as usize];
+            let _ = tokio::time::timeout(hs, s.read_exact(&mut reason)).await;
+            return Err(conn(format!("handshake rejected by the peer: {}", String::from_utf8_lossy(&reason))));
         }
-        if identity != expect_identity {
-            return Err(conn(format!(
-                "metadata names identity {expect_identity:#x} but the endpoint at this address is {identity:#x} (stale metadata?)"
-            )));
+        if head.identity != challenge.identity {
+            return Err(protocol(wire::WireError(format!(
+                "handshake reply names identity {:#x}, its challenge {:#x}",
+                head.identity, challenge.identity
+            ))));
+        }
+        if let Some(sec) = secret {
+            if !wire::verify_reply(sec, &cb, &hb, &rep) {
+                return Err(conn(wire::AuthFailure::PeerProofInvalid.to_string()));
+            }
         }
         Ok(s)
     }
@@ -386,8 +450,21 @@ impl KvTransferBackend for TcpBackend {
         let mut streams = Vec::with_capacity(n + 1);
         for i in 0..=n {
             let kind = if i < n { StreamKind::Data } else { StreamKind::Control };
-            let hello =
-                Hello { kind, index: i as u8, token, link: link_id, identity: self.shared.identity, streams: n as u32 };
+            let nonce = kvxfer_core::secret::nonce().map_err(|e| BackendError::Io {
+                backend: NAME,
+                context: "drawing a handshake nonce".into(),
+                detail: e.to_string(),
+            })?;
+            let hello = Hello {
+                kind,
+                index: i as u8,
+                token,
+                link: link_id,
+                identity: self.shared.identity,
+                streams: n as u32,
+                nonce,
+                proof: None,
+            };
             streams.push(self.open_stream(&m, peer.identity, hello).await?);
         }
         let regions = m.regions.iter().map(|(k, v)| (RegionId(*k), *v)).collect();
@@ -504,6 +581,9 @@ mod tests {
         assert!(TcpOptions::from_config(&c).is_err());
         let c = BackendConfig::new(1).with("timeout_s", "-1");
         assert!(TcpOptions::from_config(&c).is_err());
+        assert_eq!(o.handshake_timeout, Duration::from_secs(5));
+        let c = BackendConfig::new(1).with("handshake_timeout_s", "0.5");
+        assert_eq!(TcpOptions::from_config(&c).unwrap().handshake_timeout, Duration::from_millis(500));
         let c = BackendConfig::new(1).with("tls", "tcp");
         let e = TcpOptions::from_config(&c).unwrap_err().to_string();
         assert!(e.contains("unknown option") && e.contains("connections"), "{e}");

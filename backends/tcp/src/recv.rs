@@ -1,5 +1,11 @@
-//! The receiving side: accepts streams, checks the handshake, validates every WRITE frame against
-//! the region table and places its payload through memory guards, and delivers notifications.
+//! The receiving side: accepts streams, runs the handshake (challenge, token and, with a cluster
+//! secret, the client's proof), validates every WRITE frame against the region table and places its
+//! payload through memory guards, and delivers notifications, each bound to the identity its stream
+//! proved when there is a secret.
+//!
+//! The handshake runs on the endpoint's runtime, bounded by the handshake deadline as a whole; a
+//! stream gets its own thread only once it was accepted, so connections that never authenticate
+//! cost a task for at most that long, not a thread.
 //!
 //! A frame holds a [`kvxfer_core::toolkit::RegionRef`] of every region it writes, and a write guard
 //! of every destination piece, from before its first payload byte until its last one is placed. So
@@ -10,17 +16,19 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvxfer_core::toolkit::{EventQueue, RegionRef, RegionTable};
-use kvxfer_core::{BackendEvent, Notification};
+use kvxfer_core::{BackendEvent, Notification, Secret};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
-use crate::wire::{self, FrameType, Header, Hello, OpDesc, WireError};
+use crate::wire::{self, AuthFailure, Challenge, FrameType, Header, Hello, OpDesc, WireError};
 use crate::{io, sock};
 
 /// The attached notification of one batch and the data-stream parts it waits for.
@@ -40,12 +48,18 @@ struct InLink {
     batches: HashMap<u64, Batch>,
     lost: bool,
     open: u32,
+    /// Set when the link is lost: every stream of it closes (not only the one that failed).
+    kill: watch::Sender<bool>,
 }
 
 /// Default of [`Shared::poll`] (the `poll_us` option): off. With a thread per stream and two streams
 /// on the 2-core development machine polling gained nothing at 1 MiB blocks (every core is busy
 /// copying); with one stream it raised loopback GB/s by a quarter to a third.
 pub(crate) const DEFAULT_POLL: Duration = Duration::ZERO;
+
+/// Default of [`Shared::handshake_timeout`] (the `handshake_timeout_s` option): how long an incoming
+/// stream may take from its accept to a complete HELLO (and the client to get the reply).
+pub(crate) const DEFAULT_HANDSHAKE: Duration = Duration::from_secs(5);
 
 /// Most batches an incoming link may keep half-announced.
 const MAX_PENDING_BATCHES: usize = 1 << 16;
@@ -63,6 +77,15 @@ pub(crate) struct Shared {
     pub timeout: Duration,
     /// How long a stream polls its empty socket before sleeping (see [`io::read_vectored_polling`]).
     pub poll: Duration,
+    /// The cluster secret: with one, every stream must prove it and every notification must be keyed
+    /// with the identity its stream proved.
+    pub secret: Option<Secret>,
+    /// Deadline of an incoming stream's whole handshake, and of the client's wait for the answers.
+    pub handshake_timeout: Duration,
+    /// Notifications refused because their key is not the identity their stream proved.
+    pub forged: AtomicU64,
+    /// Incoming handshakes refused (malformed, wrong token, authentication, link id misuse).
+    pub refused: AtomicU64,
     links: Mutex<HashMap<u64, InLink>>,
     tasks: Mutex<Vec<AbortHandle>>,
 }
@@ -82,6 +105,10 @@ impl Shared {
             events,
             timeout,
             poll: DEFAULT_POLL,
+            secret: None,
+            handshake_timeout: DEFAULT_HANDSHAKE,
+            forged: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             links: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
         }
@@ -93,14 +120,47 @@ impl Shared {
         self
     }
 
+    /// The same state with a cluster secret and a handshake deadline.
+    pub fn with_auth(mut self, secret: Option<Secret>, handshake_timeout: Duration) -> Self {
+        self.secret = secret;
+        self.handshake_timeout = handshake_timeout;
+        self
+    }
+
+    /// The link is lost: reported once, and every stream of it closes.
     fn lost(&self, link: u64, reason: String) {
         if let Some(l) = lock(&self.links).get_mut(&link) {
             if !l.lost {
                 l.lost = true;
                 tracing::warn!(identity = l.identity, %reason, "tcp: lost incoming peer");
                 self.events.push(BackendEvent::PeerLost { identity: l.identity, reason });
+                l.kill.send_replace(true);
             }
         }
+    }
+
+    /// Adds an accepted stream to its link's books; refuses a link id another identity uses, or a
+    /// link that was already lost. Returns the link's kill signal.
+    fn join(&self, hello: &Hello) -> Result<watch::Receiver<bool>, String> {
+        let mut links = lock(&self.links);
+        let l = links.entry(hello.link).or_insert_with(|| InLink {
+            identity: hello.identity,
+            batches: HashMap::new(),
+            lost: false,
+            open: 0,
+            kill: watch::Sender::new(false),
+        });
+        if l.identity != hello.identity {
+            return Err(format!(
+                "link {:#x} belongs to identity {:#x}, not {:#x}; each connect draws its own link id",
+                hello.link, l.identity, hello.identity
+            ));
+        }
+        if l.lost {
+            return Err(format!("link {:#x} was already failed; connect again", hello.link));
+        }
+        l.open += 1;
+        Ok(l.kill.subscribe())
     }
 
     fn stream_closed(&self, link: u64) {
@@ -180,12 +240,9 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     loop {
         match listener.accept().await {
             Ok((stream, addr)) => {
-                // The stream is served on a thread of its own (see `sock::on_own_thread`).
-                let sh = Arc::clone(&shared);
-                match sock::on_own_thread(stream, "kvxfer-tcp-rx", move |s| vec![tokio::spawn(serve(sh, s, addr))]) {
-                    Ok(tasks) => tasks.into_iter().for_each(|t| shared.track(t)),
-                    Err(e) => tracing::warn!(%addr, error = %e, "tcp: cannot start a thread for an incoming stream"),
-                }
+                // The handshake runs here (bounded); only an accepted stream gets a thread.
+                let task = tokio::spawn(handshake_then_serve(Arc::clone(&shared), stream, addr));
+                shared.track(task.abort_handle());
             }
             Err(e) => {
                 tracing::warn!(error = %e, "tcp: accept failed");
@@ -199,43 +256,128 @@ fn tokens_equal(a: &[u8; wire::TOKEN_LEN], b: &[u8; wire::TOKEN_LEN]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Handshake, then frames, for one incoming stream.
-async fn serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr) {
+/// The server's verdict on a HELLO: accepted, or the reason it is refused (sent to the client).
+fn judge(shared: &Shared, hello: &Result<Hello, WireError>, challenge: &[u8; wire::CHALLENGE_LEN]) -> Option<String> {
+    let h = match hello {
+        Ok(h) => h,
+        Err(e) => return Some(e.0.clone()),
+    };
+    // The token and the proof are both checked, each in constant time, before answering.
+    let token_ok = tokens_equal(&h.token, &shared.token);
+    let auth = match (&shared.secret, &h.proof) {
+        (Some(s), Some(_)) if h.verify(s, challenge) => None,
+        (Some(_), Some(_)) => Some(AuthFailure::ProofInvalid),
+        (Some(_), None) => Some(AuthFailure::ProofMissing),
+        (None, Some(_)) => Some(AuthFailure::NoSecretHere),
+        (None, None) => None,
+    };
+    match (auth, token_ok) {
+        (Some(a), _) => Some(a.to_string()),
+        (None, false) => {
+            Some("access token rejected: the handshake does not carry this endpoint's token (stale metadata?)".into())
+        }
+        (None, true) => None,
+    }
+}
+
+/// Why the handshake of an incoming stream ended without a stream to serve.
+enum Refused {
+    /// Logged at debug level (the client closed, or never spoke).
+    Quiet(String),
+    /// Logged as a warning and counted.
+    Loud(String),
+}
+
+/// Handshake of one incoming stream (bounded by the handshake deadline as a whole), then its frames
+/// on a thread of its own.
+async fn handshake_then_serve(shared: Arc<Shared>, mut stream: TcpStream, addr: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let (mut r, mut w) = stream.into_split();
-    let mut hello = [0u8; wire::HELLO_LEN];
-    let hello = match tokio::time::timeout(shared.timeout, r.read_exact(&mut hello)).await {
-        Ok(Ok(_)) => Hello::decode(&hello),
-        Ok(Err(e)) => {
-            tracing::debug!(%addr, error = %e, "tcp: connection closed before the handshake");
+    let hs = shared.handshake_timeout;
+    let accepted = match tokio::time::timeout(hs, handshake(&shared, &mut stream)).await {
+        Ok(Ok(v)) => v,
+        Ok(Err(Refused::Quiet(why))) => {
+            tracing::debug!(%addr, %why, "tcp: incoming stream closed during the handshake");
+            return;
+        }
+        Ok(Err(Refused::Loud(why))) => {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%addr, reason = %why, "tcp: rejected a handshake");
             return;
         }
         Err(_) => {
-            tracing::warn!(%addr, "tcp: no handshake within the deadline; closing");
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%addr, "tcp: no complete handshake within {hs:?}; closing");
             return;
         }
     };
-    let rejection = match &hello {
-        Ok(h) if tokens_equal(&h.token, &shared.token) => None,
-        Ok(_) => Some("access token rejected".to_owned()),
-        Err(e) => Some(e.0.clone()),
+    let (hello, kill) = accepted;
+    let link = hello.link;
+    let sh = Arc::clone(&shared);
+    // The stream is served on a thread of its own (see `sock::on_own_thread`).
+    match sock::on_own_thread(stream, "kvxfer-tcp-rx", move |s| vec![tokio::spawn(serve(sh, s, addr, hello, kill))]) {
+        Ok(tasks) => tasks.into_iter().for_each(|t| shared.track(t)),
+        Err(e) => {
+            tracing::warn!(%addr, error = %e, "tcp: cannot start a thread for an incoming stream");
+            shared.lost(link, format!("{addr}: cannot start a thread for an incoming stream: {e}"));
+            shared.stream_closed(link);
+        }
+    }
+}
+
+/// CHALLENGE, HELLO, verdict, reply. On success the stream is in its link's books.
+async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::Receiver<bool>), Refused> {
+    let nonce = kvxfer_core::secret::nonce().map_err(|e| Refused::Loud(format!("drawing a nonce: {e}")))?;
+    let challenge = Challenge { identity: shared.identity, secret: shared.secret.is_some(), nonce }.encode();
+    s.write_all(&challenge).await.map_err(|e| Refused::Quiet(format!("sending the challenge: {e}")))?;
+    let mut hb = [0u8; wire::HELLO_LEN];
+    s.read_exact(&mut hb).await.map_err(|e| Refused::Quiet(format!("reading the HELLO: {e}")))?;
+    let hello = Hello::decode(&hb);
+    let verdict = judge(shared, &hello, &challenge);
+    let joined = match (verdict, hello) {
+        (None, Ok(h)) => shared.join(&h).map(|k| (h, k)),
+        (Some(reason), _) => Err(reason),
+        (None, Err(e)) => Err(e.0),
     };
-    if let Some(reason) = rejection {
-        tracing::warn!(%addr, %reason, "tcp: rejected a handshake");
-        let _ = w.write_all(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
-        return;
+    let (hello, kill) = match joined {
+        Ok(v) => v,
+        Err(reason) => {
+            let _ = s.write_all(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
+            return Err(Refused::Loud(reason));
+        }
+    };
+    let reply = match &shared.secret {
+        Some(secret) => wire::encode_proved_reply(shared.identity, secret, &challenge, &hb).to_vec(),
+        None => wire::encode_hello_reply(shared.identity, None),
+    };
+    if let Err(e) = s.write_all(&reply).await {
+        shared.stream_closed(hello.link);
+        return Err(Refused::Quiet(format!("sending the reply: {e}")));
     }
-    let Ok(hello) = hello else { return };
-    if w.write_all(&wire::encode_hello_reply(shared.identity, None)).await.is_err() {
-        return;
-    }
-    lock(&shared.links)
-        .entry(hello.link)
-        .or_insert_with(|| InLink { identity: hello.identity, batches: HashMap::new(), lost: false, open: 0 })
-        .open += 1;
+    Ok((hello, kill))
+}
+
+/// Frames of one accepted stream, until BYE, loss, a protocol error, or the loss of another stream
+/// of its link.
+async fn serve(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    addr: SocketAddr,
+    hello: Hello,
+    mut kill: watch::Receiver<bool>,
+) {
+    let (mut r, mut w) = stream.into_split();
     let peer = format!("{addr} (identity {:#x}, stream {})", hello.identity, hello.index);
-    match serve_frames(&shared, &hello, &mut r, &mut w).await {
-        Ok(()) => {}
+    let killed = async {
+        if kill.wait_for(|k| *k).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let ending = tokio::select! {
+        r = serve_frames(&shared, &hello, &mut r, &mut w) => r,
+        () = killed => Err(Ending::Killed),
+    };
+    match ending {
+        Ok(()) | Err(Ending::Killed) => {}
         Err(Ending::Lost(reason)) => shared.lost(hello.link, format!("{peer}: {reason}")),
         Err(Ending::Protocol(e)) => {
             tracing::warn!(%peer, error = %e, "tcp: protocol violation; closing the stream");
@@ -248,13 +390,15 @@ async fn serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr) {
             shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
         }
     }
-    let _ = w.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
     shared.stream_closed(hello.link);
 }
 
 enum Ending {
     Lost(String),
     Protocol(WireError),
+    /// Another stream of the link was lost (already reported).
+    Killed,
 }
 
 impl From<WireError> for Ending {
@@ -329,13 +473,16 @@ async fn serve_frames(
     let (t, poll) = (shared.timeout, shared.poll);
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
-        // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the socket.
-        if let Err(e) = io::read_exact_polling(r, &mut hb, poll).await {
-            return Err(Ending::Lost(if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                "connection closed without BYE".into()
-            } else {
-                format!("reading a frame header: {e}")
-            }));
+        // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
+        // socket. Once a header's first byte arrived, the rest must arrive within the deadline.
+        let got = match io::read_vectored_polling(r, &mut [std::io::IoSliceMut::new(&mut hb)], poll).await {
+            Ok(0) => return Err(Ending::Lost("connection closed without BYE".into())),
+            Ok(n) => n,
+            Err(e) => return Err(Ending::Lost(format!("reading a frame header: {e}"))),
+        };
+        if got < hb.len() {
+            within(t, "reading a frame header after its first bytes", io::read_exact_polling(r, &mut hb[got..], poll))
+                .await?;
         }
         let h = Header::decode(&hb)?;
         match h.ty {
@@ -355,6 +502,19 @@ async fn serve_frames(
                 let mut body = vec![0u8; h.n as usize];
                 within(t, "reading a NOTE", io::read_exact_polling(r, &mut body, poll)).await?;
                 let n = Notification::decode(&body).map_err(|e| WireError(format!("bad notification: {e}")))?;
+                // The binding rule: a stream that proved an identity carries only its notifications.
+                if shared.secret.is_some() && !n.is_from(hello.identity) {
+                    shared.forged.fetch_add(1, Ordering::Relaxed);
+                    return Err(WireError(format!(
+                        "forged notification: the stream proved identity {:#x} but a notification of request {} \
+                         carries the notification key {} ({:#x}); not delivered, connection closed",
+                        hello.identity,
+                        n.request,
+                        n.sender,
+                        n.sender.to_u64()
+                    ))
+                    .into());
+                }
                 shared.note(hello.link, h.batch, h.parts, Some(n))?;
             }
             FrameType::Drop if h.flags == wire::DROP_PART => shared.part(hello.link, h.batch, true)?,

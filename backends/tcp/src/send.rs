@@ -584,7 +584,8 @@ async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, a
 }
 
 /// Reads ACK and ERROR frames. A stream with unacknowledged frames that hears nothing for the
-/// link's timeout fails the link (so an abort or a transfer never waits forever).
+/// link's timeout fails the link (so an abort or a transfer never waits forever), and so does a
+/// frame header that stops after its first bytes.
 async fn reader(mut r: OwnedReadHalf, acks: Acks, state: Arc<LinkState>) {
     let protocol = |detail: String| BackendError::Protocol { backend: NAME, peer: state.peer.clone(), detail };
     loop {
@@ -597,7 +598,15 @@ async fn reader(mut r: OwnedReadHalf, acks: Acks, state: Arc<LinkState>) {
                 Ok(Ok(0)) => return state.fail(state.lost("connection closed by the peer".into())),
                 Ok(Ok(n)) => got += n,
                 Ok(Err(e)) => return state.fail(state.lost(format!("receiving: {e}"))),
-                Err(_) if lock(&acks).is_empty() => {}
+                // Idle with nothing outstanding is fine; a header cut off after its first bytes is not.
+                Err(_) if got == 0 && lock(&acks).is_empty() => {}
+                Err(_) if got > 0 => {
+                    return state.fail(state.lost(format!(
+                        "{got} of a frame header's {} bytes, then nothing for {:?}",
+                        wire::HEADER_LEN,
+                        state.timeout
+                    )));
+                }
                 Err(_) => {
                     return state.fail(state.lost(format!("no acknowledgement within {:?}", state.timeout)));
                 }

@@ -6,24 +6,36 @@
 //! All integers are little endian.
 //!
 //! ```text
-//! HELLO (client -> server, first bytes of every stream), 48 bytes:
+//! CHALLENGE (server -> client, first bytes of every stream), 48 bytes:
 //!   0  [4]  magic "KVXT"
-//!   4  u16  protocol version (2)
+//!   4  u16  protocol version (3)
+//!   6  u8   flags: bit 0 SECRET (the server has a cluster secret: it requires a proof, and proves it too)
+//!   7  u8   reserved, 0
+//!   8  u64  server identity
+//!   16 [32] server nonce (fresh per stream)
+//! HELLO (client -> server, the answer to the CHALLENGE), 112 bytes:
+//!   0  [4]  magic "KVXT"
+//!   4  u16  protocol version (3)
 //!   6  u8   stream kind: 0 data, 1 control
 //!   7  u8   stream index within the link
 //!   8  [16] access token (from the server's endpoint metadata)
 //!   24 u64  link id (random, groups the streams of one connect call)
 //!   32 u64  client identity
 //!   40 u32  data streams in the link
-//!   44 u32  reserved, 0
-//! HELLO reply (server -> client), 20 bytes + reason:
+//!   44 u8   flags: bit 0 PROOF (bytes 80..112 carry the client's proof; otherwise they are 0)
+//!   45 [3]  reserved, 0
+//!   48 [32] client nonce (fresh per stream)
+//!   80 [32] client proof: HMAC-SHA256(secret, "kvxfer-tcp/3 client\0" || CHALLENGE || HELLO[0..80])
+//! HELLO reply (server -> client), 52 bytes + reason:
 //!   0  [4]  magic "KVXT"
 //!   4  u16  protocol version
 //!   6  u8   status: 0 accepted, 1 rejected
-//!   7  u8   reserved, 0
-//!   8  u64  server identity
-//!   16 u32  reason length (0 when accepted, at most MAX_MESSAGE), then the UTF-8 reason
-//! FRAME header, 32 bytes:
+//!   7  u8   flags: bit 0 PROOF (accepted only: bytes 20..52 carry the server's proof; otherwise 0)
+//!   8  u64  server identity (the CHALLENGE's)
+//!   16 u32  reason length (0 when accepted, at most MAX_MESSAGE)
+//!   20 [32] server proof: HMAC-SHA256(secret, "kvxfer-tcp/3 server\0" || CHALLENGE || HELLO || REPLY[0..20])
+//!   52      the UTF-8 reason
+//! //! FRAME header, 32 bytes:
 //!   0  u8   type: 1 WRITE, 2 NOTE, 3 BYE, 4 DROP (client -> server); 0x81 ACK, 0x82 ERROR
 //!           (server -> client)
 //!   1  u8   flags. WRITE: bit 0 LAST (last frame of the batch on this stream), bit 1 NOTE_FOLLOWS
@@ -44,16 +56,33 @@
 
 use std::fmt;
 
+use kvxfer_core::secret::Secret;
 use kvxfer_core::{RegionId, WriteOp};
+
+pub use kvxfer_core::secret::{NONCE_BYTES, PROOF_BYTES};
 
 /// Handshake magic.
 pub const HELLO_MAGIC: [u8; 4] = *b"KVXT";
-/// Protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version this build speaks (3: the challenge-response handshake).
+pub const PROTOCOL_VERSION: u16 = 3;
+/// Bytes of a CHALLENGE.
+pub const CHALLENGE_LEN: usize = 48;
 /// Bytes of a HELLO.
-pub const HELLO_LEN: usize = 48;
+pub const HELLO_LEN: usize = 112;
+/// Bytes of a HELLO the client proof covers (everything before the proof).
+pub const HELLO_SIGNED_LEN: usize = 80;
 /// Bytes of a HELLO reply before its reason.
-pub const HELLO_REPLY_LEN: usize = 20;
+pub const HELLO_REPLY_LEN: usize = 52;
+/// Bytes of a HELLO reply the server proof covers (everything before the proof).
+pub const REPLY_SIGNED_LEN: usize = 20;
+/// CHALLENGE flag: the server has a cluster secret.
+pub const CHALLENGE_SECRET: u8 = 1;
+/// HELLO and reply flag: the message carries a proof.
+pub const FLAG_PROOF: u8 = 1;
+/// Domain separation of the client's proof.
+const CLIENT_CONTEXT: &[u8] = b"kvxfer-tcp/3 client\0";
+/// Domain separation of the server's proof.
+const SERVER_CONTEXT: &[u8] = b"kvxfer-tcp/3 server\0";
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 32;
 /// Bytes of one WRITE op descriptor.
@@ -149,7 +178,49 @@ pub enum StreamKind {
     Control,
 }
 
-/// The first message of every stream.
+/// The first message of every stream, from the server: who it is, whether it has a cluster secret,
+/// and a fresh nonce the client's proof must cover (so no proof is valid on another stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Challenge {
+    /// Server identity.
+    pub identity: u64,
+    /// Whether the server has a cluster secret (requires a proof, and proves it).
+    pub secret: bool,
+    /// Server nonce.
+    pub nonce: [u8; NONCE_BYTES],
+}
+
+impl Challenge {
+    /// Encodes.
+    pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[0..4].copy_from_slice(&HELLO_MAGIC);
+        b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        b[6] = if self.secret { CHALLENGE_SECRET } else { 0 };
+        b[8..16].copy_from_slice(&self.identity.to_le_bytes());
+        b[16..48].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Decodes and checks magic, version, flags and the reserved byte.
+    pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Self, WireError> {
+        if b[0..4] != HELLO_MAGIC {
+            bail!("peer did not open the kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
+        }
+        let v = u16_at(b, 4);
+        if v != PROTOCOL_VERSION {
+            bail!("peer speaks protocol version {v}, this endpoint speaks {PROTOCOL_VERSION}");
+        }
+        if b[6] & !CHALLENGE_SECRET != 0 || b[7] != 0 {
+            bail!("unknown handshake challenge flags 0x{:02x} or reserved byte 0x{:02x}", b[6], b[7]);
+        }
+        let mut nonce = [0u8; NONCE_BYTES];
+        nonce.copy_from_slice(&b[16..48]);
+        Ok(Self { identity: u64_at(b, 8), secret: b[6] & CHALLENGE_SECRET != 0, nonce })
+    }
+}
+
+/// The client's answer to a [`Challenge`], the first message it sends on a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// Data or control.
@@ -164,6 +235,10 @@ pub struct Hello {
     pub identity: u64,
     /// Data streams in the link.
     pub streams: u32,
+    /// Client nonce (the server's proof covers it).
+    pub nonce: [u8; NONCE_BYTES],
+    /// The client's proof of the cluster secret ([`Hello::sign`]), if it has one.
+    pub proof: Option<[u8; PROOF_BYTES]>,
 }
 
 impl Hello {
@@ -181,10 +256,15 @@ impl Hello {
         b[24..32].copy_from_slice(&self.link.to_le_bytes());
         b[32..40].copy_from_slice(&self.identity.to_le_bytes());
         b[40..44].copy_from_slice(&self.streams.to_le_bytes());
+        b[48..80].copy_from_slice(&self.nonce);
+        if let Some(p) = &self.proof {
+            b[44] = FLAG_PROOF;
+            b[80..112].copy_from_slice(p);
+        }
         b
     }
 
-    /// Decodes and checks magic, version, kind and reserved bytes (not the token).
+    /// Decodes and checks magic, version, kind, flags and reserved bytes (not the token or the proof).
     pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, WireError> {
         if b[0..4] != HELLO_MAGIC {
             bail!("not a kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
@@ -198,20 +278,115 @@ impl Hello {
             1 => StreamKind::Control,
             k => bail!("unknown stream kind {k}"),
         };
-        if u32_at(b, 44) != 0 {
-            bail!("reserved handshake bytes are not zero");
+        if b[44] & !FLAG_PROOF != 0 || b[45..48] != [0; 3] {
+            bail!("unknown handshake flags 0x{:02x} or reserved bytes not zero", b[44]);
         }
+        let proof = if b[44] & FLAG_PROOF != 0 {
+            let mut p = [0u8; PROOF_BYTES];
+            p.copy_from_slice(&b[80..112]);
+            Some(p)
+        } else if b[80..112] != [0; PROOF_BYTES] {
+            bail!("a handshake without the PROOF flag carries proof bytes");
+        } else {
+            None
+        };
         let streams = u32_at(b, 40);
         if streams == 0 || streams > 64 {
             bail!("link announces {streams} data streams (1..=64 allowed)");
         }
         let mut token = [0u8; TOKEN_LEN];
         token.copy_from_slice(&b[8..24]);
-        Ok(Self { kind, index: b[7], token, link: u64_at(b, 24), identity: u64_at(b, 32), streams })
+        let mut nonce = [0u8; NONCE_BYTES];
+        nonce.copy_from_slice(&b[48..80]);
+        Ok(Self { kind, index: b[7], token, link: u64_at(b, 24), identity: u64_at(b, 32), streams, nonce, proof })
+    }
+
+    /// The same HELLO with the client's proof of `secret` over `challenge` (the server's CHALLENGE as
+    /// it arrived) and every field of this HELLO before the proof.
+    pub fn sign(mut self, secret: &Secret, challenge: &[u8; CHALLENGE_LEN]) -> Self {
+        self.proof = Some([0; PROOF_BYTES]);
+        let b = self.encode();
+        self.proof = Some(secret.proof(&[CLIENT_CONTEXT, challenge, &b[..HELLO_SIGNED_LEN]]));
+        self
+    }
+
+    /// Whether this HELLO carries a proof of `secret` over `challenge` (the one this server sent on
+    /// this stream) and its own fields; compared in constant time.
+    pub fn verify(&self, secret: &Secret, challenge: &[u8; CHALLENGE_LEN]) -> bool {
+        let Some(p) = &self.proof else { return false };
+        secret.verify(&[CLIENT_CONTEXT, challenge, &self.encode()[..HELLO_SIGNED_LEN]], p)
     }
 }
 
-/// Encodes a HELLO reply.
+/// Why a handshake was refused for authentication: the reason the server answers on the wire, and
+/// what the connecting side reports. Every message says what to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// Server side: this endpoint has a secret and the HELLO carries no proof.
+    ProofMissing,
+    /// Server side: the HELLO's proof does not verify (another secret, or a replayed HELLO).
+    ProofInvalid,
+    /// Server side: the HELLO carries a proof but this endpoint has no secret.
+    NoSecretHere,
+    /// Client side: the server says it has no secret, so it cannot prove one.
+    PeerHasNoSecret,
+    /// Client side: the server's reply does not prove the secret.
+    PeerProofInvalid,
+}
+
+impl AuthFailure {
+    /// The message.
+    pub fn message(self) -> &'static str {
+        match self {
+            Self::ProofMissing => {
+                "authentication required: this endpoint has a cluster secret and the connecting rank sent no proof \
+                 of it; configure the same cluster secret (KVXFER_SECRET) on every rank"
+            }
+            Self::ProofInvalid => {
+                "authentication failed: the connecting rank's proof does not match this endpoint's cluster secret \
+                 (a different secret, or a replayed handshake); configure the same cluster secret (KVXFER_SECRET) \
+                 on every rank"
+            }
+            Self::NoSecretHere => {
+                "authentication failed: the connecting rank proves a cluster secret but this endpoint has none; \
+                 configure the same cluster secret (KVXFER_SECRET) on every rank"
+            }
+            Self::PeerHasNoSecret => {
+                "authentication failed: the peer has no cluster secret and cannot prove one; configure the same \
+                 cluster secret (KVXFER_SECRET) on every rank"
+            }
+            Self::PeerProofInvalid => {
+                "authentication failed: the peer's handshake reply does not prove this endpoint's cluster secret \
+                 (a different secret, or not the endpoint of the metadata); configure the same cluster secret \
+                 (KVXFER_SECRET) on every rank"
+            }
+        }
+    }
+}
+
+impl fmt::Display for AuthFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl std::error::Error for AuthFailure {}
+
+/// A decoded HELLO reply before its reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplyHead {
+    /// Server identity.
+    pub identity: u64,
+    /// Whether the handshake was rejected (a reason of `reason_len` bytes follows).
+    pub rejected: bool,
+    /// Bytes of the reason.
+    pub reason_len: u32,
+    /// The server's proof, if it carries one (accepted replies only).
+    pub proof: Option<[u8; PROOF_BYTES]>,
+}
+
+/// Encodes a HELLO reply without a proof: a rejection with its reason, or an acceptance by an
+/// endpoint without a secret.
 pub fn encode_hello_reply(identity: u64, rejection: Option<&str>) -> Vec<u8> {
     let reason = rejection.map(|r| truncate(r, MAX_MESSAGE as usize)).unwrap_or("");
     let mut b = Vec::with_capacity(HELLO_REPLY_LEN + reason.len());
@@ -221,13 +396,42 @@ pub fn encode_hello_reply(identity: u64, rejection: Option<&str>) -> Vec<u8> {
     b.push(0);
     b.extend_from_slice(&identity.to_le_bytes());
     b.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+    b.extend_from_slice(&[0; PROOF_BYTES]);
     b.extend_from_slice(reason.as_bytes());
     b
 }
 
-/// A decoded HELLO reply header: `(server identity, rejected, reason length)`. Checks magic, version,
-/// status and the reserved byte; only a rejection carries a reason.
-pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32), WireError> {
+/// Encodes an accepting HELLO reply with the server's proof of `secret` over the whole exchange:
+/// `challenge` (as sent), `hello` (as received, with the client's nonce) and the reply's own head.
+pub fn encode_proved_reply(
+    identity: u64,
+    secret: &Secret,
+    challenge: &[u8; CHALLENGE_LEN],
+    hello: &[u8; HELLO_LEN],
+) -> [u8; HELLO_REPLY_LEN] {
+    let mut b = [0u8; HELLO_REPLY_LEN];
+    b[..REPLY_SIGNED_LEN].copy_from_slice(&encode_hello_reply(identity, None)[..REPLY_SIGNED_LEN]);
+    b[7] = FLAG_PROOF;
+    let p = secret.proof(&[SERVER_CONTEXT, challenge, hello, &b[..REPLY_SIGNED_LEN]]);
+    b[REPLY_SIGNED_LEN..].copy_from_slice(&p);
+    b
+}
+
+/// Whether `reply` (its head) carries the server's proof of `secret` over `challenge` (as received)
+/// and `hello` (as sent); compared in constant time.
+pub fn verify_reply(
+    secret: &Secret,
+    challenge: &[u8; CHALLENGE_LEN],
+    hello: &[u8; HELLO_LEN],
+    reply: &[u8; HELLO_REPLY_LEN],
+) -> bool {
+    reply[7] & FLAG_PROOF != 0
+        && secret.verify(&[SERVER_CONTEXT, challenge, hello, &reply[..REPLY_SIGNED_LEN]], &reply[REPLY_SIGNED_LEN..])
+}
+
+/// Decodes a HELLO reply's head. Checks magic, version, status and flags; only a rejection carries
+/// a reason, only an acceptance a proof, and proof bytes without the PROOF flag are refused.
+pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<ReplyHead, WireError> {
     if b[0..4] != HELLO_MAGIC {
         bail!("peer did not answer the kvxfer-tcp handshake (magic {:02x?})", &b[0..4]);
     }
@@ -240,8 +444,8 @@ pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32),
         1 => true,
         s => bail!("unknown handshake status {s}"),
     };
-    if b[7] != 0 {
-        bail!("reserved handshake reply byte is not zero");
+    if b[7] & !FLAG_PROOF != 0 {
+        bail!("unknown handshake reply flags 0x{:02x}", b[7]);
     }
     let len = u32_at(b, 16);
     if len > MAX_MESSAGE {
@@ -250,7 +454,19 @@ pub fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<(u64, bool, u32),
     if !rejected && len != 0 {
         bail!("an accepted handshake with a reason of {len} bytes");
     }
-    Ok((u64_at(b, 8), rejected, len))
+    let proof = if b[7] & FLAG_PROOF != 0 {
+        if rejected {
+            bail!("a rejected handshake with a proof");
+        }
+        let mut p = [0u8; PROOF_BYTES];
+        p.copy_from_slice(&b[REPLY_SIGNED_LEN..]);
+        Some(p)
+    } else if b[REPLY_SIGNED_LEN..] != [0; PROOF_BYTES] {
+        bail!("a handshake reply without the PROOF flag carries proof bytes");
+    } else {
+        None
+    };
+    Ok(ReplyHead { identity: u64_at(b, 8), rejected, reason_len: len, proof })
 }
 
 /// Truncates at a char boundary.
@@ -571,9 +787,22 @@ mod tests {
         assert!(Header::decode(&b).is_err());
     }
 
+    fn hello() -> Hello {
+        Hello {
+            kind: StreamKind::Control,
+            index: 2,
+            token: [7; 16],
+            link: 5,
+            identity: 6,
+            streams: 2,
+            nonce: [9; NONCE_BYTES],
+            proof: None,
+        }
+    }
+
     #[test]
     fn hello_roundtrip_and_rejections() {
-        let h = Hello { kind: StreamKind::Control, index: 2, token: [7; 16], link: 5, identity: 6, streams: 2 };
+        let h = hello();
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         let mut b = h.encode();
         b[0] = b'X';
@@ -581,9 +810,67 @@ mod tests {
         let mut b = h.encode();
         b[4] = 9;
         assert!(Hello::decode(&b).unwrap_err().0.contains("version"));
+        let mut b = h.encode();
+        b[44] = 2;
+        assert!(Hello::decode(&b).is_err(), "unknown flag");
+        let mut b = h.encode();
+        b[100] = 1;
+        assert!(Hello::decode(&b).unwrap_err().0.contains("proof"), "proof bytes without the flag");
         let r = encode_hello_reply(3, Some("bad token"));
-        let (id, rej, len) = decode_hello_reply(r[..HELLO_REPLY_LEN].try_into().unwrap()).unwrap();
-        assert_eq!((id, rej, len as usize), (3, true, "bad token".len()));
+        assert_eq!(r.len(), HELLO_REPLY_LEN + "bad token".len());
+        let head = decode_hello_reply(r[..HELLO_REPLY_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(head, ReplyHead { identity: 3, rejected: true, reason_len: 9, proof: None });
+        let c = Challenge { identity: 4, secret: true, nonce: [1; NONCE_BYTES] };
+        assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
+        let mut b = c.encode();
+        b[6] = 3;
+        assert!(Challenge::decode(&b).is_err());
+        let mut b = c.encode();
+        b[4] = 2;
+        assert!(Challenge::decode(&b).unwrap_err().0.contains("version 2"));
+    }
+
+    #[test]
+    fn proofs_bind_the_secret_the_challenge_and_every_field() {
+        let s = Secret::new(b"cluster".to_vec()).unwrap();
+        let other = Secret::new(b"other".to_vec()).unwrap();
+        let c1 = Challenge { identity: 4, secret: true, nonce: [1; NONCE_BYTES] }.encode();
+        let c2 = Challenge { identity: 4, secret: true, nonce: [2; NONCE_BYTES] }.encode();
+        let h = hello().sign(&s, &c1);
+        let wire = Hello::decode(&h.encode()).unwrap();
+        assert!(wire.verify(&s, &c1));
+        assert!(!wire.verify(&other, &c1), "another secret");
+        assert!(!wire.verify(&s, &c2), "replayed on a stream with another challenge");
+        assert!(!hello().verify(&s, &c1), "no proof");
+        for (i, tweak) in [
+            Hello { identity: 7, ..wire },
+            Hello { link: 6, ..wire },
+            Hello { index: 3, ..wire },
+            Hello { kind: StreamKind::Data, ..wire },
+            Hello { nonce: [8; NONCE_BYTES], ..wire },
+            Hello { token: [0; 16], ..wire },
+        ]
+        .iter()
+        .enumerate()
+        {
+            assert!(!tweak.verify(&s, &c1), "field {i} changed, proof still valid");
+        }
+        let hb = h.encode();
+        let r = encode_proved_reply(4, &s, &c1, &hb);
+        let head = decode_hello_reply(&r).unwrap();
+        assert!(!head.rejected && head.proof.is_some() && head.identity == 4);
+        assert!(verify_reply(&s, &c1, &hb, &r));
+        assert!(!verify_reply(&other, &c1, &hb, &r));
+        assert!(!verify_reply(&s, &c2, &hb, &r), "reply replayed on another stream");
+        let hb2 = hello().sign(&s, &c1).encode();
+        let mut hb3 = hb2;
+        hb3[48] ^= 1;
+        assert!(!verify_reply(&s, &c1, &hb3, &r), "reply for another client nonce");
+        let plain: [u8; HELLO_REPLY_LEN] = encode_hello_reply(4, None).try_into().unwrap();
+        assert!(!verify_reply(&s, &c1, &hb, &plain), "a reply without a proof");
+        let mut forged = r;
+        forged[6] = 1;
+        assert!(decode_hello_reply(&forged).unwrap_err().0.contains("rejected handshake with a proof"));
     }
 
     #[test]

@@ -266,14 +266,26 @@ async fn raw(meta: &EndpointMetadata, token: [u8; 16]) -> (TcpStream, bool) {
     let mut s = TcpStream::connect(&m.addr).await.unwrap();
     static LINK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(100);
     let link = LINK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let h = Hello { kind: StreamKind::Data, index: 0, token, link, identity: 0xbad, streams: 1 };
+    let mut challenge = [0u8; wire::CHALLENGE_LEN];
+    s.read_exact(&mut challenge).await.unwrap();
+    assert!(!wire::Challenge::decode(&challenge).unwrap().secret);
+    let h = Hello {
+        kind: StreamKind::Data,
+        index: 0,
+        token,
+        link,
+        identity: 0xbad,
+        streams: 1,
+        nonce: [1; wire::NONCE_BYTES],
+        proof: None,
+    };
     s.write_all(&h.encode()).await.unwrap();
     let mut rep = [0u8; wire::HELLO_REPLY_LEN];
     s.read_exact(&mut rep).await.unwrap();
-    let (_, rejected, len) = wire::decode_hello_reply(&rep).unwrap();
-    let mut reason = vec![0u8; len as usize];
+    let head = wire::decode_hello_reply(&rep).unwrap();
+    let mut reason = vec![0u8; head.reason_len as usize];
     s.read_exact(&mut reason).await.unwrap();
-    (s, !rejected)
+    (s, !head.rejected)
 }
 
 /// Reads what the endpoint answers until it closes: the ERROR message, if any.
@@ -398,11 +410,12 @@ async fn a_garbage_handshake_is_rejected() {
     let b = ep(2, 1);
     let m = TcpMetadata::from_envelope(&b.metadata().unwrap()).unwrap();
     let mut s = TcpStream::connect(&m.addr).await.unwrap();
+    let mut challenge = [0u8; wire::CHALLENGE_LEN];
+    s.read_exact(&mut challenge).await.unwrap();
     s.write_all(&[0x47; wire::HELLO_LEN]).await.unwrap();
     let mut rep = [0u8; wire::HELLO_REPLY_LEN];
     s.read_exact(&mut rep).await.unwrap();
-    let (_, rejected, _) = wire::decode_hello_reply(&rep).unwrap();
-    assert!(rejected);
+    assert!(wire::decode_hello_reply(&rep).unwrap().rejected);
 }
 
 // ----- peer loss ----------------------------------------------------------------------------

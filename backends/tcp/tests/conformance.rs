@@ -1,5 +1,6 @@
 //! The conformance suite over real loopback TCP sockets (both notification styles are cases of the
-//! suite). Each endpoint listens on 127.0.0.1 with an ephemeral port and two data streams per peer.
+//! suite). Each endpoint listens on 127.0.0.1 with an ephemeral port and two data streams per peer;
+//! the `auth` family creates them with the cluster secret (`create_with_secret`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +19,13 @@ impl BackendFactory for Tcp {
     }
     fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
         Some((kvxfer_tcp::NAME.into(), config(0).options))
+    }
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<kvxfer_core::Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        Some(kvxfer_tcp::create(&config(identity).with_secret(secret)))
     }
 }
 
