@@ -9,18 +9,19 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvxfer_core::secret::NONCE_BYTES;
 use kvxfer_core::toolkit::{Drained, EventQueue, RegionRef, RegionTable, Segment};
-use kvxfer_core::{BackendError, BackendEvent, MemDesc, Notification, PeerId, RegionId, TransferState};
+use kvxfer_core::{BackendError, BackendEvent, MemDesc, Notification, PeerId, RegionId, Secret, TransferState};
 use tokio::sync::oneshot;
 
 use crate::liveness::ProcId;
 use crate::ucp::{self, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker};
-use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
+use crate::wire::{self, Exchange, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
 use crate::NAME;
 
 const HOT: Duration = Duration::from_millis(20);
@@ -34,6 +35,10 @@ const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
 const WINDOW: usize = 64;
 /// Most pieces one transfer posts per turn of the progress loop.
 const BURST: usize = 64;
+/// Most connections waiting for their authentication at once (more hellos are refused).
+const MAX_PENDING_AUTH: usize = 256;
+/// What every authentication refusal tells the operator to do.
+pub(crate) const AUTH_FIX: &str = "configure the same cluster secret (KVXFER_SECRET) on every rank";
 
 /// Settings the thread starts with.
 pub(crate) struct Settings {
@@ -48,6 +53,8 @@ pub(crate) struct Settings {
     pub shm_only: bool,
     /// Transfers go as active messages (the receiver places the bytes) instead of puts.
     pub am_data: bool,
+    /// The cluster secret: every connection authenticates with it (see the crate docs).
+    pub secret: Option<Secret>,
 }
 
 /// Which UCX error handling mode endpoints use.
@@ -67,6 +74,10 @@ pub(crate) struct Shared {
     pub cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
     /// Set once the progress thread has shut down (every region was closed then).
     pub closed: AtomicBool,
+    /// Notifications refused because their key was not the identity their connection proved.
+    pub forged: AtomicU64,
+    /// Messages dropped because their sender had not authenticated (with a secret).
+    pub unauthenticated: AtomicU64,
 }
 
 impl Shared {
@@ -455,6 +466,10 @@ struct Peer {
     jobs: VecDeque<Job>,
     /// Waiting for the welcome: (nonce, reply, deadline).
     connecting: Option<(u64, Reply, Instant)>,
+    /// Our challenge nonce of the hello (the authentication exchange).
+    challenge: [u8; NONCE_BYTES],
+    /// The peer proved the cluster secret (or there is none, or it is ourselves).
+    authed: bool,
     /// The disconnect waiting for this peer's jobs: (reply, deadline, goodbye flush).
     closing: Option<(Reply, Instant, Option<Request>, bool)>,
     ep: Rc<Endpoint>,
@@ -504,6 +519,16 @@ struct Reverse {
     proc: ProcId,
     ep: Rc<Endpoint>,
     refs: u32,
+    /// With a secret: the peer proved it on one of its connections (its messages are applied
+    /// only then). Without a secret: always.
+    authed: bool,
+}
+
+/// A connection whose authentication is under way: the challenge was sent, the proof not yet
+/// received. Keyed by (instance, hello nonce).
+struct PendingAuth {
+    exchange: Exchange,
+    deadline: Instant,
 }
 
 /// A local region being closed.
@@ -548,6 +573,10 @@ struct Engine {
     last_liveness: Instant,
     /// Active-message path, receiving side: transfers that could not be placed, by (instance, seq).
     refused: HashMap<(u64, u64), String>,
+    /// Connections waiting for the connector's proof, by (instance, hello nonce).
+    pending: HashMap<(u64, u64), PendingAuth>,
+    /// Instances refused for the endpoint's lifetime (they sent a forged notification).
+    banned: HashSet<u64>,
     headers: Headers,
     settings: Settings,
     shared: Arc<Shared>,
@@ -591,6 +620,8 @@ pub(crate) fn start(
                     lost_instances: HashSet::new(),
                     last_liveness: Instant::now(),
                     refused: HashMap::new(),
+                    pending: HashMap::new(),
+                    banned: HashSet::new(),
                     headers,
                     settings,
                     shared,
@@ -722,9 +753,12 @@ impl Engine {
                 let instance = *instance;
                 if let Some(r) = self.reverse.remove(&instance) {
                     r.ep.mark_failed();
+                    self.pending.retain(|(i, _), _| *i != instance);
                     let reason =
                         format!("peer with identity {:#x}: UCX reported the endpoint failed: {text}", r.identity);
-                    self.emit_lost(instance, r.identity, reason);
+                    if r.authed {
+                        self.emit_lost(instance, r.identity, reason);
+                    }
                 }
             }
             None => tracing::debug!("ucx: error {text} on an endpoint that is already gone"),
@@ -737,13 +771,55 @@ impl Engine {
             Err(e) => return tracing::warn!("ucx: dropping an active message: {e}"),
         };
         let bad = |what: &str| tracing::warn!(identity = h.identity, "ucx: dropping a malformed {what}");
+        // The connect-time exchange: answers are matched to our hello by instance and nonce, and
+        // the proofs in them decide.
         match h.kind {
-            Kind::Attached | Kind::OutOfBand => self.deliver(h, &m.data),
-            Kind::Hello => self.on_hello(h, &m.data),
-            Kind::Welcome => match wire::u64_at(&m.data, 0) {
-                Some(nonce) => self.on_welcome(h, nonce, &m.data[8..]),
-                None => bad("welcome"),
-            },
+            Kind::Hello => return self.on_hello(h, &m.data),
+            Kind::Welcome => {
+                return match wire::u64_at(&m.data, 0) {
+                    Some(nonce) => self.on_welcome(h, nonce, &m.data[8..]),
+                    None => bad("welcome"),
+                }
+            }
+            Kind::Challenge => {
+                return match wire::decode_challenge(&m.data) {
+                    Ok((nonce, theirs, proof)) => self.on_challenge(h, nonce, theirs, &proof),
+                    Err(e) => bad(&e),
+                }
+            }
+            Kind::Auth => {
+                return match wire::decode_auth(&m.data) {
+                    Ok((nonce, proof)) => self.on_auth(h, nonce, &proof),
+                    Err(e) => bad(&e),
+                }
+            }
+            Kind::Refused => {
+                return match wire::decode_refused(&m.data) {
+                    Ok((nonce, reason)) => self.on_refused(h, nonce, reason),
+                    Err(e) => bad(&e),
+                }
+            }
+            _ => {}
+        }
+        // Everything else is applied only from a peer that authenticated, under the identity it
+        // proved (with a secret; without one every sender is taken at its word).
+        let Some(proved) = self.sender(&h) else {
+            self.shared.unauthenticated.fetch_add(1, Ordering::Relaxed);
+            return tracing::debug!(
+                identity = h.identity,
+                instance = h.instance,
+                "ucx: dropping a {:?} message from a peer that has not authenticated",
+                h.kind
+            );
+        };
+        if h.identity != proved {
+            let what = format!("sent a {:?} message under identity {:#x}", h.kind, h.identity);
+            return self.refuse_forged(h.instance, proved, what);
+        }
+        match h.kind {
+            Kind::Attached | Kind::OutOfBand => {
+                self.deliver(h, &m.data);
+            }
             Kind::Data => self.on_data(h, &m.data),
             Kind::Commit => self.on_commit(h, &m.data),
             Kind::Ack => self.on_ack(h, &m.data),
@@ -756,66 +832,328 @@ impl Engine {
                 None => bad("revoke acknowledgement"),
             },
             Kind::Goodbye => self.on_goodbye(h),
+            Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Auth | Kind::Refused => {}
         }
     }
 
-    fn deliver(&self, h: Header, body: &[u8]) {
+    /// The identity the sender of `h` proved: with a secret, only an instance that authenticated
+    /// (as the peer of a connection we accepted, or one we made) or ourselves; without one, the
+    /// identity the header claims.
+    fn sender(&self, h: &Header) -> Option<u64> {
+        if self.settings.secret.is_none() {
+            return Some(h.identity);
+        }
+        if self.banned.contains(&h.instance) {
+            return None;
+        }
+        if h.instance == self.settings.instance {
+            return Some(self.settings.identity);
+        }
+        if let Some(r) = self.reverse.get(&h.instance).filter(|r| r.authed) {
+            return Some(r.identity);
+        }
+        self.peers.values().find(|p| p.instance == h.instance && p.authed && p.lost.is_none()).map(|p| p.identity)
+    }
+
+    /// Delivers a notification from an authenticated sender; with a secret, one whose key is not
+    /// the identity the sender proved fails its connection instead. Returns whether it was
+    /// delivered (or undecodable and dropped).
+    fn deliver(&mut self, h: Header, body: &[u8]) -> bool {
         match Notification::decode(body) {
+            Ok(n) if self.settings.secret.is_some() && !n.is_from(h.identity) => {
+                let what = format!("keyed a notification of {} with sender key {:#x}", n.request, n.sender.to_u64());
+                self.refuse_forged(h.instance, h.identity, what);
+                return false;
+            }
             Ok(n) => self.shared.events.push(BackendEvent::Notification(n)),
             Err(e) => tracing::warn!(identity = h.identity, "ucx: dropping an undecodable notification: {e}"),
         }
+        true
+    }
+
+    /// A peer that proved `identity` broke the binding (a forged notification): nothing more of it
+    /// is applied, it is told why, every connection with it is failed, and `PeerLost` reported.
+    fn refuse_forged(&mut self, instance: u64, identity: u64, what: String) {
+        self.shared.forged.fetch_add(1, Ordering::Relaxed);
+        let reason = format!(
+            "forged notification refused: the peer proved identity {identity:#x} but {what}; its connection was closed"
+        );
+        tracing::warn!("ucx: {reason}");
+        self.banned.insert(instance);
+        if let Some(ep) = self.ep_to(instance) {
+            self.send_loose(&ep, self.header(Kind::Refused, 0), wire::encode_refused(0, &reason));
+        }
+        // Dropped without marking it failed: the endpoint flushes the refusal before it closes.
+        if let Some(r) = self.reverse.remove(&instance) {
+            self.tokens.retain(|_, t| !matches!(t, Token::Reverse(i) if *i == instance));
+            drop(r);
+        }
+        self.pending.retain(|(i, _), _| *i != instance);
+        for p in self.peers.values_mut().filter(|p| p.instance == instance && p.lost.is_none()) {
+            p.set_lost(reason.clone());
+        }
+        self.emit_lost(instance, identity, reason);
     }
 
     fn on_hello(&mut self, h: Header, body: &[u8]) {
         let hello = match serde_json::from_slice::<Hello>(body)
             .map_err(|e| e.to_string())
-            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc)))
+            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc, wire::unhex(&x.challenge)?)))
         {
             Ok(x) => x,
             Err(e) => return tracing::warn!(identity = h.identity, "ucx: dropping a malformed hello: {e}"),
         };
-        let (nonce, addr, proc) = hello;
+        let (nonce, addr, proc, challenge) = hello;
+        if let Some(secret) = self.settings.secret.clone() {
+            return self.on_hello_authenticated(h, nonce, &addr, proc, &challenge, &secret);
+        }
         self.lost_instances.remove(&h.instance);
         if let Some(r) = self.reverse.get_mut(&h.instance) {
             r.refs += 1;
-        } else {
-            let token = self.token(Token::Reverse(h.instance));
-            match self.open_ep(&addr, token) {
-                Ok(ep) => {
-                    self.reverse.insert(h.instance, Reverse { identity: h.identity, proc, ep, refs: 1 });
-                }
-                Err(e) => {
-                    self.tokens.remove(&token);
-                    return tracing::warn!(
-                        identity = h.identity,
-                        "ucx: cannot answer a connecting peer: {} failed: {}",
-                        e.call,
-                        e.text()
-                    );
-                }
+        } else if self.open_reverse(h, &addr, proc, true).is_none() {
+            return;
+        }
+        self.welcome(h.instance, nonce);
+    }
+
+    /// Opens the endpoint back to a connecting peer (its first connection to us).
+    fn open_reverse(&mut self, h: Header, addr: &[u8], proc: ProcId, authed: bool) -> Option<Rc<Endpoint>> {
+        let token = self.token(Token::Reverse(h.instance));
+        match self.open_ep(addr, token) {
+            Ok(ep) => {
+                self.reverse
+                    .insert(h.instance, Reverse { identity: h.identity, proc, ep: ep.clone(), refs: 1, authed });
+                Some(ep)
+            }
+            Err(e) => {
+                self.tokens.remove(&token);
+                tracing::warn!(
+                    identity = h.identity,
+                    "ucx: cannot answer a connecting peer: {} failed: {}",
+                    e.call,
+                    e.text()
+                );
+                None
             }
         }
-        // The welcome lists the regions registered now; it goes on the endpoint later revokes
-        // take, so the peer never holds a key we closed without telling it.
+    }
+
+    /// The welcome lists the regions registered now; it goes on the endpoint later revokes take,
+    /// so the peer never holds a key we closed without telling it.
+    fn welcome(&mut self, instance: u64, nonce: u64) {
         let mut body = nonce.to_le_bytes().to_vec();
         for (id, _) in self.shared.regions.snapshot() {
             body.extend_from_slice(&id.0.to_le_bytes());
         }
-        let ep = self.reverse[&h.instance].ep.clone();
+        let ep = self.reverse[&instance].ep.clone();
         self.send_loose(&ep, self.header(Kind::Welcome, 0), body);
     }
 
-    fn on_welcome(&mut self, h: Header, nonce: u64, ids: &[u8]) {
-        let keep: HashSet<RegionId> =
-            ids.chunks_exact(4).map(|c| RegionId(u32::from_le_bytes(c.try_into().expect("4 bytes")))).collect();
-        for p in self.peers.values_mut().filter(|p| p.instance == h.instance) {
-            if p.connecting.as_ref().is_some_and(|(n, _, _)| *n == nonce) {
-                let (_, reply, _) = p.connecting.take().expect("checked");
-                p.remote.retain(|id, _| keep.contains(id));
-                lock(&p.shared.regions).retain(|id, _| keep.contains(id));
-                let _ = reply.send(Ok(()));
+    /// Answers a hello that is refused before any state is kept for it: on a short-lived endpoint
+    /// to the address it gave (closed after a flush).
+    fn refuse_hello(&mut self, h: Header, addr: &[u8], nonce: u64, reason: &str) {
+        tracing::warn!(identity = h.identity, "ucx: refusing a connection: {reason}");
+        let token = self.token(Token::Reverse(u64::MAX));
+        if let Ok(ep) = self.open_ep(addr, token) {
+            self.send_loose(&ep, self.header(Kind::Refused, 0), wire::encode_refused(nonce, reason));
+        }
+        self.tokens.remove(&token);
+    }
+
+    /// With a secret: a hello starts the exchange (see [`Exchange`]). Nothing of the peer is applied
+    /// until its proof arrived and verified; the pending exchange expires after the operation
+    /// timeout.
+    fn on_hello_authenticated(
+        &mut self,
+        h: Header,
+        nonce: u64,
+        addr: &[u8],
+        proc: ProcId,
+        challenge: &[u8],
+        secret: &Secret,
+    ) {
+        if self.banned.contains(&h.instance) {
+            let why = format!(
+                "this endpoint refuses identity {:#x} (instance {:#x}) after a forged notification",
+                h.identity, h.instance
+            );
+            return self.refuse_hello(h, addr, nonce, &why);
+        }
+        let Ok(connector_nonce) = <[u8; NONCE_BYTES]>::try_from(challenge) else {
+            let why = format!(
+                "authentication required: this endpoint has a cluster secret and the connecting endpoint sent no                  challenge (a build without authentication?); {AUTH_FIX}"
+            );
+            return self.refuse_hello(h, addr, nonce, &why);
+        };
+        if self.pending.len() >= MAX_PENDING_AUTH {
+            let why = format!("{MAX_PENDING_AUTH} connections are already authenticating; try again");
+            return self.refuse_hello(h, addr, nonce, &why);
+        }
+        if self.reverse.get(&h.instance).is_some_and(|r| r.identity != h.identity) {
+            let why = format!("instance {:#x} already connected under another identity", h.instance);
+            return self.refuse_hello(h, addr, nonce, &why);
+        }
+        let acceptor_nonce = match kvxfer_core::secret::nonce() {
+            Ok(n) => n,
+            Err(e) => return tracing::warn!("ucx: no nonce for a connecting peer: {e}"),
+        };
+        self.lost_instances.remove(&h.instance);
+        let ep = match self.reverse.get_mut(&h.instance) {
+            Some(r) => {
+                r.refs += 1;
+                r.ep.clone()
+            }
+            None => match self.open_reverse(h, addr, proc, false) {
+                Some(ep) => ep,
+                None => return,
+            },
+        };
+        let exchange = Exchange {
+            connector_nonce,
+            acceptor_nonce,
+            connector: (h.identity, h.instance),
+            acceptor: (self.settings.identity, self.settings.instance),
+        };
+        let body = wire::encode_challenge(nonce, &acceptor_nonce, &exchange.acceptor_proof(secret));
+        let deadline = Instant::now() + self.settings.op_timeout;
+        self.pending.insert((h.instance, nonce), PendingAuth { exchange, deadline });
+        self.send_loose(&ep, self.header(Kind::Challenge, 0), body);
+    }
+
+    /// The connector's proof (with a secret): the connection is admitted (welcome) or refused.
+    fn on_auth(&mut self, h: Header, nonce: u64, proof: &[u8]) {
+        let (Some(secret), Some(p)) = (self.settings.secret.clone(), self.pending.remove(&(h.instance, nonce))) else {
+            return tracing::debug!(identity = h.identity, "ucx: dropping an auth message no challenge asked for");
+        };
+        if !self.reverse.contains_key(&h.instance) {
+            return;
+        }
+        if h.identity == p.exchange.connector.0 && p.exchange.verify_connector(&secret, proof) {
+            if let Some(r) = self.reverse.get_mut(&h.instance) {
+                r.authed = true;
+            }
+            self.welcome(h.instance, nonce);
+            return;
+        }
+        let why = format!(
+            "authentication failed: the connecting endpoint (identity {:#x}) did not prove this endpoint's cluster              secret; {AUTH_FIX}",
+            h.identity
+        );
+        tracing::warn!("ucx: {why}");
+        let ep = self.reverse[&h.instance].ep.clone();
+        self.send_loose(&ep, self.header(Kind::Refused, 0), wire::encode_refused(nonce, &why));
+        self.release_reverse(h.instance);
+    }
+
+    /// One connection of `instance` ended before it authenticated: the endpoint back to it goes
+    /// with its last connection.
+    fn release_reverse(&mut self, instance: u64) {
+        if let Some(r) = self.reverse.get_mut(&instance) {
+            r.refs = r.refs.saturating_sub(1);
+            if r.refs == 0 {
+                self.reverse.remove(&instance);
             }
         }
+    }
+
+    /// Expires exchanges whose proof did not come in time.
+    fn expire_pending(&mut self) {
+        let now = Instant::now();
+        let expired: Vec<(u64, u64)> =
+            self.pending.iter().filter(|(_, p)| now >= p.deadline).map(|(k, _)| *k).collect();
+        for k in expired {
+            self.pending.remove(&k);
+            tracing::debug!(instance = k.0, "ucx: a connecting peer did not authenticate in time");
+            self.release_reverse(k.0);
+        }
+    }
+
+    /// Fails a connect still waiting for its answer, and forgets the peer.
+    fn fail_connect(&mut self, pid: PeerId, detail: String) {
+        let Some(mut p) = self.peers.remove(&pid) else { return };
+        if let Some((_, reply, _)) = p.connecting.take() {
+            let _ = reply.send(Err(BackendError::Connect {
+                backend: NAME,
+                peer: format!("identity {:#x}", p.identity),
+                detail,
+            }));
+        }
+        // Tell the peer this connection ends (a peer without a secret counts it), then close.
+        self.send_loose(&p.ep.clone(), self.header(Kind::Goodbye, 0), Vec::new());
+        self.tokens.retain(|_, t| !matches!(t, Token::Forward(x) if *x == pid));
+        drop(p);
+    }
+
+    /// The connecting peer with `instance` waiting for the answer to hello `nonce`.
+    fn connecting(&self, instance: u64, nonce: u64) -> Option<PeerId> {
+        self.peers
+            .iter()
+            .find(|(_, p)| p.instance == instance && p.connecting.as_ref().is_some_and(|(n, _, _)| *n == nonce))
+            .map(|(pid, _)| *pid)
+    }
+
+    /// The acceptor's challenge: verify its proof (it has our secret), then prove ours.
+    fn on_challenge(&mut self, h: Header, nonce: u64, theirs: [u8; NONCE_BYTES], proof: &[u8]) {
+        let Some(pid) = self.connecting(h.instance, nonce) else {
+            return tracing::debug!(identity = h.identity, "ucx: dropping a challenge for no connect of ours");
+        };
+        let Some(secret) = self.settings.secret.clone() else {
+            let why =
+                format!("authentication required: the peer has a cluster secret and this endpoint none; {AUTH_FIX}");
+            return self.fail_connect(pid, why);
+        };
+        let p = &self.peers[&pid];
+        let exchange = Exchange {
+            connector_nonce: p.challenge,
+            acceptor_nonce: theirs,
+            connector: (self.settings.identity, self.settings.instance),
+            acceptor: (p.identity, p.instance),
+        };
+        if h.identity != p.identity || !exchange.verify_acceptor(&secret, proof) {
+            let why = format!(
+                "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets differ);                  {AUTH_FIX}"
+            );
+            return self.fail_connect(pid, why);
+        }
+        let body = wire::encode_auth(nonce, &exchange.connector_proof(&secret));
+        let header = self.header(Kind::Auth, 0);
+        let p = self.peers.get_mut(&pid).expect("found above");
+        p.authed = true;
+        let ep = p.ep.clone();
+        self.send_loose(&ep, header, body);
+    }
+
+    /// A refusal: of our connect (matched by nonce), or of an established connection (nonce 0,
+    /// from a peer that authenticated, or any peer without a secret).
+    fn on_refused(&mut self, h: Header, nonce: u64, reason: &str) {
+        if let Some(pid) = self.connecting(h.instance, nonce) {
+            return self.fail_connect(pid, format!("the peer refused the connection: {reason}"));
+        }
+        let Some(identity) = self.sender(&h).filter(|_| nonce == 0) else { return };
+        let why = format!("the peer with identity {identity:#x} closed the connection: {reason}");
+        let mut any = false;
+        for p in self.peers.values_mut().filter(|p| p.instance == h.instance && p.lost.is_none()) {
+            p.set_lost(why.clone());
+            any = true;
+        }
+        if any {
+            self.emit_lost(h.instance, identity, why);
+        }
+    }
+
+    fn on_welcome(&mut self, h: Header, nonce: u64, ids: &[u8]) {
+        let Some(pid) = self.connecting(h.instance, nonce) else { return };
+        if self.settings.secret.is_some() && !self.peers[&pid].authed {
+            let why = format!("authentication failed: the peer has no cluster secret and cannot prove one; {AUTH_FIX}");
+            return self.fail_connect(pid, why);
+        }
+        let keep: HashSet<RegionId> =
+            ids.chunks_exact(4).map(|c| RegionId(u32::from_le_bytes(c.try_into().expect("4 bytes")))).collect();
+        let p = self.peers.get_mut(&pid).expect("found above");
+        let (_, reply, _) = p.connecting.take().expect("checked");
+        p.remote.retain(|id, _| keep.contains(id));
+        lock(&p.shared.regions).retain(|id, _| keep.contains(id));
+        let _ = reply.send(Ok(()));
     }
 
     fn on_goodbye(&mut self, h: Header) {
@@ -906,8 +1244,9 @@ impl Engine {
         };
         let aborted = h.flags & COMMIT_ABORTED != 0;
         let refused = self.refused.remove(&(h.instance, seq));
-        if refused.is_none() && !aborted && body.len() > 8 {
-            self.deliver(h, &body[8..]);
+        if refused.is_none() && !aborted && body.len() > 8 && !self.deliver(h, &body[8..]) {
+            // A forged notification: the connection was failed, nothing is acknowledged.
+            return;
         }
         let mut ack = seq.to_le_bytes().to_vec();
         match &refused {
@@ -989,6 +1328,10 @@ impl Engine {
         for i in dead {
             if let Some(r) = self.reverse.remove(&i) {
                 r.ep.mark_failed();
+                self.pending.retain(|(x, _), _| *x != i);
+                if !r.authed {
+                    continue;
+                }
                 lost.push((
                     i,
                     r.identity,
@@ -1118,13 +1461,23 @@ impl Engine {
         }
         *lock(&shared.regions) = lens;
         let mut connecting = None;
+        let mut challenge = [0u8; NONCE_BYTES];
         if own {
             // Connected to ourselves: the regions were filtered against our own table above.
             let _ = reply.send(Ok(()));
         } else {
             // Introduce ourselves; the connection is up when the peer's welcome arrives.
-            let nonce: u64 = rand::random();
-            let body = Hello { nonce, worker: wire::hex(&lock(&self.shared.worker)), proc: self.settings.proc.clone() };
+            let nonce: u64 = rand::random::<u64>().max(1);
+            challenge = match kvxfer_core::secret::nonce() {
+                Ok(n) => n,
+                Err(e) => return drop(reply.send(Err(fail(format!("no challenge nonce: {e}"))))),
+            };
+            let body = Hello {
+                nonce,
+                worker: wire::hex(&lock(&self.shared.worker)),
+                proc: self.settings.proc.clone(),
+                challenge: wire::hex(&challenge),
+            };
             let body = serde_json::to_vec(&body).expect("a hello always encodes");
             if let Err(e) = ep.am_send(self.header(Kind::Hello, 0), body).map(|p| match p {
                 Posted::Pending(r) => self.loose.push(r),
@@ -1144,6 +1497,8 @@ impl Engine {
             lost: None,
             jobs: VecDeque::new(),
             connecting,
+            challenge,
+            authed: own || self.settings.secret.is_none(),
             closing: None,
             ep,
         };
@@ -1273,6 +1628,10 @@ impl Engine {
             }
         }
         in_flight |= self.poll_closes();
+        if !self.pending.is_empty() {
+            self.expire_pending();
+            in_flight = true;
+        }
         in_flight || !self.loose.is_empty()
     }
 

@@ -63,7 +63,8 @@ pub fn join(header: &[u8], data: &[u8]) -> Vec<u8> {
 /// ([`Header::decode`], re-encoding to the same bytes), then by kind: notifications
 /// ([`Notification::decode`]), the JSON hello and its hex worker address, the welcome's region ids,
 /// data messages ([`wire::decode_data`], re-encoding to the same bytes, placed through write guards),
-/// commits, acknowledgements, revokes and their acknowledgements.
+/// commits, acknowledgements, revokes and their acknowledgements, and the authentication exchange's
+/// challenge, auth and refusal (each re-encoding to the same bytes).
 pub fn message(data: &[u8]) -> bool {
     let (header, body) = split(data);
     let Ok(h) = Header::decode(header) else { return false };
@@ -74,8 +75,29 @@ pub fn message(data: &[u8]) -> bool {
             let Ok(hello) = serde_json::from_slice::<Hello>(body) else { return false };
             let again: Hello = serde_json::from_slice(&serde_json::to_vec(&hello).expect("encodes")).expect("parses");
             assert_eq!(again, hello);
-            hex_round_trips(&hello.worker)
+            hex_round_trips(&hello.worker) && (hello.challenge.is_empty() || hex_round_trips(&hello.challenge))
         }
+        Kind::Challenge => match wire::decode_challenge(body) {
+            Ok((nonce, theirs, proof)) => {
+                assert_eq!(wire::encode_challenge(nonce, &theirs, &proof), body, "challenge re-encodes to other bytes");
+                true
+            }
+            Err(_) => false,
+        },
+        Kind::Auth => match wire::decode_auth(body) {
+            Ok((nonce, proof)) => {
+                assert_eq!(wire::encode_auth(nonce, &proof), body, "auth message re-encodes to other bytes");
+                true
+            }
+            Err(_) => false,
+        },
+        Kind::Refused => match wire::decode_refused(body) {
+            Ok((nonce, reason)) => {
+                assert_eq!(wire::encode_refused(nonce, reason), body, "refusal re-encodes to other bytes");
+                true
+            }
+            Err(_) => false,
+        },
         Kind::Welcome => match wire::u64_at(body, 0) {
             Some(_nonce) => {
                 let ids: Vec<u32> =
@@ -176,7 +198,22 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
     let note = Notification::chunk(RequestId(5), SenderKey::from_u64(0x0001_0000_0000_0003), 2, true)
         .encode()
         .expect("encodes");
-    let hello = Hello { nonce: 99, worker: wire::hex(&[0x10, 0x20, 0xfe, 0x01]), proc: proc_id() };
+    let hello = Hello {
+        nonce: 99,
+        worker: wire::hex(&[0x10, 0x20, 0xfe, 0x01]),
+        proc: proc_id(),
+        challenge: wire::hex(&[0xc1; kvxfer_core::secret::NONCE_BYTES]),
+    };
+    let exchange = wire::Exchange {
+        connector_nonce: [0xc1; kvxfer_core::secret::NONCE_BYTES],
+        acceptor_nonce: [0xa2; kvxfer_core::secret::NONCE_BYTES],
+        connector: (0x0001_0000_0000_0003, 0x1111_2222_3333_4444),
+        acceptor: (0x8000_0000_0000_0007, 0x5555_6666_7777_8888),
+    };
+    let secret = kvxfer_core::Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty");
+    let challenge = wire::encode_challenge(99, &exchange.acceptor_nonce, &exchange.acceptor_proof(&secret));
+    let auth = wire::encode_auth(99, &exchange.connector_proof(&secret));
+    let refused = wire::encode_refused(99, "authentication failed: the secrets differ");
     let mut data = DataMsg::new(17);
     data.push(1, 4096, 32, |b| -> Result<(), ()> {
         b.fill(0x5a);
@@ -210,6 +247,9 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
         ("revoke".to_owned(), join(&header(Kind::Revoke, 0), &revoke)),
         ("revoke-ack".to_owned(), join(&header(Kind::RevokeAck, 0), &3u64.to_le_bytes())),
         ("goodbye".to_owned(), join(&header(Kind::Goodbye, GOODBYE_SHUTDOWN), &[])),
+        ("challenge".to_owned(), join(&header(Kind::Challenge, 0), &challenge)),
+        ("auth".to_owned(), join(&header(Kind::Auth, 0), &auth)),
+        ("refused".to_owned(), join(&header(Kind::Refused, 0), &refused)),
     ]
 }
 

@@ -26,6 +26,19 @@
 //!   1.13's shared-memory transports do not, so there the backend watches the peer process through
 //!   `/proc` (boot id, pid, start time) every `keepalive_ms`. Clean shutdowns say goodbye.
 //!
+//! # Authentication
+//! With a cluster secret ([`BackendConfig::secret`]) every connection authenticates, mutually, at
+//! connect: the hello carries the connector's fresh nonce, the acceptor answers with its own nonce
+//! and a proof, the connector verifies it and proves the secret back, and only then does the
+//! acceptor send the welcome (the connect's answer). Each proof is an HMAC over both nonces and both
+//! endpoints' identities and instances. A mismatch (different secrets, or one side without) fails
+//! `connect` with an error naming authentication. Until a peer has authenticated, the acceptor
+//! applies none of its messages (no notification, no data placed, no commit, revoke or goodbye).
+//! Every notification must carry the identity its sender proved as its key
+//! ([`Notification::is_from`]); one that does not is dropped, counted
+//! ([`UcxBackend::forged_notifications`]), the sender told and refused for the endpoint's lifetime,
+//! and `PeerLost` reported with the proved identity. Limits: see the crate README.
+//!
 //! # Memory lifetime and abort
 //! - Closing a [`Registration`] removes the region from the table (new posts naming it fail with
 //!   `UnknownRegion`, the active-message receiver refuses data for it), waits until no local
@@ -156,6 +169,7 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         proc: liveness::ProcId::current(),
         shm_only: shm_only(effective_tls.as_deref()),
         am_data,
+        secret: config.secret.clone(),
     })
 }
 
@@ -217,6 +231,8 @@ impl UcxBackend {
             meta: Mutex::new(Default::default()),
             cmds: Mutex::new(tx),
             closed: AtomicBool::new(false),
+            forged: AtomicU64::new(0),
+            unauthenticated: AtomicU64::new(0),
         });
         let (thread, cuda) = engine::start(s, rx, shared.clone())?;
         // Device memory only where UCX can register it and the data path never reads it from
@@ -236,6 +252,17 @@ impl UcxBackend {
             next_job: AtomicU64::new(1),
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// Notifications refused because their key was not the identity their sender's connection
+    /// proved (with a cluster secret; each one failed that connection).
+    pub fn forged_notifications(&self) -> u64 {
+        self.shared.forged.load(Ordering::Relaxed)
+    }
+
+    /// Messages dropped because their sender had not authenticated (with a cluster secret).
+    pub fn unauthenticated_messages(&self) -> u64 {
+        self.shared.unauthenticated.load(Ordering::Relaxed)
     }
 
     async fn call(

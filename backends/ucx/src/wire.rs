@@ -9,8 +9,10 @@
 //! Active-message header (18 bytes, little endian): `kind u8, flags u8, instance u64, identity u64`;
 //! the data is the kind's body: an encoded [`kvxfer_core::Notification`] (kinds 1 and 2), a JSON
 //! [`Hello`] (3), nothing (goodbye, 4), data-path messages (5 to 7, see [`DataMsg`]), the region
-//! revocation and its acknowledgement (8, 9) and the answer to a hello (10); see [`Kind`].
+//! revocation and its acknowledgement (8, 9), the answer to a hello (10) and, with a cluster secret,
+//! the authentication exchange (11 to 13, see [`Exchange`]); see [`Kind`].
 
+use kvxfer_core::secret::{Secret, NONCE_BYTES, PROOF_BYTES};
 use serde::{Deserialize, Serialize};
 
 use crate::liveness::ProcId;
@@ -57,6 +59,10 @@ pub(crate) struct Hello {
     pub worker: String,
     /// The connecting process.
     pub proc: ProcId,
+    /// The connecting side's fresh challenge nonce ([`NONCE_BYTES`] bytes, hex); empty from a
+    /// build without authentication.
+    #[serde(default)]
+    pub challenge: String,
 }
 
 /// Lower-case hex.
@@ -110,8 +116,17 @@ pub(crate) enum Kind {
     /// Every put into a revoked region is complete and none will follow (`seq u64`).
     RevokeAck = 9,
     /// The answer to a hello (`nonce u64`, then the `u32` ids of the regions registered now): the
-    /// connecting side keeps only those remote keys.
+    /// connecting side keeps only those remote keys. With a secret, sent only after the connecting
+    /// side proved it ([`Kind::Auth`]).
     Welcome = 10,
+    /// With a secret, the accepting side's answer to a hello: `nonce u64, acceptor nonce [32],
+    /// acceptor proof [32]` (see [`Exchange`]).
+    Challenge = 11,
+    /// The connecting side's proof: `nonce u64, connector proof [32]`.
+    Auth = 12,
+    /// The accepting side refuses a connection (`nonce u64`, then the reason, UTF-8): the hello's
+    /// nonce while connecting; 0 for an established connection it closes (a forged notification).
+    Refused = 13,
 }
 
 /// Goodbye flag: the whole endpoint is going away (not just one connection).
@@ -161,11 +176,145 @@ impl Header {
             8 => Kind::Revoke,
             9 => Kind::RevokeAck,
             10 => Kind::Welcome,
+            11 => Kind::Challenge,
+            12 => Kind::Auth,
+            13 => Kind::Refused,
             k => return Err(format!("unknown active-message kind {k}")),
         };
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
         Ok(Self { kind, flags: b[1], instance: u(2..10), identity: u(10..18) })
     }
+}
+
+/// The connect-time authentication exchange (with a cluster secret on both sides):
+///
+/// 1. hello (connector to acceptor): carries the connector's fresh nonce `nc`;
+/// 2. [`Kind::Challenge`] (acceptor to connector): the acceptor's fresh nonce `na` and
+///    [`Exchange::acceptor_proof`]; the connector verifies it (mutual: a peer without the secret
+///    cannot answer);
+/// 3. [`Kind::Auth`] (connector to acceptor): [`Exchange::connector_proof`]; the acceptor verifies it,
+///    then (4.) answers with the welcome, or with [`Kind::Refused`].
+///
+/// Each proof is `HMAC-SHA256(secret, context, nc, na, connector identity, connector instance,
+/// acceptor identity, acceptor instance)` (fixed-length fields, little endian) with a context string
+/// per direction, so one side's proof cannot be reflected as the other's, and both nonces are fresh
+/// per connection, so a captured exchange proves nothing on another connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Exchange {
+    /// The connecting side's nonce (from the hello).
+    pub connector_nonce: [u8; NONCE_BYTES],
+    /// The accepting side's nonce (from the challenge).
+    pub acceptor_nonce: [u8; NONCE_BYTES],
+    /// The connecting endpoint: (identity, instance).
+    pub connector: (u64, u64),
+    /// The accepting endpoint: (identity, instance).
+    pub acceptor: (u64, u64),
+}
+
+const ACCEPTOR_CONTEXT: &[u8] = b"kvxfer-ucx acceptor proof v1\0";
+const CONNECTOR_CONTEXT: &[u8] = b"kvxfer-ucx connector proof v1\0";
+
+impl Exchange {
+    fn fields(&self) -> [u8; 32] {
+        let mut f = [0u8; 32];
+        for (i, v) in [self.connector.0, self.connector.1, self.acceptor.0, self.acceptor.1].iter().enumerate() {
+            f[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        f
+    }
+
+    fn chunks<'a>(&'a self, context: &'a [u8], fields: &'a [u8; 32]) -> [&'a [u8]; 4] {
+        [context, &self.connector_nonce, &self.acceptor_nonce, fields]
+    }
+
+    /// What the accepting side proves (step 2).
+    pub fn acceptor_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        let f = self.fields();
+        s.proof(&self.chunks(ACCEPTOR_CONTEXT, &f))
+    }
+
+    /// What the connecting side proves (step 3).
+    pub fn connector_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        let f = self.fields();
+        s.proof(&self.chunks(CONNECTOR_CONTEXT, &f))
+    }
+
+    /// Whether `proof` is the acceptor's proof (constant time).
+    pub fn verify_acceptor(&self, s: &Secret, proof: &[u8]) -> bool {
+        let f = self.fields();
+        s.verify(&self.chunks(ACCEPTOR_CONTEXT, &f), proof)
+    }
+
+    /// Whether `proof` is the connector's proof (constant time).
+    pub fn verify_connector(&self, s: &Secret, proof: &[u8]) -> bool {
+        let f = self.fields();
+        s.verify(&self.chunks(CONNECTOR_CONTEXT, &f), proof)
+    }
+}
+
+/// Length of a challenge body: `nonce u64, acceptor nonce, acceptor proof`.
+pub(crate) const CHALLENGE_LEN: usize = 8 + NONCE_BYTES + PROOF_BYTES;
+/// Length of an auth body: `nonce u64, connector proof`.
+pub(crate) const AUTH_LEN: usize = 8 + PROOF_BYTES;
+
+/// Encodes a challenge body.
+pub(crate) fn encode_challenge(nonce: u64, acceptor_nonce: &[u8; NONCE_BYTES], proof: &[u8; PROOF_BYTES]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(CHALLENGE_LEN);
+    v.extend_from_slice(&nonce.to_le_bytes());
+    v.extend_from_slice(acceptor_nonce);
+    v.extend_from_slice(proof);
+    v
+}
+
+/// Decodes a challenge body: `(nonce, acceptor nonce, acceptor proof)`.
+pub(crate) fn decode_challenge(b: &[u8]) -> Result<(u64, [u8; NONCE_BYTES], [u8; PROOF_BYTES]), String> {
+    if b.len() != CHALLENGE_LEN {
+        return Err(format!("challenge of {} bytes, expected {CHALLENGE_LEN}", b.len()));
+    }
+    let nonce = u64_at(b, 0).expect("length checked");
+    let n = b[8..8 + NONCE_BYTES].try_into().expect("length checked");
+    let p = b[8 + NONCE_BYTES..].try_into().expect("length checked");
+    Ok((nonce, n, p))
+}
+
+/// Encodes an auth body.
+pub(crate) fn encode_auth(nonce: u64, proof: &[u8; PROOF_BYTES]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(AUTH_LEN);
+    v.extend_from_slice(&nonce.to_le_bytes());
+    v.extend_from_slice(proof);
+    v
+}
+
+/// Decodes an auth body: `(nonce, connector proof)`.
+pub(crate) fn decode_auth(b: &[u8]) -> Result<(u64, [u8; PROOF_BYTES]), String> {
+    if b.len() != AUTH_LEN {
+        return Err(format!("auth message of {} bytes, expected {AUTH_LEN}", b.len()));
+    }
+    Ok((u64_at(b, 0).expect("length checked"), b[8..].try_into().expect("length checked")))
+}
+
+/// Most bytes of a refusal's reason.
+pub(crate) const MAX_REFUSAL: usize = 1024;
+
+/// Encodes a refusal body (the reason truncated to [`MAX_REFUSAL`] bytes at a character boundary).
+pub(crate) fn encode_refused(nonce: u64, reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_REFUSAL);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut v = nonce.to_le_bytes().to_vec();
+    v.extend_from_slice(&reason.as_bytes()[..end]);
+    v
+}
+
+/// Decodes a refusal body: `(nonce, reason)`; the reason must be UTF-8 of at most [`MAX_REFUSAL`] bytes.
+pub(crate) fn decode_refused(b: &[u8]) -> Result<(u64, &str), String> {
+    let Some(nonce) = u64_at(b, 0) else { return Err(format!("refusal of {} bytes", b.len())) };
+    if b.len() - 8 > MAX_REFUSAL {
+        return Err(format!("refusal reason of {} bytes, at most {MAX_REFUSAL}", b.len() - 8));
+    }
+    let reason = std::str::from_utf8(&b[8..]).map_err(|_| "refusal reason is not UTF-8".to_owned())?;
+    Ok((nonce, reason))
 }
 
 /// Reads a little-endian u64 at `at`.
@@ -305,13 +454,66 @@ mod tests {
         assert_eq!(full.finish().len(), DATA_MSG_MAX);
     }
 
+    fn exchange() -> Exchange {
+        Exchange {
+            connector_nonce: [1; NONCE_BYTES],
+            acceptor_nonce: [2; NONCE_BYTES],
+            connector: (0x10, 0x11),
+            acceptor: (0x20, 0x21),
+        }
+    }
+
+    #[test]
+    fn proofs_are_mutual_bound_to_both_nonces_and_both_endpoints() {
+        let s = Secret::new(b"cluster".to_vec()).unwrap();
+        let other = Secret::new(b"another cluster".to_vec()).unwrap();
+        let x = exchange();
+        let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
+        assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c));
+        assert_ne!(a, c, "one side's proof is not the other's");
+        assert!(!x.verify_connector(&s, &a) && !x.verify_acceptor(&s, &c), "a proof cannot be reflected");
+        assert!(!x.verify_acceptor(&other, &a), "another secret");
+        // A captured exchange proves nothing on another connection (either side's fresh nonce,
+        // or either endpoint, differs).
+        let changes: [fn(&mut Exchange); 6] = [
+            |x| x.connector_nonce[0] ^= 1,
+            |x| x.acceptor_nonce[31] ^= 1,
+            |x| x.connector.0 ^= 1,
+            |x| x.connector.1 ^= 1,
+            |x| x.acceptor.0 ^= 1,
+            |x| x.acceptor.1 ^= 1,
+        ];
+        for change in changes {
+            let mut y = exchange();
+            change(&mut y);
+            assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c), "{y:?}");
+        }
+    }
+
+    #[test]
+    fn auth_messages_round_trip_and_reject_garbage() {
+        let c = encode_challenge(7, &[3; NONCE_BYTES], &[4; PROOF_BYTES]);
+        assert_eq!(decode_challenge(&c).unwrap(), (7, [3; NONCE_BYTES], [4; PROOF_BYTES]));
+        assert!(decode_challenge(&c[..c.len() - 1]).is_err());
+        let a = encode_auth(9, &[5; PROOF_BYTES]);
+        assert_eq!(decode_auth(&a).unwrap(), (9, [5; PROOF_BYTES]));
+        assert!(decode_auth(&[a.clone(), vec![0]].concat()).is_err());
+        let r = encode_refused(0, "authentication failed");
+        assert_eq!(decode_refused(&r).unwrap(), (0, "authentication failed"));
+        let long = "é".repeat(MAX_REFUSAL);
+        let r = encode_refused(1, &long);
+        assert!(r.len() - 8 <= MAX_REFUSAL && decode_refused(&r).is_ok());
+        assert!(decode_refused(&[0; 7]).is_err());
+        assert!(decode_refused(&[0, 0, 0, 0, 0, 0, 0, 0, 0xff]).is_err());
+    }
+
     #[test]
     fn header_round_trips_and_rejects_garbage() {
         let h = Header { kind: Kind::Goodbye, flags: GOODBYE_SHUTDOWN, instance: 7, identity: u64::MAX };
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert!(Header::decode(&h.encode()[..17]).is_err());
         let mut bad = h.encode();
-        bad[0] = 11;
+        bad[0] = 14;
         assert!(Header::decode(&bad).is_err());
     }
 }

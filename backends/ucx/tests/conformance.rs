@@ -29,6 +29,14 @@ impl BackendFactory for Ucx {
     fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
         Some((kvxfer_ucx::NAME.into(), self.config(0).options))
     }
+
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<kvxfer_core::Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        Some(kvxfer_ucx::create(&self.config(identity).with_secret(secret)))
+    }
 }
 
 impl Ucx {
