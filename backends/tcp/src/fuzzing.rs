@@ -118,7 +118,7 @@ fn seed_challenge() -> [u8; wire::CHALLENGE_LEN] {
 }
 
 /// `tcp_handshake`: `data` read as a CHALLENGE ([`Challenge::decode`], as the client reads it), as a
-/// HELLO ([`Hello::decode`], as the server reads it, its proof verified against [`seed_challenge`]
+/// HELLO ([`Hello::decode`], as the server reads it, its proof verified against `seed_challenge`
 /// and the fuzz secret; the signed seeds verify) and as a HELLO reply with its reason
 /// ([`wire::decode_hello_reply`], as the client reads it, a proof verified the same way). Whatever
 /// decodes re-encodes to the same bytes.

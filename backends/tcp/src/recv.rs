@@ -139,8 +139,22 @@ impl Shared {
         }
     }
 
-    /// Adds an accepted stream to its link's books; refuses a link id another identity uses, or a
-    /// link that was already lost. Returns the link's kill signal.
+    /// Why a stream with this HELLO may not join its link: a link id another identity uses, or a
+    /// link that was already lost.
+    fn join_refusal(&self, hello: &Hello) -> Option<String> {
+        let links = lock(&self.links);
+        let l = links.get(&hello.link)?;
+        if l.identity != hello.identity {
+            return Some(format!(
+                "link {:#x} belongs to identity {:#x}, not {:#x}; each connect draws its own link id",
+                hello.link, l.identity, hello.identity
+            ));
+        }
+        l.lost.then(|| format!("link {:#x} was already failed; connect again", hello.link))
+    }
+
+    /// Adds an accepted stream to its link's books (refused as [`Self::join_refusal`] says).
+    /// Returns the link's kill signal.
     fn join(&self, hello: &Hello) -> Result<watch::Receiver<bool>, String> {
         let mut links = lock(&self.links);
         let l = links.entry(hello.link).or_insert_with(|| InLink {
@@ -333,13 +347,13 @@ async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::
     s.read_exact(&mut hb).await.map_err(|e| Refused::Quiet(format!("reading the HELLO: {e}")))?;
     let hello = Hello::decode(&hb);
     let verdict = judge(shared, &hello, &challenge);
-    let joined = match (verdict, hello) {
-        (None, Ok(h)) => shared.join(&h).map(|k| (h, k)),
+    let admitted = match (verdict, hello) {
+        (None, Ok(h)) => shared.join_refusal(&h).map_or(Ok(h), Err),
         (Some(reason), _) => Err(reason),
         (None, Err(e)) => Err(e.0),
     };
-    let (hello, kill) = match joined {
-        Ok(v) => v,
+    let hello = match admitted {
+        Ok(h) => h,
         Err(reason) => {
             let _ = s.write_all(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
             return Err(Refused::Loud(reason));
@@ -349,10 +363,10 @@ async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::
         Some(secret) => wire::encode_proved_reply(shared.identity, secret, &challenge, &hb).to_vec(),
         None => wire::encode_hello_reply(shared.identity, None),
     };
-    if let Err(e) = s.write_all(&reply).await {
-        shared.stream_closed(hello.link);
-        return Err(Refused::Quiet(format!("sending the reply: {e}")));
-    }
+    s.write_all(&reply).await.map_err(|e| Refused::Quiet(format!("sending the reply: {e}")))?;
+    // Joined only now, with nothing left to await: a handshake cut off by its deadline leaves no
+    // books behind. (A stream that lost a race for its link id is closed after the acceptance.)
+    let kill = shared.join(&hello).map_err(Refused::Loud)?;
     Ok((hello, kill))
 }
 
