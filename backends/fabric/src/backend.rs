@@ -24,18 +24,19 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvxfer_core::secret::NONCE_BYTES;
 use kvxfer_core::toolkit::{self, EventQueue, Fragmenter, PeerTable, Reassembler, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
-    EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Transfer,
-    TransferState, TransferStatus, WriteOp,
+    EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret,
+    Transfer, TransferState, TransferStatus, WriteOp,
 };
 use tokio::sync::oneshot;
 
 use crate::ffi::{
     Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov, Waker,
 };
-use crate::wire::{self, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
+use crate::wire::{self, Exchange, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
 use crate::NAME;
 
 /// How attached notifications travel.
@@ -168,6 +169,8 @@ struct Peer {
     /// The peer's regions; a revoke removes one (under the endpoint lock, like every lookup).
     regions: Mutex<HashMap<u32, RegionMeta>>,
     lost: AtomicBool,
+    /// The peer proved the cluster secret in the connect exchange (or there is none).
+    authed: AtomicBool,
 }
 
 /// Whether process `pid` exists and is not a zombie (Linux `/proc`).
@@ -307,6 +310,28 @@ enum Stall {
 /// Most control messages queued for a transmit slot before heartbeats are skipped.
 const MAX_CONTROL: usize = 4096;
 
+/// Most connections waiting for their authentication at once (more hellos are refused).
+const MAX_PENDING_AUTH: usize = 256;
+
+/// What every authentication refusal tells the operator to do.
+const AUTH_FIX: &str = "configure the same cluster secret (KVXFER_SECRET) on every rank";
+
+/// A hello whose sender has not proved the secret yet: the challenge went out, the proof is due.
+struct PendingAuth {
+    exchange: Exchange,
+    deadline: Instant,
+    fi_addr: u64,
+    addr: Vec<u8>,
+    pid: u32,
+}
+
+/// A `connect` of ours waiting for its answer (welcome, challenge or refusal).
+struct Connecting {
+    peer: Arc<Peer>,
+    challenge: [u8; NONCE_BYTES],
+    done: oneshot::Sender<Result<(), String>>,
+}
+
 /// Everything behind the endpoint mutex. `ep` is declared first so it is closed before the rest drops.
 struct State {
     ep: RdmEndpoint,
@@ -333,6 +358,18 @@ struct State {
     acks_due: Vec<AckDue>,
     /// Write bytes posted and not completed (at most [`MAX_IN_FLIGHT`] beyond one piece).
     in_flight: u64,
+    /// The cluster secret: every connection authenticates with it (see the crate docs).
+    secret: Option<Secret>,
+    /// Hellos waiting for their proof, by (sender nonce, connection id).
+    pending: HashMap<(u32, u64), PendingAuth>,
+    /// Our connects waiting for their answer, by connection id.
+    connecting: HashMap<u64, Connecting>,
+    /// Endpoint nonces refused for this endpoint's lifetime (they sent a forged notification).
+    banned: HashSet<u32>,
+    /// Notifications refused because their key was not the identity their sender proved.
+    forged: u64,
+    /// Messages dropped because their sender had not authenticated.
+    unauthenticated: u64,
 }
 
 impl State {
@@ -438,41 +475,43 @@ impl State {
             return;
         }
         let now = Instant::now();
+        // The connect exchange: matched by connection id, decided by the proofs in it.
+        match h.kind {
+            Kind::Hello => return self.on_hello(h.nonce, h.seq, body, now),
+            Kind::Auth => return self.on_auth(h.nonce, h.seq, body),
+            Kind::Challenge => return self.on_challenge(h.nonce, h.seq, body),
+            Kind::Welcome => return self.on_welcome(h.nonce, h.seq),
+            Kind::Refused => return self.on_refused(h.nonce, h.seq, body, inner),
+            _ => {}
+        }
+        // Everything else only from a peer that authenticated, under the identity it proved (with
+        // a secret; without one every sender is taken at its word).
+        let proved = if self.secret.is_some() {
+            let Some(id) = self.proved(h.nonce, inner) else {
+                self.unauthenticated += 1;
+                return tracing::debug!(target: "kvxfer_fabric", "dropping a {:?} message from an endpoint that has not authenticated", h.kind);
+            };
+            if matches!(h.kind, Kind::Heartbeat | Kind::Bye | Kind::Gone) && h.seq != id {
+                let what = format!("sent a {:?} message under identity {:#x}", h.kind, h.seq);
+                return self.refuse_forged(h.nonce, id, what, inner);
+            }
+            Some(id)
+        } else {
+            None
+        };
         if let Some(l) = self.live.get_mut(&h.nonce) {
             l.last_seen = now;
         }
         match h.kind {
+            Kind::Hello | Kind::Auth | Kind::Challenge | Kind::Welcome | Kind::Refused => {}
             Kind::Heartbeat => {
                 self.live.entry(h.nonce).or_insert(Live {
-                    identity: h.seq,
+                    identity: proved.unwrap_or(h.seq),
                     last_seen: now,
                     fi_addr: None,
                     addr: Vec::new(),
                     pid: 0,
                 });
-            }
-            Kind::Hello => {
-                let Some((pid, addr)) = wire::split_u32(body) else { return self.malformed("short hello") };
-                let fi_addr = self.insert_addr(addr);
-                self.live.insert(h.nonce, Live { identity: h.seq, last_seen: now, fi_addr, addr: addr.to_vec(), pid });
-                // A peer that connected with metadata taken before a close still under way: ask it too.
-                if let Some(a) = fi_addr {
-                    let name = self.ep.name().to_vec();
-                    let mut asks = Vec::new();
-                    for (seq, w) in self.revokes.iter_mut() {
-                        w.waiting.insert(h.nonce);
-                        asks.push(wire::message(
-                            Kind::Revoke,
-                            self.nonce,
-                            h.nonce,
-                            *seq,
-                            &wire::hello(w.region.0, &name),
-                        ));
-                    }
-                    for m in asks {
-                        self.queue(a, m);
-                    }
-                }
             }
             Kind::Bye | Kind::Gone => {
                 self.live.remove(&h.nonce);
@@ -496,6 +535,7 @@ impl State {
                 self.resolve_revokes();
             }
             Kind::Notify | Kind::Staged => match self.reasm.push(u64::from(h.nonce), body, now) {
+                Ok(Some(n)) if !self.bound(&n, h.nonce, proved, inner) => {}
                 Ok(Some(n)) if h.kind == Kind::Notify => self.deliver(&n),
                 Ok(Some(n)) => {
                     if let Some(n) = self.staged.notification(h.seq, n) {
@@ -505,6 +545,218 @@ impl State {
                 Ok(None) => {}
                 Err(e) => self.malformed(e),
             },
+        }
+    }
+
+    /// With a secret: the identity the endpoint with `nonce` proved (it connected to us and
+    /// authenticated, or we connected to it and it proved the secret), `None` if it did not.
+    fn proved(&self, nonce: u32, inner: &Inner) -> Option<u64> {
+        if self.banned.contains(&nonce) {
+            return None;
+        }
+        if let Some(l) = self.live.get(&nonce) {
+            return Some(l.identity);
+        }
+        inner
+            .peers
+            .all()
+            .into_iter()
+            .find(|(_, p)| p.nonce == nonce && p.authed.load(Ordering::Acquire))
+            .map(|(_, p)| p.identity)
+    }
+
+    /// Whether notification `n` from `nonce` may be delivered: with a secret, its key must be the
+    /// identity the sender proved; one that is not fails the sender's connection.
+    fn bound(&mut self, n: &[u8], nonce: u32, proved: Option<u64>, inner: &Inner) -> bool {
+        let Some(identity) = proved else { return true };
+        match Notification::decode(n) {
+            Ok(note) if !note.is_from(identity) => {
+                let what =
+                    format!("keyed a notification of {} with sender key {:#x}", note.request, note.sender.to_u64());
+                self.refuse_forged(nonce, identity, what, inner);
+                false
+            }
+            // Undecodable ones are counted where they are delivered.
+            _ => true,
+        }
+    }
+
+    /// A peer that proved `identity` broke the binding: nothing more of it is applied, it is told
+    /// why, it is refused from now on, and `PeerLost` is reported with the identity it proved.
+    fn refuse_forged(&mut self, nonce: u32, identity: u64, what: String, inner: &Inner) {
+        self.forged += 1;
+        let reason = format!(
+            "forged notification refused: the peer proved identity {identity:#x} but {what}; its connection was closed"
+        );
+        tracing::warn!(target: "kvxfer_fabric", "{reason}");
+        self.banned.insert(nonce);
+        let forward: Vec<Arc<Peer>> =
+            inner.peers.all().into_iter().filter(|(_, p)| p.nonce == nonce).map(|(_, p)| p).collect();
+        let to = self.live.get(&nonce).and_then(|l| l.fi_addr).or_else(|| forward.first().map(|p| p.fi_addr));
+        if let Some(a) = to {
+            self.queue(a, wire::message(Kind::Refused, self.nonce, nonce, 0, &wire::refusal(&reason)));
+        }
+        self.live.remove(&nonce);
+        self.reasm.forget(u64::from(nonce));
+        self.pending.retain(|(n, _), _| *n != nonce);
+        for p in forward {
+            p.lost.store(true, Ordering::Release);
+        }
+        self.writer_gone(nonce);
+        self.events.push(BackendEvent::PeerLost { identity, reason });
+    }
+
+    /// A peer that said hello (and, with a secret, proved it) may write into our regions from now
+    /// on: it is told of revokes, including those under way.
+    fn admit(&mut self, nonce: u32, identity: u64, fi_addr: Option<u64>, addr: &[u8], pid: u32, now: Instant) {
+        self.live.insert(nonce, Live { identity, last_seen: now, fi_addr, addr: addr.to_vec(), pid });
+        // A peer that connected with metadata taken before a close still under way: ask it too.
+        if let Some(a) = fi_addr {
+            let name = self.ep.name().to_vec();
+            let mut asks = Vec::new();
+            for (seq, w) in self.revokes.iter_mut() {
+                w.waiting.insert(nonce);
+                asks.push(wire::message(Kind::Revoke, self.nonce, nonce, *seq, &wire::hello(w.region.0, &name)));
+            }
+            for m in asks {
+                self.queue(a, m);
+            }
+        }
+    }
+
+    fn refuse(&mut self, to: u64, dest: u32, conn: u64, reason: &str) {
+        tracing::warn!(target: "kvxfer_fabric", "refusing a connection: {reason}");
+        self.queue(to, wire::message(Kind::Refused, self.nonce, dest, conn, &wire::refusal(reason)));
+    }
+
+    /// A hello: admitted at once without a secret; with one, answered with a challenge.
+    fn on_hello(&mut self, nonce: u32, identity: u64, body: &[u8], now: Instant) {
+        let Some((pid, conn, challenge, addr)) = wire::split_greeting(body) else {
+            return self.malformed("short hello");
+        };
+        let fi_addr = self.insert_addr(addr);
+        let Some(secret) = self.secret.clone() else {
+            self.admit(nonce, identity, fi_addr, addr, pid, now);
+            if let Some(a) = fi_addr {
+                self.queue(a, wire::message(Kind::Welcome, self.nonce, nonce, conn, &[]));
+            }
+            return;
+        };
+        let Some(a) = fi_addr else { return };
+        if self.banned.contains(&nonce) {
+            let why = format!("this endpoint refuses identity {identity:#x} after a forged notification");
+            return self.refuse(a, nonce, conn, &why);
+        }
+        if self.pending.len() >= MAX_PENDING_AUTH {
+            let why = format!("{MAX_PENDING_AUTH} connections are already authenticating; try again");
+            return self.refuse(a, nonce, conn, &why);
+        }
+        if self.live.get(&nonce).is_some_and(|l| l.identity != identity) {
+            let why = format!("endpoint nonce {nonce:#x} is already connected under another identity");
+            return self.refuse(a, nonce, conn, &why);
+        }
+        let acceptor_nonce = match kvxfer_core::secret::nonce() {
+            Ok(n) => n,
+            Err(e) => return tracing::warn!(target: "kvxfer_fabric", "no nonce for a connecting peer: {e}"),
+        };
+        let exchange = Exchange {
+            connector_nonce: challenge,
+            acceptor_nonce,
+            connector: (identity, nonce),
+            acceptor: (self.identity, self.nonce),
+        };
+        let body = wire::challenge(&acceptor_nonce, &exchange.acceptor_proof(&secret));
+        self.queue(a, wire::message(Kind::Challenge, self.nonce, nonce, conn, &body));
+        let deadline = now + self.control_ttl;
+        self.pending.insert((nonce, conn), PendingAuth { exchange, deadline, fi_addr: a, addr: addr.to_vec(), pid });
+    }
+
+    /// The connector's proof: admitted (welcome) or refused.
+    fn on_auth(&mut self, nonce: u32, conn: u64, body: &[u8]) {
+        let (Some(secret), Some(p)) = (self.secret.clone(), self.pending.remove(&(nonce, conn))) else {
+            return tracing::debug!(target: "kvxfer_fabric", "dropping an auth message no challenge asked for");
+        };
+        if wire::split_auth(body).is_some_and(|proof| p.exchange.verify_connector(&secret, &proof)) {
+            let identity = p.exchange.connector.0;
+            self.admit(nonce, identity, Some(p.fi_addr), &p.addr, p.pid, Instant::now());
+            self.queue(p.fi_addr, wire::message(Kind::Welcome, self.nonce, nonce, conn, &[]));
+            return;
+        }
+        let why = format!(
+            "authentication failed: the connecting endpoint (identity {:#x}) did not prove this endpoint's cluster \
+             secret; {AUTH_FIX}",
+            p.exchange.connector.0
+        );
+        self.refuse(p.fi_addr, nonce, conn, &why);
+    }
+
+    /// Answers our connect `conn` (once).
+    fn answer(&mut self, conn: u64, r: Result<(), String>) {
+        if let Some(c) = self.connecting.remove(&conn) {
+            let _ = c.done.send(r);
+        }
+    }
+
+    /// The acceptor's challenge: verify its proof (it has our secret), then prove ours.
+    fn on_challenge(&mut self, nonce: u32, conn: u64, body: &[u8]) {
+        let Some(c) = self.connecting.get(&conn).filter(|c| c.peer.nonce == nonce) else {
+            return tracing::debug!(target: "kvxfer_fabric", "dropping a challenge for no connect of ours");
+        };
+        let Some(secret) = self.secret.clone() else {
+            let why =
+                format!("authentication required: the peer has a cluster secret and this endpoint none; {AUTH_FIX}");
+            return self.answer(conn, Err(why));
+        };
+        let Some((acceptor_nonce, proof)) = wire::split_challenge(body) else {
+            self.malformed("short challenge");
+            return self.answer(conn, Err("authentication failed: the peer's challenge is malformed".into()));
+        };
+        let exchange = Exchange {
+            connector_nonce: c.challenge,
+            acceptor_nonce,
+            connector: (self.identity, self.nonce),
+            acceptor: (c.peer.identity, c.peer.nonce),
+        };
+        if !exchange.verify_acceptor(&secret, &proof) {
+            let why = format!(
+                "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets differ); \
+                 {AUTH_FIX}"
+            );
+            return self.answer(conn, Err(why));
+        }
+        c.peer.authed.store(true, Ordering::Release);
+        let to = c.peer.fi_addr;
+        let msg = wire::message(Kind::Auth, self.nonce, nonce, conn, &exchange.connector_proof(&secret));
+        self.queue(to, msg);
+    }
+
+    fn on_welcome(&mut self, nonce: u32, conn: u64) {
+        let Some(c) = self.connecting.get(&conn).filter(|c| c.peer.nonce == nonce) else { return };
+        if self.secret.is_some() && !c.peer.authed.load(Ordering::Acquire) {
+            let why = format!("authentication failed: the peer has no cluster secret and cannot prove one; {AUTH_FIX}");
+            return self.answer(conn, Err(why));
+        }
+        c.peer.authed.store(true, Ordering::Release);
+        self.answer(conn, Ok(()));
+    }
+
+    /// A refusal: of our connect `conn`, or (conn 0) of an established connection by a peer that
+    /// authenticated (or any peer without a secret).
+    fn on_refused(&mut self, nonce: u32, conn: u64, body: &[u8], inner: &Inner) {
+        let Some(reason) = wire::split_refusal(body).map(str::to_owned) else {
+            return self.malformed("refusal reason");
+        };
+        if conn != 0 {
+            if self.connecting.get(&conn).is_some_and(|c| c.peer.nonce == nonce) {
+                self.answer(conn, Err(format!("the peer refused the connection: {reason}")));
+            }
+            return;
+        }
+        if self.secret.is_some() && self.proved(nonce, inner).is_none() {
+            return;
+        }
+        for (_, p) in inner.peers.all().into_iter().filter(|(_, p)| p.nonce == nonce) {
+            p.lose(&self.events, format!("the peer (identity {:#x}) closed the connection: {reason}", p.identity));
         }
     }
 
@@ -740,6 +992,7 @@ impl State {
     /// Reports peers not heard from within `timeout` as lost (once).
     fn check_liveness(&mut self, timeout: Duration) {
         let now = Instant::now();
+        self.pending.retain(|_, p| now < p.deadline);
         let dead: Vec<u32> =
             self.live.iter().filter(|(_, l)| now.duration_since(l.last_seen) > timeout).map(|(n, _)| *n).collect();
         for n in dead {
@@ -1248,6 +1501,12 @@ impl FabricBackend {
                 revokes: HashMap::new(),
                 acks_due: Vec::new(),
                 in_flight: 0,
+                secret: config.secret.clone(),
+                pending: HashMap::new(),
+                connecting: HashMap::new(),
+                banned: HashSet::new(),
+                forged: 0,
+                unauthenticated: 0,
             }),
             events,
             regions: RegionTable::new(NAME, caps.limits.max_regions),
@@ -1290,6 +1549,17 @@ impl FabricBackend {
     /// Messages dropped because they were malformed, undecodable, or their receive failed.
     pub fn dropped_messages(&self) -> u64 {
         self.inner.lock().dropped_messages
+    }
+
+    /// Notifications refused because their key was not the identity their sender's connection
+    /// proved (with a cluster secret; each one failed that connection).
+    pub fn forged_notifications(&self) -> u64 {
+        self.inner.lock().forged
+    }
+
+    /// Messages dropped because their sender had not authenticated (with a cluster secret).
+    pub fn unauthenticated_messages(&self) -> u64 {
+        self.inner.lock().unauthenticated
     }
 
     /// Messages addressed to an earlier owner of this endpoint's (recycled) address, dropped.
@@ -1397,6 +1667,14 @@ impl KvTransferBackend for FabricBackend {
             peer: format!("identity {:#x}", peer.identity),
             detail,
         };
+        let challenge = kvxfer_core::secret::nonce().map_err(|e| connect_err(format!("no challenge nonce: {e}")))?;
+        let conn = u64::from_le_bytes(
+            kvxfer_core::secret::nonce().map_err(|e| connect_err(format!("no connection id: {e}")))?[..8]
+                .try_into()
+                .expect("8 bytes"),
+        )
+        .max(1);
+        let (done, answer) = oneshot::channel();
         let (id, target, state) = {
             let mut st = self.inner.lock();
             let fi_addr = match st.addrs.get(&p.addr) {
@@ -1418,27 +1696,52 @@ impl KvTransferBackend for FabricBackend {
                 frag: self.inner.fragmenter(p.recv_buf as usize),
                 regions: Mutex::new(p.regions.into_iter().map(|r| (r.id, r)).collect()),
                 lost: AtomicBool::new(false),
+                authed: AtomicBool::new(false),
             };
             // Known from now on (the caller learns the id only when the hello arrived).
             let id = self.inner.peers.reserve();
             self.inner.peers.insert_at(id, target);
             let target = self.inner.peers.get(id)?;
-            // Introduce ourselves (pid and address, so the peer can revoke its regions here) and wait
-            // for the hello to be delivered: an unreachable peer fails here.
+            // Introduce ourselves (pid and address, so the peer can revoke its regions here, and a
+            // fresh challenge) and wait for the hello to be delivered: an unreachable peer fails here.
             let hello = wire::message(
                 Kind::Hello,
                 self.inner.nonce,
                 target.nonce,
                 self.inner.identity,
-                &wire::hello(std::process::id(), st.ep.name()),
+                &wire::greeting(std::process::id(), conn, &challenge, st.ep.name()),
             );
+            st.connecting.insert(conn, Connecting { peer: target.clone(), challenge, done });
             let phases = vec![Phase { items: VecDeque::from([Item::Send(hello)]), ordered: true }];
             let state = self.inner.submit(&mut st, id, target.clone(), phases, Vec::new(), Vec::new());
             (id, target, state)
         };
-        if let Err(e) = self.settle(&state, id, "the hello to a new peer").await {
+        let fail = |detail: String| {
             let _ = self.inner.peers.remove(id);
-            return Err(connect_err(format!("the first message did not arrive: {e}")));
+            let mut st = self.inner.lock();
+            st.connecting.remove(&conn);
+            // A peer without a secret admitted us already: tell it this connection ends.
+            if !self.inner.peers.all().iter().any(|(_, q)| q.fi_addr == target.fi_addr) && target.gone().is_none() {
+                st.queue(
+                    target.fi_addr,
+                    wire::message(Kind::Bye, self.inner.nonce, target.nonce, self.inner.identity, &[]),
+                );
+            }
+            drop(st);
+            self.inner.wake();
+            connect_err(detail)
+        };
+        if let Err(e) = self.settle(&state, id, "the hello to a new peer").await {
+            return Err(fail(format!("the first message did not arrive: {e}")));
+        }
+        // The answer: a welcome, or (with a secret) the exchange first; bounded by the timeout.
+        match tokio::time::timeout(self.inner.opts.timeout, answer).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(why))) => return Err(fail(why)),
+            Ok(Err(_)) => return Err(fail("the endpoint closed while connecting".into())),
+            Err(_) => {
+                return Err(fail(format!("no answer to the hello within {:?}", self.inner.opts.timeout)));
+            }
         }
         tracing::debug!(target: "kvxfer_fabric", "connected {}", target.describe(id));
         Ok(id)

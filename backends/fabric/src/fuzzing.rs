@@ -49,8 +49,9 @@ pub fn join(messages: &[Vec<u8>]) -> Vec<u8> {
 }
 
 /// `fabric_wire`: a sequence of messages ([`split`]) read as the receiving endpoint reads them:
-/// [`wire::parse`] (re-encoding to the canonical form, [`canonical_message`]), hello and revoke bodies
-/// ([`wire::split_u32`]), notification fragments through one [`Reassembler`] (bounded as the backend
+/// [`wire::parse`] (re-encoding to the canonical form, [`canonical_message`]), hello bodies
+/// ([`wire::split_greeting`]), revoke bodies ([`wire::split_u32`]), the authentication exchange's
+/// challenge, auth, welcome and refusal bodies, notification fragments through one [`Reassembler`] (bounded as the backend
 /// bounds it) into [`Notification::decode`], staged notifications paired by [`Staged`], and the
 /// peer-gone messages that drop a peer's partial notifications. Returns whether every message was
 /// accepted.
@@ -68,8 +69,22 @@ pub fn messages(data: &[u8]) -> bool {
         assert_eq!(again, canonical_message(frame), "message re-encodes to other bytes");
         match h.kind {
             Kind::Heartbeat | Kind::RevokeAck => {}
-            Kind::Hello | Kind::Revoke => match wire::split_u32(body) {
+            Kind::Hello => match wire::split_greeting(body) {
+                Some((pid, conn, challenge, addr)) => assert_eq!(wire::greeting(pid, conn, &challenge, addr), body),
+                None => accepted = false,
+            },
+            Kind::Revoke => match wire::split_u32(body) {
                 Some((n, addr)) => assert_eq!(wire::hello(n, addr), body),
+                None => accepted = false,
+            },
+            Kind::Challenge => match wire::split_challenge(body) {
+                Some((nonce, proof)) => assert_eq!(wire::challenge(&nonce, &proof), body),
+                None => accepted = false,
+            },
+            Kind::Auth => accepted &= wire::split_auth(body).is_some(),
+            Kind::Welcome => accepted &= body.is_empty(),
+            Kind::Refused => match wire::split_refusal(body) {
+                Some(reason) => assert_eq!(wire::refusal(reason), body),
                 None => accepted = false,
             },
             Kind::Bye | Kind::Gone => reasm.forget(u64::from(h.nonce)),
@@ -145,7 +160,16 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
     let small = Fragmenter::new(toolkit::FRAGMENT_HEADER + 48).split(&aux).expect("splits");
     let mut fragmented: Vec<Vec<u8>> = small.iter().rev().map(|f| msg(Kind::Notify, 0, f)).collect();
     fragmented.push(msg(Kind::Heartbeat, 0x0001_0000_0000_0002, &[]));
-    let hello = wire::hello(4242, &[0xfe; 24]);
+    let hello = wire::greeting(4242, 0x0c0c_0c0c, &[0xc1; kvxfer_core::secret::NONCE_BYTES], &[0xfe; 24]);
+    let exchange = wire::Exchange {
+        connector_nonce: [0xc1; kvxfer_core::secret::NONCE_BYTES],
+        acceptor_nonce: [0xa2; kvxfer_core::secret::NONCE_BYTES],
+        connector: (2, nonce),
+        acceptor: (0x8000_0000_0000_0007, dest),
+    };
+    let secret = kvxfer_core::Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty");
+    let challenge = wire::challenge(&exchange.acceptor_nonce, &exchange.acceptor_proof(&secret));
+    let proof = exchange.connector_proof(&secret);
     vec![
         ("notify".to_owned(), join(&[msg(Kind::Notify, 0, &whole[0])])),
         ("notify-fragmented".to_owned(), join(&fragmented)),
@@ -154,6 +178,21 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
         (
             "revoke".to_owned(),
             join(&[msg(Kind::Revoke, 5, &wire::hello(3, &[0xfe; 24])), msg(Kind::RevokeAck, 5, &[])]),
+        ),
+        (
+            "auth-exchange".to_owned(),
+            join(&[
+                msg(Kind::Challenge, 0x0c0c_0c0c, &challenge),
+                msg(Kind::Auth, 0x0c0c_0c0c, &proof),
+                msg(Kind::Welcome, 0x0c0c_0c0c, &[]),
+            ]),
+        ),
+        (
+            "refused".to_owned(),
+            join(&[
+                msg(Kind::Refused, 0x0c0c_0c0c, &wire::refusal("authentication failed: the secrets differ")),
+                msg(Kind::Refused, 0, &wire::refusal("forged notification refused")),
+            ]),
         ),
         (
             "bye-gone".to_owned(),

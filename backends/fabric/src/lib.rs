@@ -19,6 +19,12 @@
 //!   `fi_close` of the MR;
 //! - progress: a dedicated thread polls the completion queue; every wait has a deadline;
 //! - liveness: hello on connect, heartbeats, "gone" on drop; receivers report silent peers lost.
+//! - authentication: with a cluster secret ([`kvxfer_core::BackendConfig::secret`]) the hello starts
+//!   a mutual challenge-response (both sides' fresh nonces, both identities; a mismatch fails
+//!   `connect` naming authentication), nothing of a peer is applied before it proved the secret, and
+//!   every notification must carry the identity its sender proved as its key (a forged one is
+//!   dropped, counted in [`FabricBackend::forged_notifications`], the sender refused and reported
+//!   lost). Limits in the README.
 //!
 //! See README.md in this crate for the options, the provider findings and the shm workarounds.
 //! [`baseline`] measures a plain `fi_write` loop between two endpoints of one process, the reference

@@ -5,14 +5,19 @@
 //! sender nonce (u32), the receiver nonce (u32) and the sequence (u64), little endian.
 //! Notification bodies are fragments of the toolkit's [`kvxfer_core::toolkit::Fragmenter`] (sized to
 //! the receiver's posted buffers) and are put back together by its `Reassembler`; [`Staged`] pairs
-//! an attached notification with the remote-CQ-data token of its last write.
+//! an attached notification with the remote-CQ-data token of its last write. A connect is an
+//! exchange ([`Exchange`]): hello, then challenge and auth (with a cluster secret), then welcome or
+//! refusal.
 
 use std::collections::HashMap;
 
+use kvxfer_core::secret::{Secret, NONCE_BYTES, PROOF_BYTES};
 use serde::{Deserialize, Serialize};
 
-/// Version of [`Payload`] and of the messages; `connect` rejects others.
-pub const WIRE_VERSION: u32 = 2;
+/// Version of [`Payload`] and of the messages; `connect` rejects others. Version 3: the hello
+/// carries a connection id and a challenge nonce, and is answered (challenge, auth, welcome,
+/// refused).
+pub const WIRE_VERSION: u32 = 3;
 
 /// One registered region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,14 +71,24 @@ pub enum Kind {
     Gone = 4,
     /// The sender disconnected on purpose and writes no more: forget it without reporting a loss.
     Bye = 5,
-    /// The first message after `connect`: `seq` is the identity, the body [`hello`] (pid, address),
-    /// so the receiver can send revokes back.
+    /// The first message after `connect`: `seq` is the identity, the body [`greeting`] (pid,
+    /// connection id, challenge nonce, address), so the receiver can answer and send revokes back.
     Hello = 6,
     /// "Stop writing into my region (body: u32 id, then my address); acknowledge with `seq` once your
     /// writes into it completed."
     Revoke = 7,
     /// The acknowledgement of the revoke `seq`.
     RevokeAck = 8,
+    /// With a cluster secret, the answer to a hello: `seq` is the connection id, the body the
+    /// acceptor's nonce and proof ([`Exchange`]).
+    Challenge = 9,
+    /// The connector's proof (`seq`: the connection id; body: the proof).
+    Auth = 10,
+    /// The connection is admitted (`seq`: the connection id; empty body).
+    Welcome = 11,
+    /// The connection is refused (`seq`: the connection id, or 0 for an established connection the
+    /// receiver closes after a forged notification; body: the reason, UTF-8).
+    Refused = 12,
 }
 
 impl Kind {
@@ -87,6 +102,10 @@ impl Kind {
             6 => Kind::Hello,
             7 => Kind::Revoke,
             8 => Kind::RevokeAck,
+            9 => Kind::Challenge,
+            10 => Kind::Auth,
+            11 => Kind::Welcome,
+            12 => Kind::Refused,
             _ => return None,
         })
     }
@@ -117,14 +136,138 @@ pub fn message(kind: Kind, nonce: u32, dest: u32, seq: u64, body: &[u8]) -> Vec<
     f
 }
 
-/// The body of a [`Kind::Hello`]: the sender's pid and address.
+/// The body of a [`Kind::Hello`]: the sender's pid, the connection id (answers carry it), the
+/// connector's fresh challenge nonce, and the sender's address.
+pub fn greeting(pid: u32, conn: u64, challenge: &[u8; NONCE_BYTES], addr: &[u8]) -> Vec<u8> {
+    let mut b = pid.to_le_bytes().to_vec();
+    b.extend_from_slice(&conn.to_le_bytes());
+    b.extend_from_slice(challenge);
+    b.extend_from_slice(addr);
+    b
+}
+
+/// A parsed [`greeting`]: `(pid, connection id, challenge nonce, address)`.
+pub type Greeting<'a> = (u32, u64, [u8; NONCE_BYTES], &'a [u8]);
+
+/// Parses a [`greeting`].
+pub fn split_greeting(body: &[u8]) -> Option<Greeting<'_>> {
+    let (pid, rest) = body.split_first_chunk::<4>()?;
+    let (conn, rest) = rest.split_first_chunk::<8>()?;
+    let (challenge, addr) = rest.split_first_chunk::<NONCE_BYTES>()?;
+    Some((u32::from_le_bytes(*pid), u64::from_le_bytes(*conn), *challenge, addr))
+}
+
+/// The connect-time authentication exchange (with a cluster secret on both sides):
+///
+/// 1. hello (connector to acceptor): carries the connector's fresh nonce `nc`;
+/// 2. [`Kind::Challenge`] (acceptor to connector): the acceptor's fresh nonce `na` and
+///    [`Exchange::acceptor_proof`], which the connector verifies (mutual);
+/// 3. [`Kind::Auth`]: [`Exchange::connector_proof`], which the acceptor verifies;
+/// 4. [`Kind::Welcome`] or [`Kind::Refused`].
+///
+/// Each proof is `HMAC-SHA256(secret, context, nc, na, connector identity, connector nonce, acceptor
+/// identity, acceptor nonce)` (fixed-length fields, little endian; the endpoint nonces widened to
+/// u64), with one context string per direction: no proof can be reflected, and both nonces are
+/// fresh per connection, so a captured exchange proves nothing on another one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exchange {
+    /// The connector's challenge nonce (from the hello).
+    pub connector_nonce: [u8; NONCE_BYTES],
+    /// The acceptor's nonce (from the challenge).
+    pub acceptor_nonce: [u8; NONCE_BYTES],
+    /// The connecting endpoint: (identity, endpoint nonce).
+    pub connector: (u64, u32),
+    /// The accepting endpoint: (identity, endpoint nonce).
+    pub acceptor: (u64, u32),
+}
+
+const ACCEPTOR_CONTEXT: &[u8] = b"kvxfer-fabric acceptor proof v1\0";
+const CONNECTOR_CONTEXT: &[u8] = b"kvxfer-fabric connector proof v1\0";
+
+impl Exchange {
+    fn fields(&self) -> [u8; 32] {
+        let mut f = [0u8; 32];
+        let v = [self.connector.0, u64::from(self.connector.1), self.acceptor.0, u64::from(self.acceptor.1)];
+        for (i, x) in v.iter().enumerate() {
+            f[i * 8..i * 8 + 8].copy_from_slice(&x.to_le_bytes());
+        }
+        f
+    }
+
+    fn proof(&self, s: &Secret, context: &[u8]) -> [u8; PROOF_BYTES] {
+        s.proof(&[context, &self.connector_nonce, &self.acceptor_nonce, &self.fields()])
+    }
+
+    fn verify(&self, s: &Secret, context: &[u8], proof: &[u8]) -> bool {
+        s.verify(&[context, &self.connector_nonce, &self.acceptor_nonce, &self.fields()], proof)
+    }
+
+    /// What the acceptor proves (step 2).
+    pub fn acceptor_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        self.proof(s, ACCEPTOR_CONTEXT)
+    }
+
+    /// What the connector proves (step 3).
+    pub fn connector_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        self.proof(s, CONNECTOR_CONTEXT)
+    }
+
+    /// Whether `proof` is the acceptor's (constant time).
+    pub fn verify_acceptor(&self, s: &Secret, proof: &[u8]) -> bool {
+        self.verify(s, ACCEPTOR_CONTEXT, proof)
+    }
+
+    /// Whether `proof` is the connector's (constant time).
+    pub fn verify_connector(&self, s: &Secret, proof: &[u8]) -> bool {
+        self.verify(s, CONNECTOR_CONTEXT, proof)
+    }
+}
+
+/// The body of a [`Kind::Challenge`]: the acceptor's nonce and proof.
+pub fn challenge(nonce: &[u8; NONCE_BYTES], proof: &[u8; PROOF_BYTES]) -> Vec<u8> {
+    [&nonce[..], &proof[..]].concat()
+}
+
+/// Parses a [`challenge`] body.
+pub fn split_challenge(body: &[u8]) -> Option<([u8; NONCE_BYTES], [u8; PROOF_BYTES])> {
+    let (n, p) = body.split_first_chunk::<NONCE_BYTES>()?;
+    Some((*n, p.try_into().ok()?))
+}
+
+/// Parses an [`Kind::Auth`] body (the proof, exactly).
+pub fn split_auth(body: &[u8]) -> Option<[u8; PROOF_BYTES]> {
+    body.try_into().ok()
+}
+
+/// Most bytes of a refusal's reason.
+pub const MAX_REFUSAL: usize = 1024;
+
+/// The body of a [`Kind::Refused`]: the reason, truncated to [`MAX_REFUSAL`] bytes at a character
+/// boundary.
+pub fn refusal(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_REFUSAL);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason.as_bytes()[..end].to_vec()
+}
+
+/// Parses a [`refusal`] body: UTF-8 of at most [`MAX_REFUSAL`] bytes.
+pub fn split_refusal(body: &[u8]) -> Option<&str> {
+    if body.len() > MAX_REFUSAL {
+        return None;
+    }
+    std::str::from_utf8(body).ok()
+}
+
+/// The body of a [`Kind::Revoke`]: a u32 (the region id) and the sender's address.
 pub fn hello(pid: u32, addr: &[u8]) -> Vec<u8> {
     let mut b = pid.to_le_bytes().to_vec();
     b.extend_from_slice(addr);
     b
 }
 
-/// Splits a [`hello`] (or revoke: region id and address) body into its u32 and the address.
+/// Splits a revoke body ([`hello`]: region id and address) into its u32 and the address.
 pub fn split_u32(body: &[u8]) -> Option<(u32, &[u8])> {
     let (n, rest) = body.split_first_chunk::<4>()?;
     Some((u32::from_le_bytes(*n), rest))
@@ -207,6 +350,51 @@ mod tests {
         assert!(parse(&bad).is_err());
         assert_eq!(split_u32(&hello(5, b"addr")), Some((5, &b"addr"[..])));
         assert_eq!(split_u32(&[1, 2]), None);
+    }
+
+    #[test]
+    fn greetings_and_auth_messages_round_trip_and_reject_garbage() {
+        let g = greeting(5, 0xabc, &[9; NONCE_BYTES], b"addr");
+        assert_eq!(split_greeting(&g), Some((5, 0xabc, [9; NONCE_BYTES], &b"addr"[..])));
+        assert_eq!(split_greeting(&g[..4 + 8 + NONCE_BYTES - 1]), None);
+        let c = challenge(&[1; NONCE_BYTES], &[2; PROOF_BYTES]);
+        assert_eq!(split_challenge(&c), Some(([1; NONCE_BYTES], [2; PROOF_BYTES])));
+        assert_eq!(split_challenge(&c[1..]), None);
+        assert_eq!(split_auth(&[3; PROOF_BYTES]), Some([3; PROOF_BYTES]));
+        assert_eq!(split_auth(&[3; PROOF_BYTES + 1]), None);
+        assert_eq!(split_refusal(&refusal("authentication failed")), Some("authentication failed"));
+        let long = "é".repeat(MAX_REFUSAL);
+        assert!(split_refusal(&refusal(&long)).is_some());
+        assert_eq!(split_refusal(&[0xff]), None);
+        assert_eq!(split_refusal(&[b'a'; MAX_REFUSAL + 1]), None);
+    }
+
+    #[test]
+    fn proofs_are_mutual_bound_to_both_nonces_and_both_endpoints() {
+        let x = Exchange {
+            connector_nonce: [1; NONCE_BYTES],
+            acceptor_nonce: [2; NONCE_BYTES],
+            connector: (0x10, 0x11),
+            acceptor: (0x20, 0x21),
+        };
+        let s = Secret::new(b"cluster".to_vec()).unwrap();
+        let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
+        assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c));
+        assert!(!x.verify_connector(&s, &a) && !x.verify_acceptor(&s, &c), "a proof cannot be reflected");
+        assert!(!x.verify_acceptor(&Secret::new(b"other".to_vec()).unwrap(), &a));
+        let changes: [fn(&mut Exchange); 6] = [
+            |x| x.connector_nonce[0] ^= 1,
+            |x| x.acceptor_nonce[31] ^= 1,
+            |x| x.connector.0 ^= 1,
+            |x| x.connector.1 ^= 1,
+            |x| x.acceptor.0 ^= 1,
+            |x| x.acceptor.1 ^= 1,
+        ];
+        for change in changes {
+            let mut y = x.clone();
+            change(&mut y);
+            assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c), "{y:?}");
+        }
     }
 
     #[test]

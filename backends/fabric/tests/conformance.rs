@@ -35,6 +35,13 @@ impl BackendFactory for Fabric {
     fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
         Some((kvxfer_fabric::NAME.into(), self.config(0).options))
     }
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<kvxfer_core::Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        Some(kvxfer_fabric::create(&self.config(identity).with_secret(secret)))
+    }
 }
 
 fn main() -> ExitCode {
