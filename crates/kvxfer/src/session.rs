@@ -72,6 +72,27 @@ pub enum SessionError {
         /// What is wrong.
         detail: String,
     },
+    /// The host pool [`KvPool::allocate`] was asked for does not fit in the memory this machine has
+    /// available: refused before anything is allocated. Ask for fewer pages (requests x tokens),
+    /// fewer layers, or a smaller page size or model; or pass the engine's own memory.
+    #[error(
+        "{side} rank {rank}: a host KV pool of {needed} bytes ({:.1} GiB: {pages} pages x {layers} layers) does not fit in the {available} bytes ({:.1} GiB) this machine has available (MemAvailable); nothing was allocated. Use fewer pages (requests x tokens), fewer layers, or a smaller page size or model",
+        *needed as f64 / GIB, *available as f64 / GIB
+    )]
+    PoolTooLarge {
+        /// Side.
+        side: Side,
+        /// Rank.
+        rank: RankId,
+        /// Bytes the pool would need (every layer of the rank's stage, K and V).
+        needed: u64,
+        /// Bytes available for new allocations when it was asked.
+        available: u64,
+        /// Pages asked for.
+        pages: u32,
+        /// Layers of the rank's stage.
+        layers: u32,
+    },
     /// A backend call failed.
     #[error("{}{side} rank {rank}{}: {source}", request.map(|r| format!("request {r}: ")).unwrap_or_default(), peer.map(|p| format!(" -> decode rank {p}")).unwrap_or_default())]
     Backend {
@@ -221,6 +242,8 @@ impl KvPool {
         init: &(dyn Fn(BufferRef, &mut [u8]) + Sync),
     ) -> Result<(KvPool, Vec<PoolMemory>), SessionError> {
         topo.check_rank(side, rank)?;
+        let needed = topo.checked_pool_bytes(side, rank.pp, pages)?;
+        check_fits(needed, available_memory(), side, rank, pages, topo.stage_layers(side, rank.pp))?;
         let mut memory = Vec::new();
         let mut pool = KvPool { pages, buffers: Vec::new() };
         for layer in 0..topo.stage_layers(side, rank.pp) {
@@ -240,6 +263,39 @@ impl KvPool {
             }
         }
         Ok((pool, memory))
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes this machine has available for new allocations without swapping (`MemAvailable` of
+/// `/proc/meminfo`); `None` where that is not known (not Linux, no procfs), and then nothing is
+/// refused up front.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&info)
+}
+
+fn parse_mem_available(info: &str) -> Option<u64> {
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.trim_start_matches("MemAvailable:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a pool of `needed` bytes that does not fit in `available` (when known).
+fn check_fits(
+    needed: u64,
+    available: Option<u64>,
+    side: Side,
+    rank: RankId,
+    pages: u32,
+    layers: u32,
+) -> Result<(), SessionError> {
+    match available {
+        Some(available) if needed > available => {
+            Err(SessionError::PoolTooLarge { side, rank, needed, available, pages, layers })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -1035,5 +1091,28 @@ impl ReceiverSession {
     /// Tracker counters (dropped duplicates, early notifications...).
     pub fn stats(&self) -> TrackerStats {
         lock(&self.tracker).stats()
+    }
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let info = "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(parse_mem_available(info), Some(20_000_000 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: lots kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: 18446744073709551615 kB\n"), None, "overflow is not a size");
+    }
+
+    #[test]
+    fn a_pool_is_refused_only_when_it_does_not_fit() {
+        let r = RankId::new(0, 0);
+        assert!(check_fits(10, Some(10), Side::Decode, r, 1, 1).is_ok());
+        assert!(check_fits(10, None, Side::Decode, r, 1, 1).is_ok(), "unknown memory refuses nothing");
+        let e = check_fits(11, Some(10), Side::Prefill, r, 3, 2).unwrap_err();
+        assert!(matches!(e, SessionError::PoolTooLarge { needed: 11, available: 10, pages: 3, layers: 2, .. }));
     }
 }
