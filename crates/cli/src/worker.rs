@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::engine::{Agent, AgentConfig, EngineError, KvMemory, Phase, Receiver, RequestStatus, Sender};
+use kvxfer::metadata::auth::Secret;
 use kvxfer::metadata::members::{rank_key as record_key, record_of};
 use kvxfer::metadata::{self, wait_until, wait_value, MemberEvent, MemberWatch, MetadataAddr, MetadataStore};
 use kvxfer_core::oracle::{BufferGeom, SENTINEL};
@@ -117,6 +118,17 @@ pub struct WorkerArgs {
     /// Deadline of every wait for peers (connecting, the end of the run), in seconds.
     #[arg(long, default_value_t = 120.0, value_parser = crate::model::parse_seconds)]
     pub timeout_s: f64,
+    /// The cluster's shared secret, from this file (its bytes, trailing whitespace dropped); without
+    /// it, from `KVXFER_SECRET` when that is set. Proved to the bootstrap service on every request and
+    /// given to the backend (which then admits only ranks with the same secret).
+    #[arg(long)]
+    pub secret_file: Option<std::path::PathBuf>,
+    /// Stop when the process with this id is no longer this worker's parent (it died and the worker
+    /// was re-parented): in-flight requests are aborted (fenced), the agent shuts down, and the worker
+    /// exits non-zero naming its parent; if that takes longer than 20 s it exits at once. `demo`
+    /// passes its own id, so no worker outlives a demo that was killed.
+    #[arg(long)]
+    pub parent_pid: Option<u32>,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -182,7 +194,7 @@ pub fn run(args: &WorkerArgs) -> ExitCode {
     match rt.block_on(worker(args)) {
         Ok(s) => {
             let ok = s.errors.is_empty();
-            println!("{}", json!({"kind": "summary", "summary": s}));
+            progress(json!({"kind": "summary", "summary": s}));
             if ok {
                 ExitCode::SUCCESS
             } else {
@@ -194,14 +206,48 @@ pub fn run(args: &WorkerArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("kvxfer worker {role} {rank}: {e}");
-            println!("{}", json!({"kind": "error", "role": role.to_string(), "rank": rank.to_string(), "message": e}));
+            progress(json!({"kind": "error", "role": role.to_string(), "rank": rank.to_string(), "message": e}));
             ExitCode::FAILURE
         }
     }
 }
 
+/// One JSON line on stdout. A write error is ignored: stdout is the pipe of a parent that may have
+/// died (`println!` would panic on EPIPE, and the worker must still stop cleanly).
 fn progress(v: serde_json::Value) {
-    println!("{v}");
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}").and_then(|()| out.flush());
+}
+
+/// How often the worker checks that its parent (`--parent-pid`) is alive.
+const PARENT_POLL: Duration = Duration::from_millis(100);
+/// After the parent died, how long the worker may take to abort, fence and shut down before it
+/// exits at once.
+const ORPHAN_GRACE: Duration = Duration::from_secs(20);
+
+/// Watches (on a thread of its own) that `parent` is still this process's parent. When it is not
+/// (the parent died; the worker was re-parented), the report turns fatal, which stops the slots and
+/// aborts every request in flight; after [`ORPHAN_GRACE`] the process exits regardless.
+fn watch_parent(parent: u32, report: Arc<Report>, who: String) {
+    let spawned = std::thread::Builder::new().name("kvxfer-parent".into()).spawn(move || {
+        while std::os::unix::process::parent_id() == parent {
+            std::thread::sleep(PARENT_POLL);
+        }
+        let why = format!(
+            "parent process {parent} exited (this worker was re-parented to {}); stopping",
+            std::os::unix::process::parent_id()
+        );
+        eprintln!("kvxfer worker {who}: {why}");
+        lock(&report.fatal).get_or_insert(why);
+        report.changed.notify_waiters();
+        std::thread::sleep(ORPHAN_GRACE);
+        eprintln!("kvxfer worker {who}: not stopped {ORPHAN_GRACE:?} after the parent exited; exiting now");
+        std::process::exit(3);
+    });
+    if let Err(e) = spawned {
+        eprintln!("kvxfer worker: cannot watch the parent process {parent}: {e}");
+    }
 }
 
 /// What the worker's own store watch learned: the store's verdicts on lost ranks, and a store that
@@ -216,6 +262,18 @@ struct Report {
 impl Report {
     fn fatal(&self) -> Option<String> {
         lock(&self.fatal).clone()
+    }
+
+    /// Resolves once the report is fatal (the store lost, the parent process gone).
+    async fn fatal_set(&self) -> String {
+        loop {
+            let n = self.changed.notified();
+            if let Some(f) = self.fatal() {
+                return f;
+            }
+            // Also polled: a notification sent between the check and the wait is not lost for long.
+            let _ = tokio::time::timeout(Duration::from_millis(200), n).await;
+        }
     }
 
     /// Waits at most `within` for the store to report a lost rank.
@@ -319,9 +377,18 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
         (Some(a), _) | (None, Some(a)) => MetadataAddr::parse(a).map_err(|e| e.to_string())?,
         (None, None) => return Err("give --bootstrap host:port or --metadata etcd://host:port/prefix".into()),
     };
+    let secret = match &args.secret_file {
+        Some(path) => Some(Secret::from_file(path).map_err(|e| format!("--secret-file {}: {e}", path.display()))?),
+        None => Secret::from_env().map_err(|e| format!("{}: {e}", kvxfer::metadata::auth::SECRET_ENV))?,
+    };
     // The worker's own store client: the membership watch behind the progress lines, `finished/`.
-    let store = metadata::connect(&addr, metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
+    let store =
+        metadata::connect_with(&addr, metadata::DEFAULT_OP_TIMEOUT, secret.clone()).await.map_err(|e| e.to_string())?;
     let (members, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
+    let report = Arc::new(Report::default());
+    if let Some(parent) = args.parent_pid {
+        watch_parent(parent, Arc::clone(&report), format!("{side} {rank}"));
+    }
     let mut cfg = AgentConfig::new(side, rank, topo, addr);
     cfg.backend = w.backend.clone();
     cfg.backend_options = w.options();
@@ -329,10 +396,10 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
     cfg.lease_ttl = ttl;
     cfg.connect_timeout = wait;
     cfg.request_timeout = w.request_timeout();
+    cfg.secret = secret;
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
     progress(json!({"kind": "registered", "store": store.name(), "epoch": agent.epoch()}));
-    let report = Arc::new(Report::default());
     let watcher = tokio::spawn(watch_members(Arc::clone(&store), members, Arc::clone(&report), ttl));
     let summary = WorkerSummary {
         role: side.to_string(),
@@ -378,7 +445,10 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
 /// Connects, runs the request slots, then the end of the run: decode checks its whole pool and puts
 /// `finished`, prefill waits for its receivers' `finished`, decode waits for its senders to leave.
 async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: Duration) -> Result<(), String> {
-    ctx.agent.wait_connected(Instant::now() + wait + Duration::from_secs(1)).await.map_err(|e| e.to_string())?;
+    tokio::select! {
+        r = ctx.agent.wait_connected(Instant::now() + wait + Duration::from_secs(1)) => r.map_err(|e| e.to_string())?,
+        f = ctx.report.fatal_set() => return Err(f),
+    }
     let slots: Vec<_> =
         (0..ctx.w.inflight.min(ctx.w.requests)).map(|i| tokio::spawn(slot(Arc::clone(ctx), i))).collect();
     for h in slots {
@@ -413,6 +483,7 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
                     r.map_err(|e| format!("waiting for decode rank {d} to finish: {e}"))?;
                 }
                 _ = lost => return Err(format!("decode rank {d} was lost before it finished its final check")),
+                f = ctx.report.fatal_set() => return Err(f),
             }
         }
         return Ok(());
@@ -427,8 +498,11 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
             wait_until(store, &record_key(Side::Prefill, p), wait, &what, left).await.map_err(|e| e.to_string())?;
         }
         Ok(())
-    }
-    .await;
+    };
+    let r = tokio::select! {
+        r = r => r,
+        f = ctx.report.fatal_set() => Err(f),
+    };
     let _ = store.delete(&finished(ctx.rank)).await;
     let _ = store.revoke(lease).await;
     r
