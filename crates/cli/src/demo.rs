@@ -146,6 +146,41 @@ struct Worker {
     decode: bool,
     child: Child,
     status: Option<std::process::ExitStatus>,
+    /// The demo killed it (after another worker failed, or at the run's deadline).
+    stopped_by_demo: bool,
+}
+
+/// How a process ended, in words: `exit code 1`, `killed by signal 9 (SIGKILL)`.
+pub fn describe_exit(st: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(c) = st.code() {
+        return format!("exit code {c}");
+    }
+    match st.signal() {
+        Some(sig) => {
+            let name = match sig {
+                1 => "SIGHUP",
+                2 => "SIGINT",
+                3 => "SIGQUIT",
+                4 => "SIGILL",
+                6 => "SIGABRT",
+                7 => "SIGBUS",
+                8 => "SIGFPE",
+                9 => "SIGKILL",
+                11 => "SIGSEGV",
+                13 => "SIGPIPE",
+                15 => "SIGTERM",
+                _ => "",
+            };
+            let core = if st.core_dumped() { ", core dumped" } else { "" };
+            if name.is_empty() {
+                format!("killed by signal {sig}{core}")
+            } else {
+                format!("killed by signal {sig} ({name}){core}")
+            }
+        }
+        None => format!("ended with {st}"),
+    }
 }
 
 /// Runs the demo.
@@ -226,6 +261,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             .args(["--lease-ttl-s", &args.lease_ttl_s.to_string()])
             .args(["--tp-rank", &rank.tp.to_string(), "--pp-stage", &rank.pp.to_string()])
             .args(["--timeout-s", &args.timeout_s.to_string()])
+            .args(["--parent-pid", &std::process::id().to_string()])
             .args(w.to_args())
             .args(args.run.to_args())
             .stdin(Stdio::null())
@@ -251,6 +287,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                     decode: *side == Side::Decode,
                     child,
                     status: None,
+                    stopped_by_demo: false,
                 });
             }
             Err(e) => {
@@ -305,8 +342,10 @@ pub fn run(args: &DemoArgs) -> ExitCode {
         for wk in workers.iter_mut().filter(|w| w.status.is_none()) {
             if let Ok(Some(st)) = wk.child.try_wait() {
                 wk.status = Some(st);
-                if !st.success() {
+                if !st.success() && !wk.stopped_by_demo {
                     failed = true;
+                    // Named at once: a worker killed by a signal prints nothing itself.
+                    errors.push(format!("worker {} {}", wk.name, describe_exit(st)));
                 }
             }
         }
@@ -324,17 +363,22 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             // moment to report, then stop them.
             std::thread::sleep(Duration::from_millis(500));
             for wk in workers.iter_mut().filter(|w| w.status.is_none()) {
-                let _ = wk.child.kill();
+                match wk.child.try_wait() {
+                    // It ended by itself in the meantime: named below like any other.
+                    Ok(Some(st)) => wk.status = Some(st),
+                    _ => {
+                        let _ = wk.child.kill();
+                        wk.stopped_by_demo = true;
+                    }
+                }
             }
             killed = true;
         }
     }
+    // Every worker that ended badly by itself was named in the loop (the loop ends once all ended).
     for wk in workers.iter_mut() {
-        let st = wk.status.or_else(|| wk.child.wait().ok());
-        if let Some(st) = st {
-            if !st.success() && !killed {
-                errors.push(format!("worker {} exited with {st}", wk.name));
-            }
+        if wk.status.or_else(|| wk.child.wait().ok()).is_some() && wk.stopped_by_demo {
+            errors.push(format!("worker {} stopped by the demo", wk.name));
         }
     }
     pb.finish_and_clear();
@@ -580,6 +624,18 @@ fn print_table(s: &DemoSummary) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exit_is_named_by_code_or_signal() {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(describe_exit(std::process::ExitStatus::from_raw(1 << 8)), "exit code 1");
+        assert_eq!(describe_exit(std::process::ExitStatus::from_raw(9)), "killed by signal 9 (SIGKILL)");
+        assert_eq!(
+            describe_exit(std::process::ExitStatus::from_raw(11 | 0x80)),
+            "killed by signal 11 (SIGSEGV), core dumped"
+        );
+        assert_eq!(describe_exit(std::process::ExitStatus::from_raw(40)), "killed by signal 40");
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {
