@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvxfer_core::secret::NONCE_BYTES;
+use kvxfer_core::secret::{Exchange, NONCE_BYTES};
 use kvxfer_core::toolkit::{self, EventQueue, Fragmenter, PeerTable, Reassembler, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
@@ -36,7 +36,7 @@ use tokio::sync::oneshot;
 use crate::ffi::{
     Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov, Waker,
 };
-use crate::wire::{self, Exchange, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
+use crate::wire::{self, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
 use crate::NAME;
 
 /// How attached notifications travel.
@@ -659,12 +659,7 @@ impl State {
             Ok(n) => n,
             Err(e) => return tracing::warn!(target: "kvxfer_fabric", "no nonce for a connecting peer: {e}"),
         };
-        let exchange = Exchange {
-            connector_nonce: challenge,
-            acceptor_nonce,
-            connector: (identity, nonce),
-            acceptor: (self.identity, self.nonce),
-        };
+        let exchange = wire::exchange(challenge, acceptor_nonce, (identity, nonce), (self.identity, self.nonce));
         let body = wire::challenge(&acceptor_nonce, &exchange.acceptor_proof(&secret));
         self.queue(a, wire::message(Kind::Challenge, self.nonce, nonce, conn, &body));
         let deadline = now + self.control_ttl;
@@ -711,12 +706,8 @@ impl State {
             self.malformed("short challenge");
             return self.answer(conn, Err("authentication failed: the peer's challenge is malformed".into()));
         };
-        let exchange = Exchange {
-            connector_nonce: c.challenge,
-            acceptor_nonce,
-            connector: (self.identity, self.nonce),
-            acceptor: (c.peer.identity, c.peer.nonce),
-        };
+        let exchange =
+            wire::exchange(c.challenge, acceptor_nonce, (self.identity, self.nonce), (c.peer.identity, c.peer.nonce));
         if !exchange.verify_acceptor(&secret, &proof) {
             let why = format!(
                 "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets differ); \

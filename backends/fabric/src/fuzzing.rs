@@ -161,12 +161,12 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
     let mut fragmented: Vec<Vec<u8>> = small.iter().rev().map(|f| msg(Kind::Notify, 0, f)).collect();
     fragmented.push(msg(Kind::Heartbeat, 0x0001_0000_0000_0002, &[]));
     let hello = wire::greeting(4242, 0x0c0c_0c0c, &[0xc1; kvxfer_core::secret::NONCE_BYTES], &[0xfe; 24]);
-    let exchange = wire::Exchange {
-        connector_nonce: [0xc1; kvxfer_core::secret::NONCE_BYTES],
-        acceptor_nonce: [0xa2; kvxfer_core::secret::NONCE_BYTES],
-        connector: (2, nonce),
-        acceptor: (0x8000_0000_0000_0007, dest),
-    };
+    let exchange = wire::exchange(
+        [0xc1; kvxfer_core::secret::NONCE_BYTES],
+        [0xa2; kvxfer_core::secret::NONCE_BYTES],
+        (2, nonce),
+        (0x8000_0000_0000_0007, dest),
+    );
     let secret = kvxfer_core::Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty");
     let challenge = wire::challenge(&exchange.acceptor_nonce, &exchange.acceptor_proof(&secret));
     let proof = exchange.connector_proof(&secret);

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use kvxfer_core::secret::{Secret, NONCE_BYTES, PROOF_BYTES};
+use kvxfer_core::secret::{Exchange, NONCE_BYTES, PROOF_BYTES};
 use serde::{Deserialize, Serialize};
 
 /// Version of [`Payload`] and of the messages; `connect` rejects others. Version 3: the hello
@@ -157,7 +157,8 @@ pub fn split_greeting(body: &[u8]) -> Option<Greeting<'_>> {
     Some((u32::from_le_bytes(*pid), u64::from_le_bytes(*conn), *challenge, addr))
 }
 
-/// The connect-time authentication exchange (with a cluster secret on both sides):
+/// The connect-time authentication exchange (with a cluster secret on both sides), computed by the
+/// toolkit's [`Exchange`] with the protocol label [`AUTH_PROTOCOL`]:
 ///
 /// 1. hello (connector to acceptor): carries the connector's fresh nonce `nc`;
 /// 2. [`Kind::Challenge`] (acceptor to connector): the acceptor's fresh nonce `na` and
@@ -165,61 +166,22 @@ pub fn split_greeting(body: &[u8]) -> Option<Greeting<'_>> {
 /// 3. [`Kind::Auth`]: [`Exchange::connector_proof`], which the acceptor verifies;
 /// 4. [`Kind::Welcome`] or [`Kind::Refused`].
 ///
-/// Each proof is `HMAC-SHA256(secret, context, nc, na, connector identity, connector nonce, acceptor
-/// identity, acceptor nonce)` (fixed-length fields, little endian; the endpoint nonces widened to
-/// u64), with one context string per direction: no proof can be reflected, and both nonces are
-/// fresh per connection, so a captured exchange proves nothing on another one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Exchange {
-    /// The connector's challenge nonce (from the hello).
-    pub connector_nonce: [u8; NONCE_BYTES],
-    /// The acceptor's nonce (from the challenge).
-    pub acceptor_nonce: [u8; NONCE_BYTES],
-    /// The connecting endpoint: (identity, endpoint nonce).
-    pub connector: (u64, u32),
-    /// The accepting endpoint: (identity, endpoint nonce).
-    pub acceptor: (u64, u32),
-}
+/// Both endpoints enter as (identity, endpoint nonce widened to u64).
+pub const AUTH_PROTOCOL: &str = "kvxfer-fabric";
 
-const ACCEPTOR_CONTEXT: &[u8] = b"kvxfer-fabric acceptor proof v1\0";
-const CONNECTOR_CONTEXT: &[u8] = b"kvxfer-fabric connector proof v1\0";
-
-impl Exchange {
-    fn fields(&self) -> [u8; 32] {
-        let mut f = [0u8; 32];
-        let v = [self.connector.0, u64::from(self.connector.1), self.acceptor.0, u64::from(self.acceptor.1)];
-        for (i, x) in v.iter().enumerate() {
-            f[i * 8..i * 8 + 8].copy_from_slice(&x.to_le_bytes());
-        }
-        f
-    }
-
-    fn proof(&self, s: &Secret, context: &[u8]) -> [u8; PROOF_BYTES] {
-        s.proof(&[context, &self.connector_nonce, &self.acceptor_nonce, &self.fields()])
-    }
-
-    fn verify(&self, s: &Secret, context: &[u8], proof: &[u8]) -> bool {
-        s.verify(&[context, &self.connector_nonce, &self.acceptor_nonce, &self.fields()], proof)
-    }
-
-    /// What the acceptor proves (step 2).
-    pub fn acceptor_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
-        self.proof(s, ACCEPTOR_CONTEXT)
-    }
-
-    /// What the connector proves (step 3).
-    pub fn connector_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
-        self.proof(s, CONNECTOR_CONTEXT)
-    }
-
-    /// Whether `proof` is the acceptor's (constant time).
-    pub fn verify_acceptor(&self, s: &Secret, proof: &[u8]) -> bool {
-        self.verify(s, ACCEPTOR_CONTEXT, proof)
-    }
-
-    /// Whether `proof` is the connector's (constant time).
-    pub fn verify_connector(&self, s: &Secret, proof: &[u8]) -> bool {
-        self.verify(s, CONNECTOR_CONTEXT, proof)
+/// The exchange between `connector` and `acceptor` (each `(identity, endpoint nonce)`) on this wire.
+pub fn exchange(
+    connector_nonce: [u8; NONCE_BYTES],
+    acceptor_nonce: [u8; NONCE_BYTES],
+    connector: (u64, u32),
+    acceptor: (u64, u32),
+) -> Exchange {
+    Exchange {
+        protocol: AUTH_PROTOCOL,
+        connector_nonce,
+        acceptor_nonce,
+        connector: (connector.0, u64::from(connector.1)),
+        acceptor: (acceptor.0, u64::from(acceptor.1)),
     }
 }
 
@@ -370,31 +332,15 @@ mod tests {
     }
 
     #[test]
-    fn proofs_are_mutual_bound_to_both_nonces_and_both_endpoints() {
-        let x = Exchange {
-            connector_nonce: [1; NONCE_BYTES],
-            acceptor_nonce: [2; NONCE_BYTES],
-            connector: (0x10, 0x11),
-            acceptor: (0x20, 0x21),
-        };
-        let s = Secret::new(b"cluster".to_vec()).unwrap();
+    fn the_exchange_is_the_toolkits_with_this_wires_label() {
+        let s = kvxfer_core::Secret::new(b"cluster".to_vec()).unwrap();
+        let x = exchange([1; NONCE_BYTES], [2; NONCE_BYTES], (0x10, 0x11), (0x20, 0x21));
+        assert_eq!((x.connector, x.acceptor), ((0x10, 0x11), (0x20, 0x21)), "endpoint nonces widened");
         let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
         assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c));
-        assert!(!x.verify_connector(&s, &a) && !x.verify_acceptor(&s, &c), "a proof cannot be reflected");
-        assert!(!x.verify_acceptor(&Secret::new(b"other".to_vec()).unwrap(), &a));
-        let changes: [fn(&mut Exchange); 6] = [
-            |x| x.connector_nonce[0] ^= 1,
-            |x| x.acceptor_nonce[31] ^= 1,
-            |x| x.connector.0 ^= 1,
-            |x| x.connector.1 ^= 1,
-            |x| x.acceptor.0 ^= 1,
-            |x| x.acceptor.1 ^= 1,
-        ];
-        for change in changes {
-            let mut y = x.clone();
-            change(&mut y);
-            assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c), "{y:?}");
-        }
+        assert!(!x.verify_connector(&s, &a), "a proof cannot be reflected");
+        let other = Exchange { protocol: "kvxfer-ucx", ..x };
+        assert!(!other.verify_acceptor(&s, &a) && !other.verify_connector(&s, &c), "another backend's label");
     }
 
     #[test]

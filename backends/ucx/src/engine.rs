@@ -14,14 +14,14 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer_core::secret::NONCE_BYTES;
+use kvxfer_core::secret::{Exchange, NONCE_BYTES};
 use kvxfer_core::toolkit::{Drained, EventQueue, RegionRef, RegionTable, Segment};
 use kvxfer_core::{BackendError, BackendEvent, MemDesc, Notification, PeerId, RegionId, Secret, TransferState};
 use tokio::sync::oneshot;
 
 use crate::liveness::ProcId;
 use crate::ucp::{self, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker};
-use crate::wire::{self, Exchange, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
+use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
 use crate::NAME;
 
 const HOT: Duration = Duration::from_millis(20);
@@ -1008,12 +1008,12 @@ impl Engine {
                 None => return,
             },
         };
-        let exchange = Exchange {
+        let exchange = wire::exchange(
             connector_nonce,
             acceptor_nonce,
-            connector: (h.identity, h.instance),
-            acceptor: (self.settings.identity, self.settings.instance),
-        };
+            (h.identity, h.instance),
+            (self.settings.identity, self.settings.instance),
+        );
         let body = wire::encode_challenge(nonce, &acceptor_nonce, &exchange.acceptor_proof(secret));
         let deadline = Instant::now() + self.settings.op_timeout;
         self.pending.insert((h.instance, nonce), PendingAuth { exchange, deadline });
@@ -1103,12 +1103,12 @@ impl Engine {
             return self.fail_connect(pid, why);
         };
         let p = &self.peers[&pid];
-        let exchange = Exchange {
-            connector_nonce: p.challenge,
-            acceptor_nonce: theirs,
-            connector: (self.settings.identity, self.settings.instance),
-            acceptor: (p.identity, p.instance),
-        };
+        let exchange = wire::exchange(
+            p.challenge,
+            theirs,
+            (self.settings.identity, self.settings.instance),
+            (p.identity, p.instance),
+        );
         if h.identity != p.identity || !exchange.verify_acceptor(&secret, proof) {
             let why = format!(
                 "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets differ);                  {AUTH_FIX}"

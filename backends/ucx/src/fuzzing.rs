@@ -204,12 +204,12 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
         proc: proc_id(),
         challenge: wire::hex(&[0xc1; kvxfer_core::secret::NONCE_BYTES]),
     };
-    let exchange = wire::Exchange {
-        connector_nonce: [0xc1; kvxfer_core::secret::NONCE_BYTES],
-        acceptor_nonce: [0xa2; kvxfer_core::secret::NONCE_BYTES],
-        connector: (0x0001_0000_0000_0003, 0x1111_2222_3333_4444),
-        acceptor: (0x8000_0000_0000_0007, 0x5555_6666_7777_8888),
-    };
+    let exchange = wire::exchange(
+        [0xc1; kvxfer_core::secret::NONCE_BYTES],
+        [0xa2; kvxfer_core::secret::NONCE_BYTES],
+        (0x0001_0000_0000_0003, 0x1111_2222_3333_4444),
+        (0x8000_0000_0000_0007, 0x5555_6666_7777_8888),
+    );
     let secret = kvxfer_core::Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty");
     let challenge = wire::encode_challenge(99, &exchange.acceptor_nonce, &exchange.acceptor_proof(&secret));
     let auth = wire::encode_auth(99, &exchange.connector_proof(&secret));

@@ -12,7 +12,7 @@
 //! revocation and its acknowledgement (8, 9), the answer to a hello (10) and, with a cluster secret,
 //! the authentication exchange (11 to 13, see [`Exchange`]); see [`Kind`].
 
-use kvxfer_core::secret::{Secret, NONCE_BYTES, PROOF_BYTES};
+use kvxfer_core::secret::{Exchange, NONCE_BYTES, PROOF_BYTES};
 use serde::{Deserialize, Serialize};
 
 use crate::liveness::ProcId;
@@ -186,7 +186,8 @@ impl Header {
     }
 }
 
-/// The connect-time authentication exchange (with a cluster secret on both sides):
+/// The connect-time authentication exchange (with a cluster secret on both sides), computed by the
+/// toolkit's [`Exchange`] with the protocol label [`AUTH_PROTOCOL`]:
 ///
 /// 1. hello (connector to acceptor): carries the connector's fresh nonce `nc`;
 /// 2. [`Kind::Challenge`] (acceptor to connector): the acceptor's fresh nonce `na` and
@@ -195,61 +196,17 @@ impl Header {
 /// 3. [`Kind::Auth`] (connector to acceptor): [`Exchange::connector_proof`]; the acceptor verifies it,
 ///    then (4.) answers with the welcome, or with [`Kind::Refused`].
 ///
-/// Each proof is `HMAC-SHA256(secret, context, nc, na, connector identity, connector instance,
-/// acceptor identity, acceptor instance)` (fixed-length fields, little endian) with a context string
-/// per direction, so one side's proof cannot be reflected as the other's, and both nonces are fresh
-/// per connection, so a captured exchange proves nothing on another connection.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Exchange {
-    /// The connecting side's nonce (from the hello).
-    pub connector_nonce: [u8; NONCE_BYTES],
-    /// The accepting side's nonce (from the challenge).
-    pub acceptor_nonce: [u8; NONCE_BYTES],
-    /// The connecting endpoint: (identity, instance).
-    pub connector: (u64, u64),
-    /// The accepting endpoint: (identity, instance).
-    pub acceptor: (u64, u64),
-}
+/// Both endpoints enter as (identity, instance id).
+pub(crate) const AUTH_PROTOCOL: &str = "kvxfer-ucx";
 
-const ACCEPTOR_CONTEXT: &[u8] = b"kvxfer-ucx acceptor proof v1\0";
-const CONNECTOR_CONTEXT: &[u8] = b"kvxfer-ucx connector proof v1\0";
-
-impl Exchange {
-    fn fields(&self) -> [u8; 32] {
-        let mut f = [0u8; 32];
-        for (i, v) in [self.connector.0, self.connector.1, self.acceptor.0, self.acceptor.1].iter().enumerate() {
-            f[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
-        }
-        f
-    }
-
-    fn chunks<'a>(&'a self, context: &'a [u8], fields: &'a [u8; 32]) -> [&'a [u8]; 4] {
-        [context, &self.connector_nonce, &self.acceptor_nonce, fields]
-    }
-
-    /// What the accepting side proves (step 2).
-    pub fn acceptor_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
-        let f = self.fields();
-        s.proof(&self.chunks(ACCEPTOR_CONTEXT, &f))
-    }
-
-    /// What the connecting side proves (step 3).
-    pub fn connector_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
-        let f = self.fields();
-        s.proof(&self.chunks(CONNECTOR_CONTEXT, &f))
-    }
-
-    /// Whether `proof` is the acceptor's proof (constant time).
-    pub fn verify_acceptor(&self, s: &Secret, proof: &[u8]) -> bool {
-        let f = self.fields();
-        s.verify(&self.chunks(ACCEPTOR_CONTEXT, &f), proof)
-    }
-
-    /// Whether `proof` is the connector's proof (constant time).
-    pub fn verify_connector(&self, s: &Secret, proof: &[u8]) -> bool {
-        let f = self.fields();
-        s.verify(&self.chunks(CONNECTOR_CONTEXT, &f), proof)
-    }
+/// The exchange between `connector` and `acceptor` (each `(identity, instance)`) on this wire.
+pub(crate) fn exchange(
+    connector_nonce: [u8; NONCE_BYTES],
+    acceptor_nonce: [u8; NONCE_BYTES],
+    connector: (u64, u64),
+    acceptor: (u64, u64),
+) -> Exchange {
+    Exchange { protocol: AUTH_PROTOCOL, connector_nonce, acceptor_nonce, connector, acceptor }
 }
 
 /// Length of a challenge body: `nonce u64, acceptor nonce, acceptor proof`.
@@ -454,40 +411,15 @@ mod tests {
         assert_eq!(full.finish().len(), DATA_MSG_MAX);
     }
 
-    fn exchange() -> Exchange {
-        Exchange {
-            connector_nonce: [1; NONCE_BYTES],
-            acceptor_nonce: [2; NONCE_BYTES],
-            connector: (0x10, 0x11),
-            acceptor: (0x20, 0x21),
-        }
-    }
-
     #[test]
-    fn proofs_are_mutual_bound_to_both_nonces_and_both_endpoints() {
-        let s = Secret::new(b"cluster".to_vec()).unwrap();
-        let other = Secret::new(b"another cluster".to_vec()).unwrap();
-        let x = exchange();
+    fn the_exchange_is_the_toolkits_with_this_wires_label() {
+        let s = kvxfer_core::Secret::new(b"cluster".to_vec()).unwrap();
+        let x = exchange([1; NONCE_BYTES], [2; NONCE_BYTES], (0x10, 0x11), (0x20, 0x21));
         let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
         assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c));
-        assert_ne!(a, c, "one side's proof is not the other's");
-        assert!(!x.verify_connector(&s, &a) && !x.verify_acceptor(&s, &c), "a proof cannot be reflected");
-        assert!(!x.verify_acceptor(&other, &a), "another secret");
-        // A captured exchange proves nothing on another connection (either side's fresh nonce,
-        // or either endpoint, differs).
-        let changes: [fn(&mut Exchange); 6] = [
-            |x| x.connector_nonce[0] ^= 1,
-            |x| x.acceptor_nonce[31] ^= 1,
-            |x| x.connector.0 ^= 1,
-            |x| x.connector.1 ^= 1,
-            |x| x.acceptor.0 ^= 1,
-            |x| x.acceptor.1 ^= 1,
-        ];
-        for change in changes {
-            let mut y = exchange();
-            change(&mut y);
-            assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c), "{y:?}");
-        }
+        assert!(!x.verify_connector(&s, &a), "a proof cannot be reflected");
+        let other = Exchange { protocol: "kvxfer-fabric", ..x };
+        assert!(!other.verify_acceptor(&s, &a) && !other.verify_connector(&s, &c), "another backend's label");
     }
 
     #[test]

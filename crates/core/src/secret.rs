@@ -141,6 +141,96 @@ pub fn nonce() -> std::io::Result<[u8; NONCE_BYTES]> {
     Ok(n)
 }
 
+/// The connect-time mutual challenge-response every authenticated backend runs, written once.
+///
+/// The protocol around it belongs to the backend (which messages carry the nonces and proofs); the
+/// proofs are computed here:
+///
+/// 1. the connector sends its fresh nonce ([`nonce`]) `nc` (with its hello);
+/// 2. the acceptor answers with its own fresh nonce `na` and [`Exchange::acceptor_proof`]; the connector
+///    checks it with [`Exchange::verify_acceptor`] (mutual: a peer without the secret cannot answer, so
+///    a connector never sends its proof, or anything else, to an impostor that merely listens);
+/// 3. the connector sends [`Exchange::connector_proof`]; the acceptor checks it with
+///    [`Exchange::verify_connector`] and admits the peer (or refuses it).
+///
+/// Each proof is `HMAC-SHA256(secret, "kvxfer exchange proof v1\0", direction, len(protocol) as u32 LE,
+/// protocol, nc, na, connector identity, connector instance, acceptor identity, acceptor instance)`,
+/// every field of fixed length (little endian) or length-prefixed, so no two exchanges encode alike.
+/// What that binds:
+/// - the direction (`"acceptor\0"` or `"connector\0"`): one side's proof never verifies as the
+///   other's, so a proof cannot be reflected back to its sender;
+/// - the [`protocol`](Exchange::protocol) label (one per backend, e.g. `"kvxfer-ucx"`): a proof made for
+///   one backend never verifies for another;
+/// - both fresh nonces: a captured exchange proves nothing on another connection;
+/// - both endpoints' (identity, instance): a proof made for one pair of endpoints is useless to
+///   any other, and the identity the acceptor admits is the one the connector proved.
+///
+/// The `instance` is whatever distinguishes one incarnation of an endpoint from a restarted one
+/// (an instance id, an endpoint nonce widened to u64); both sides must put the same values in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exchange {
+    /// The protocol label: a constant per backend (and per version of its exchange).
+    pub protocol: &'static str,
+    /// The connecting side's fresh nonce (step 1).
+    pub connector_nonce: [u8; NONCE_BYTES],
+    /// The accepting side's fresh nonce (step 2).
+    pub acceptor_nonce: [u8; NONCE_BYTES],
+    /// The connecting endpoint: (identity, instance).
+    pub connector: (u64, u64),
+    /// The accepting endpoint: (identity, instance).
+    pub acceptor: (u64, u64),
+}
+
+const EXCHANGE_CONTEXT: &[u8] = b"kvxfer exchange proof v1\0";
+const ACCEPTOR_DIRECTION: &[u8] = b"acceptor\0";
+const CONNECTOR_DIRECTION: &[u8] = b"connector\0";
+
+impl Exchange {
+    fn fields(&self) -> [u8; 32] {
+        let mut f = [0u8; 32];
+        for (i, v) in [self.connector.0, self.connector.1, self.acceptor.0, self.acceptor.1].iter().enumerate() {
+            f[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        f
+    }
+
+    fn with_chunks<R>(&self, direction: &[u8], f: impl FnOnce(&[&[u8]]) -> R) -> R {
+        // A label longer than u32::MAX bytes cannot be a `&'static str` constant in practice; saturate
+        // rather than wrap so the length prefix never lies silently.
+        let len = u32::try_from(self.protocol.len()).unwrap_or(u32::MAX).to_le_bytes();
+        let fields = self.fields();
+        f(&[
+            EXCHANGE_CONTEXT,
+            direction,
+            &len,
+            self.protocol.as_bytes(),
+            &self.connector_nonce,
+            &self.acceptor_nonce,
+            &fields,
+        ])
+    }
+
+    /// What the accepting side proves (step 2).
+    pub fn acceptor_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        self.with_chunks(ACCEPTOR_DIRECTION, |c| s.proof(c))
+    }
+
+    /// What the connecting side proves (step 3).
+    pub fn connector_proof(&self, s: &Secret) -> [u8; PROOF_BYTES] {
+        self.with_chunks(CONNECTOR_DIRECTION, |c| s.proof(c))
+    }
+
+    /// Whether `proof` is the accepting side's proof of this exchange (constant time).
+    pub fn verify_acceptor(&self, s: &Secret, proof: &[u8]) -> bool {
+        self.with_chunks(ACCEPTOR_DIRECTION, |c| s.verify(c, proof))
+    }
+
+    /// Whether `proof` is the connecting side's proof of this exchange (constant time).
+    pub fn verify_connector(&self, s: &Secret, proof: &[u8]) -> bool {
+        self.with_chunks(CONNECTOR_DIRECTION, |c| s.verify(c, proof))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,5 +251,51 @@ mod tests {
         assert_ne!(s, Secret::new(b"s3creT".to_vec()).unwrap());
         assert_ne!(s, Secret::new(b"s3cre".to_vec()).unwrap());
         assert!(matches!(Secret::new(Vec::new()), Err(SecretError::Empty { .. })));
+    }
+
+    fn exchange() -> Exchange {
+        Exchange {
+            protocol: "kvxfer-test",
+            connector_nonce: [1; NONCE_BYTES],
+            acceptor_nonce: [2; NONCE_BYTES],
+            connector: (0x10, 0x11),
+            acceptor: (0x20, 0x21),
+        }
+    }
+
+    #[test]
+    fn exchange_proofs_are_mutual_and_bound_to_nonces_endpoints_direction_and_protocol() {
+        let s = Secret::new(b"cluster".to_vec()).unwrap();
+        let x = exchange();
+        let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
+        assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c));
+        assert_ne!(a, c, "one side's proof is not the other's");
+        assert!(!x.verify_connector(&s, &a) && !x.verify_acceptor(&s, &c), "a proof cannot be reflected");
+        assert!(!x.verify_acceptor(&Secret::new(b"other".to_vec()).unwrap(), &a), "another secret");
+        assert!(!x.verify_acceptor(&s, &a[..PROOF_BYTES - 1]), "a truncated proof");
+        // A captured exchange proves nothing once either nonce, either endpoint's identity or
+        // instance, or the protocol differs.
+        let changes: [fn(&mut Exchange); 9] = [
+            |x| x.connector_nonce[0] ^= 1,
+            |x| x.acceptor_nonce[NONCE_BYTES - 1] ^= 1,
+            |x| x.connector.0 ^= 1,
+            |x| x.connector.1 ^= 1,
+            |x| x.acceptor.0 ^= 1,
+            |x| x.acceptor.1 ^= 1,
+            |x| std::mem::swap(&mut x.connector, &mut x.acceptor),
+            |x| x.protocol = "kvxfer-other",
+            |x| x.protocol = "kvxfer-tes",
+        ];
+        for change in changes {
+            let mut y = exchange();
+            change(&mut y);
+            assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c), "{y:?}");
+        }
+        // Swapping the two nonces (a connector replaying the acceptor's role) does not verify either.
+        let mut y = exchange();
+        std::mem::swap(&mut y.connector_nonce, &mut y.acceptor_nonce);
+        assert!(!y.verify_acceptor(&s, &a) && !y.verify_connector(&s, &c));
+        // The proof is deterministic: both sides compute the same bytes from the same exchange.
+        assert_eq!(exchange().acceptor_proof(&s), a);
     }
 }
