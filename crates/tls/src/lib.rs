@@ -25,10 +25,13 @@ use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 pub use tokio_rustls::client::TlsStream as ClientStream;
 pub use tokio_rustls::server::TlsStream as ServerStream;
+/// Either end's TLS stream ([`Tls::connect_over`] or [`Tls::accept_over`], converted with `into`).
+pub use tokio_rustls::TlsStream as Stream;
 
 /// The name clients check servers' certificates against unless told otherwise.
 pub const DEFAULT_SERVER_NAME: &str = "kvxfer";
@@ -305,22 +308,45 @@ impl Tls {
     /// TLS over a connected stream, as the client, within `timeout`.
     pub async fn connect(&self, tcp: TcpStream, timeout: Duration) -> Result<ClientStream<TcpStream>, TlsError> {
         let peer = peer_of(&tcp);
-        let c = tokio_rustls::TlsConnector::from(Arc::clone(&self.client));
-        match tokio::time::timeout(timeout, c.connect(self.server_name.clone(), tcp)).await {
-            Ok(Ok(s)) => Ok(s),
-            Ok(Err(e)) => Err(TlsError::Handshake { peer, detail: e.to_string() }),
-            Err(_) => Err(TlsError::Handshake { peer, detail: format!("not finished within {timeout:?}") }),
-        }
+        self.connect_over(tcp, &peer, timeout).await
     }
 
     /// TLS over an accepted stream, as the server, within `timeout`.
     pub async fn accept(&self, tcp: TcpStream, timeout: Duration) -> Result<ServerStream<TcpStream>, TlsError> {
         let peer = peer_of(&tcp);
+        self.accept_over(tcp, &peer, timeout).await
+    }
+
+    /// TLS over any connected transport (for example a wrapper of a TCP stream that can move between
+    /// runtimes), as the client, within `timeout`; `peer` names it in errors.
+    pub async fn connect_over<IO>(&self, io: IO, peer: &str, timeout: Duration) -> Result<ClientStream<IO>, TlsError>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
+        let c = tokio_rustls::TlsConnector::from(Arc::clone(&self.client));
+        finished(peer, timeout, tokio::time::timeout(timeout, c.connect(self.server_name.clone(), io)).await)
+    }
+
+    /// TLS over any accepted transport, as the server, within `timeout`; `peer` names it in errors.
+    pub async fn accept_over<IO>(&self, io: IO, peer: &str, timeout: Duration) -> Result<ServerStream<IO>, TlsError>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
         let a = tokio_rustls::TlsAcceptor::from(Arc::clone(&self.server));
-        match tokio::time::timeout(timeout, a.accept(tcp)).await {
-            Ok(Ok(s)) => Ok(s),
-            Ok(Err(e)) => Err(TlsError::Handshake { peer, detail: e.to_string() }),
-            Err(_) => Err(TlsError::Handshake { peer, detail: format!("not finished within {timeout:?}") }),
+        finished(peer, timeout, tokio::time::timeout(timeout, a.accept(io)).await)
+    }
+}
+
+fn finished<S>(
+    peer: &str,
+    timeout: Duration,
+    r: Result<std::io::Result<S>, tokio::time::error::Elapsed>,
+) -> Result<S, TlsError> {
+    match r {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(TlsError::Handshake { peer: peer.to_owned(), detail: e.to_string() }),
+        Err(_) => {
+            Err(TlsError::Handshake { peer: peer.to_owned(), detail: format!("not finished within {timeout:?}") })
         }
     }
 }
