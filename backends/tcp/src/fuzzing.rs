@@ -297,6 +297,7 @@ pub fn metadata_seeds() -> Vec<(String, Vec<u8>)> {
         addr: "127.0.0.1:40123".into(),
         token: crate::hex(&[0x5a; wire::TOKEN_LEN]),
         regions: vec![(1, 1 << 20), (7, 4096)],
+        tls: false,
     };
     let payload = serde_json::to_vec(&m).expect("serializes");
     let env = EndpointMetadata::new(NAME, 0x0001_0000_0000_0002, payload.clone());

@@ -2,14 +2,18 @@
 //!
 //! The sender writes straight from [`ReadGuard`]s of the source ranges and the receiver reads
 //! straight into [`StridedWriteGuard`]s of the destination ops: no staging copy and no `unsafe` (the
-//! guards are the bounds-checked, mutually exclusive views `kvxfer_core::mem` hands out).
+//! guards are the bounds-checked, mutually exclusive views `kvxfer_core::mem` hands out). With TLS
+//! (`tls=on`) the same calls go through rustls, which encrypts from and decrypts into its own
+//! record buffers (see [`crate::conn`]).
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{ReadGuard, StridedWriteGuard};
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
+
+use crate::conn::{Rx, Tx};
 
 /// Most iovecs per system call (Linux's IOV_MAX).
 const IOV: usize = 1024;
@@ -18,11 +22,7 @@ const IOV: usize = 1024;
 /// relative to the span), in order: vectored writes of up to [`IOV`] slices per call, no staging copy.
 /// The caller merges adjacent source ranges into one span, so a frame of many small ops read from
 /// consecutive source bytes is one slice.
-pub(crate) async fn write_frame(
-    w: &mut OwnedWriteHalf,
-    head: &[u8],
-    src: &[(ReadGuard, u64, u64, u64)],
-) -> io::Result<()> {
+pub(crate) async fn write_frame(w: &mut Tx, head: &[u8], src: &[(ReadGuard, u64, u64, u64)]) -> io::Result<()> {
     let mut pieces: Vec<&[u8]> = Vec::with_capacity(1 + src.len());
     pieces.extend(Some(head).filter(|h| !h.is_empty()));
     for (g, count, stride, len) in src {
@@ -41,7 +41,9 @@ pub(crate) async fn write_frame(
         }
         advance(&mut pieces, &mut k, n);
     }
-    Ok(())
+    // Plaintext: nothing to do (the bytes are in the socket). TLS: the last records may still be in
+    // the session's buffer.
+    w.flush().await
 }
 
 /// Moves the cursor `k` of `pieces` past `n` bytes (whole pieces skipped, a partial one shortened).
@@ -88,10 +90,10 @@ pub(crate) async fn read_vectored_polling(
     }
 }
 
-/// Fills `buf` from the socket, polling as [`read_vectored_polling`] does.
-pub(crate) async fn read_exact_polling(r: &OwnedReadHalf, mut buf: &mut [u8], poll: Duration) -> io::Result<()> {
+/// Fills `buf` from the stream, polling as [`read_vectored_polling`] does.
+pub(crate) async fn read_exact_polling(r: &mut Rx, mut buf: &mut [u8], poll: Duration) -> io::Result<()> {
     while !buf.is_empty() {
-        match read_vectored_polling(r, &mut [IoSliceMut::new(buf)], poll).await? {
+        match r.read_vectored_polling(&mut [IoSliceMut::new(buf)], poll).await? {
             0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream")),
             n => buf = &mut buf[n..],
         }
@@ -102,14 +104,14 @@ pub(crate) async fn read_exact_polling(r: &OwnedReadHalf, mut buf: &mut [u8], po
 /// Reads a validated WRITE frame's payload straight into its guarded destination pieces: vectored
 /// reads of up to [`IOV`] slices per call, no staging copy; an empty socket is polled for `poll`
 /// before the task sleeps (see [`read_vectored_polling`]).
-pub(crate) async fn read_payload(r: &OwnedReadHalf, dst: &mut [StridedWriteGuard], poll: Duration) -> io::Result<()> {
+pub(crate) async fn read_payload(r: &mut Rx, dst: &mut [StridedWriteGuard], poll: Duration) -> io::Result<()> {
     let mut pieces: Vec<&mut [u8]> = dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut).collect();
     pieces.retain(|p| !p.is_empty());
     let mut k = 0;
     while k < pieces.len() {
         let end = pieces.len().min(k + IOV);
         let mut iov: Vec<IoSliceMut<'_>> = pieces[k..end].iter_mut().map(|s| IoSliceMut::new(s)).collect();
-        let mut n = match read_vectored_polling(r, &mut iov, poll).await? {
+        let mut n = match r.read_vectored_polling(&mut iov, poll).await? {
             0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the stream inside a frame")),
             n => n,
         };

@@ -42,9 +42,20 @@
 //! first byte arrived, acknowledgement, notification and disconnect deadline, default 120),
 //! `handshake_timeout_s` (a stream's whole handshake, default 5), `socket_buffer`
 //! (SO_SNDBUF/SO_RCVBUF in bytes, default 0: the kernel's autotuning), `poll_us` (how long a
-//! receiving stream polls its empty socket before sleeping, default 0).
+//! receiving stream polls its empty socket before sleeping, default 0), `tls` (`on`/`off`, default
+//! off), `tls_cert`, `tls_key`, `tls_ca` (PEM files; default: `KVXFER_TLS_CERT`, `KVXFER_TLS_KEY`,
+//! `KVXFER_TLS_CA`).
+//!
+//! - **TLS** (`tls=on`). Every stream of every link, data and control, runs TLS 1.3 over its socket
+//!   with mutual authentication under one cluster CA ([`kvxfer_tls`]), and the handshake above
+//!   (token, cluster secret) runs inside it unchanged. The metadata says whether an endpoint
+//!   requires TLS, so `connect` between a TLS and a plaintext endpoint fails at once naming TLS.
+//!   The plaintext path is unchanged (the stream types are enums whose plaintext arm is the socket
+//!   itself); with TLS rustls copies every byte into and out of its record buffers.
 
 pub mod wire;
+
+mod conn;
 
 #[doc(hidden)]
 pub mod fuzzing;
@@ -65,10 +76,10 @@ use kvxfer_core::{
     Transfer, TransferState, TransferStatus, WriteOp,
 };
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 use tokio::task::AbortHandle;
 
+use crate::conn::{Conn, Sock};
 use crate::recv::Shared;
 use crate::send::{Item, Link, SrcOp};
 use crate::wire::{Hello, OpDesc, StreamKind};
@@ -119,6 +130,11 @@ pub struct TcpOptions {
     pub socket_buffer: u32,
     /// How long a receiving stream polls its empty socket before it sleeps (zero: never polls).
     pub poll: Duration,
+    /// Whether every stream runs TLS (`tls=on`).
+    pub tls: bool,
+    /// The PEM files of `tls_cert`, `tls_key` and `tls_ca` (`None`: not given, so with `tls=on`
+    /// the `KVXFER_TLS_*` variables name them).
+    pub tls_files: Option<kvxfer_tls::TlsFiles>,
 }
 
 impl TcpOptions {
@@ -128,8 +144,49 @@ impl TcpOptions {
         let o = Options::new(
             NAME,
             config,
-            &["listen", "advertise", "connections", "timeout_s", "handshake_timeout_s", "socket_buffer", "poll_us"],
+            &[
+                "listen",
+                "advertise",
+                "connections",
+                "timeout_s",
+                "handshake_timeout_s",
+                "socket_buffer",
+                "poll_us",
+                "tls",
+                "tls_cert",
+                "tls_key",
+                "tls_ca",
+            ],
         )?;
+        let tls = o.flag("tls", false)?;
+        let files = ["tls_cert", "tls_key", "tls_ca"].map(|k| (k, o.get(k).filter(|v| !v.trim().is_empty())));
+        let given: Vec<&str> = files.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| *k).collect();
+        let config = |detail: String| BackendError::Config { backend: NAME, detail };
+        let tls_files = match (tls, given.len()) {
+            (_, 0) => None,
+            (false, _) => {
+                return Err(config(format!(
+                    "{} given but tls is off: set tls=on to encrypt the streams with them, or drop them",
+                    given.join(", ")
+                )))
+            }
+            (true, 3) => {
+                let [c, k, a] = files.map(|(_, v)| std::path::PathBuf::from(v.unwrap_or_default()));
+                Some(kvxfer_tls::TlsFiles { cert: c, key: k, ca: a })
+            }
+            (true, _) => {
+                let missing: Vec<&str> = files.iter().filter(|(_, v)| v.is_none()).map(|(k, _)| *k).collect();
+                return Err(config(format!(
+                    "tls=on with {} but not {}: give all of tls_cert, tls_key and tls_ca (PEM files), or none \
+                     to use {}, {} and {}",
+                    given.join(", "),
+                    missing.join(", "),
+                    kvxfer_tls::CERT_ENV,
+                    kvxfer_tls::KEY_ENV,
+                    kvxfer_tls::CA_ENV
+                )));
+            }
+        };
         Ok(Self {
             listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an address like 127.0.0.1:0")?,
             advertise: o.get("advertise"),
@@ -138,7 +195,36 @@ impl TcpOptions {
             handshake_timeout: o.seconds("handshake_timeout_s", recv::DEFAULT_HANDSHAKE, 3_600.0)?,
             socket_buffer: o.int_in("socket_buffer", sock::DEFAULT_BUFFER, 0..=1 << 30)?,
             poll: Duration::from_micros(o.int_in("poll_us", recv::DEFAULT_POLL.as_micros() as u64, 0..=1_000_000)?),
+            tls,
+            tls_files,
         })
+    }
+
+    /// The TLS setup these options ask for: `None` with `tls=off`; with `tls=on`, the files of
+    /// `tls_cert`/`tls_key`/`tls_ca`, else those `KVXFER_TLS_CERT`/`KEY`/`CA` name, else an error
+    /// saying how to make a pair.
+    pub fn load_tls(&self) -> Result<Option<kvxfer_tls::Tls>, BackendError> {
+        let config = |detail: String| BackendError::Config { backend: NAME, detail };
+        if !self.tls {
+            return Ok(None);
+        }
+        let loaded = match &self.tls_files {
+            Some(f) => kvxfer_tls::Tls::from_files(f, None).map(Some),
+            None => kvxfer_tls::Tls::from_env(),
+        };
+        match loaded {
+            Ok(Some(t)) => Ok(Some(t)),
+            Ok(None) => Err(config(format!(
+                "tls=on but no certificate is configured: missing tls_cert, tls_key and tls_ca (PEM files: this \
+                 rank's certificate and key, and the cluster CA), and {}, {} and {} are not set; for a demo, \
+                 make a self-signed cluster pair with `cargo run -p kvxfer-tls --example generate -- DIR` \
+                 (kvxfer_tls::Tls::generate) and give every endpoint the same three files",
+                kvxfer_tls::CERT_ENV,
+                kvxfer_tls::KEY_ENV,
+                kvxfer_tls::CA_ENV
+            ))),
+            Err(e) => Err(config(format!("tls=on: {e}"))),
+        }
     }
 }
 
@@ -153,6 +239,10 @@ pub struct TcpMetadata {
     pub token: String,
     /// Registered regions and their lengths at the time of the snapshot.
     pub regions: Vec<(u32, u64)>,
+    /// Whether the endpoint requires TLS on every stream (`tls=on`). Absent (false) for a plaintext
+    /// endpoint, whose metadata is then what it was before TLS existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls: bool,
 }
 
 impl TcpMetadata {
@@ -246,6 +336,7 @@ impl TcpBackend {
     /// Binds the listener and starts accepting.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = TcpOptions::from_config(config)?;
+        let tls = opts.load_tls()?;
         let rt = match tokio::runtime::Handle::try_current() {
             Ok(h) => h,
             Err(_) => fallback_runtime()?,
@@ -276,7 +367,8 @@ impl TcpBackend {
                 opts.timeout,
             )
             .with_poll(opts.poll)
-            .with_auth(config.secret.clone(), opts.handshake_timeout),
+            .with_auth(config.secret.clone(), opts.handshake_timeout)
+            .with_tls(tls),
         );
         let accept = rt.spawn(recv::accept_loop(Arc::clone(&shared), listener)).abort_handle();
         Ok(Self { shared, opts, advertised, peers: PeerTable::new(NAME), accept, rt })
@@ -298,6 +390,11 @@ impl TcpBackend {
         self.shared.secret.is_some()
     }
 
+    /// Whether every stream of this endpoint runs TLS (`tls=on`).
+    pub fn encrypts(&self) -> bool {
+        self.shared.tls.is_some()
+    }
+
     /// Notifications refused so far because their key was not the identity their stream proved
     /// (each failed its link, reported as `PeerLost`).
     pub fn forged_notifications(&self) -> u64 {
@@ -310,27 +407,35 @@ impl TcpBackend {
         self.shared.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Opens one stream of a link: connect, then the handshake (CHALLENGE, HELLO, reply), each
-    /// answer awaited for at most the handshake deadline.
-    async fn open_stream(
-        &self,
-        m: &TcpMetadata,
-        expect_identity: u64,
-        hello: Hello,
-    ) -> Result<TcpStream, BackendError> {
+    /// Opens one stream of a link: connect, TLS when this endpoint has it, then the handshake
+    /// (CHALLENGE, HELLO, reply) inside it, each step awaited for at most the handshake deadline.
+    async fn open_stream(&self, m: &TcpMetadata, expect_identity: u64, hello: Hello) -> Result<Conn, BackendError> {
         let conn = |detail: String| BackendError::Connect { backend: NAME, peer: m.addr.clone(), detail };
         let protocol = |e: wire::WireError| BackendError::Protocol { backend: NAME, peer: m.addr.clone(), detail: e.0 };
         let (t, hs) = (self.opts.timeout, self.opts.handshake_timeout);
-        let mut s = tokio::time::timeout(t, sock::connect(&m.addr, self.opts.socket_buffer))
+        let tcp = tokio::time::timeout(t, sock::connect(&m.addr, self.opts.socket_buffer))
             .await
             .map_err(|_| conn(format!("no connection within {t:?}")))?
             .map_err(|e| conn(e.to_string()))?;
-        let _ = s.set_nodelay(true);
+        let _ = tcp.set_nodelay(true);
+        let mut s = match &self.shared.tls {
+            None => Conn::Plain(tcp),
+            Some(tls) => {
+                let t = tls.connect_over(Sock::new(tcp), &m.addr, hs).await.map_err(|e| conn(e.to_string()))?;
+                Conn::Tls(Box::new(t.into()))
+            }
+        };
+        // What a failure before the challenge may mean, by this end's setting.
+        let hint = if s.is_tls() {
+            "; TLS: the peer may have refused this endpoint's certificate (both need certificates of one cluster CA)"
+        } else {
+            "; an endpoint with tls=on never answers a plaintext client (does its metadata say tls?)"
+        };
         let mut cb = [0u8; wire::CHALLENGE_LEN];
         tokio::time::timeout(hs, s.read_exact(&mut cb))
             .await
-            .map_err(|_| conn(format!("no handshake challenge within {hs:?} (handshake_timeout_s)")))?
-            .map_err(|e| conn(format!("handshake: reading the challenge: {e}")))?;
+            .map_err(|_| conn(format!("no handshake challenge within {hs:?} (handshake_timeout_s){hint}")))?
+            .map_err(|e| conn(format!("handshake: reading the challenge: {e}{hint}")))?;
         let challenge = wire::Challenge::decode(&cb).map_err(protocol)?;
         if challenge.identity != expect_identity {
             return Err(conn(format!(
@@ -348,7 +453,7 @@ impl TcpBackend {
         };
         let hb = hello.encode();
         let exchange = async {
-            s.write_all(&hb).await?;
+            s.send(&hb).await?;
             let mut rep = [0u8; wire::HELLO_REPLY_LEN];
             s.read_exact(&mut rep).await?;
             Ok::<_, std::io::Error>(rep)
@@ -438,6 +543,7 @@ impl KvTransferBackend for TcpBackend {
             addr: self.advertised.clone(),
             token: hex(&self.shared.token),
             regions: self.shared.regions.snapshot().into_iter().map(|(k, v)| (k.0, v)).collect(),
+            tls: self.shared.tls.is_some(),
         };
         Ok(EndpointMetadata::new(NAME, self.shared.identity, serde_json::to_vec(&m).expect("metadata serializes")))
     }
@@ -445,6 +551,24 @@ impl KvTransferBackend for TcpBackend {
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
         let m = TcpMetadata::from_envelope(peer)?;
         let token = m.token_bytes()?;
+        let refuse = |detail: String| BackendError::Connect { backend: NAME, peer: m.addr.clone(), detail };
+        match (self.shared.tls.is_some(), m.tls) {
+            (false, true) => {
+                return Err(refuse(
+                    "the peer requires TLS (tls=on in its metadata) and this endpoint has tls=off: create it with \
+                     tls=on and a certificate of the peer's cluster CA (tls_cert, tls_key, tls_ca)"
+                        .into(),
+                ))
+            }
+            (true, false) => {
+                return Err(refuse(
+                    "this endpoint has tls=on and the peer does not speak TLS (tls=off in its metadata): refusing \
+                     to send in plaintext; turn TLS on at both ends or off at both"
+                        .into(),
+                ))
+            }
+            _ => {}
+        }
         let link_id = u64::from_le_bytes(random_bytes()?);
         let n = self.opts.connections as usize;
         let mut streams = Vec::with_capacity(n + 1);
@@ -584,9 +708,9 @@ mod tests {
         assert_eq!(o.handshake_timeout, Duration::from_secs(5));
         let c = BackendConfig::new(1).with("handshake_timeout_s", "0.5");
         assert_eq!(TcpOptions::from_config(&c).unwrap().handshake_timeout, Duration::from_millis(500));
-        let c = BackendConfig::new(1).with("tls", "tcp");
+        let c = BackendConfig::new(1).with("tls_mode", "tcp");
         let e = TcpOptions::from_config(&c).unwrap_err().to_string();
-        assert!(e.contains("unknown option") && e.contains("connections"), "{e}");
+        assert!(e.contains("unknown option") && e.contains("connections") && e.contains("tls_ca"), "{e}");
     }
 
     #[test]

@@ -23,11 +23,11 @@ use std::time::Duration;
 use kvxfer_core::toolkit::{EventQueue, RegionRef, RegionTable};
 use kvxfer_core::{BackendEvent, Notification, Secret};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
+use crate::conn::{Conn, Rx, Sock, Tx};
 use crate::wire::{self, AuthFailure, Challenge, FrameType, Header, Hello, OpDesc, WireError};
 use crate::{io, sock};
 
@@ -86,6 +86,9 @@ pub(crate) struct Shared {
     pub forged: AtomicU64,
     /// Incoming handshakes refused (malformed, wrong token, authentication, link id misuse).
     pub refused: AtomicU64,
+    /// TLS (`tls=on`): every stream, incoming and outgoing, runs TLS with this setup before the
+    /// handshake.
+    pub tls: Option<kvxfer_tls::Tls>,
     links: Mutex<HashMap<u64, InLink>>,
     tasks: Mutex<Vec<AbortHandle>>,
 }
@@ -109,6 +112,7 @@ impl Shared {
             handshake_timeout: DEFAULT_HANDSHAKE,
             forged: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            tls: None,
             links: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
         }
@@ -124,6 +128,12 @@ impl Shared {
     pub fn with_auth(mut self, secret: Option<Secret>, handshake_timeout: Duration) -> Self {
         self.secret = secret;
         self.handshake_timeout = handshake_timeout;
+        self
+    }
+
+    /// The same state with TLS on every stream (`None`: plaintext).
+    pub fn with_tls(mut self, tls: Option<kvxfer_tls::Tls>) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -304,10 +314,10 @@ enum Refused {
 
 /// Handshake of one incoming stream (bounded by the handshake deadline as a whole), then its frames
 /// on a thread of its own.
-async fn handshake_then_serve(shared: Arc<Shared>, mut stream: TcpStream, addr: SocketAddr) {
+async fn handshake_then_serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr) {
     let _ = stream.set_nodelay(true);
     let hs = shared.handshake_timeout;
-    let accepted = match tokio::time::timeout(hs, handshake(&shared, &mut stream)).await {
+    let accepted = match tokio::time::timeout(hs, secure_then_handshake(&shared, stream, addr)).await {
         Ok(Ok(v)) => v,
         Ok(Err(Refused::Quiet(why))) => {
             tracing::debug!(%addr, %why, "tcp: incoming stream closed during the handshake");
@@ -320,11 +330,16 @@ async fn handshake_then_serve(shared: Arc<Shared>, mut stream: TcpStream, addr: 
         }
         Err(_) => {
             shared.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%addr, "tcp: no complete handshake within {hs:?}; closing");
+            let tls = if shared.tls.is_some() {
+                " (this endpoint has tls=on: a plaintext peer never speaks TLS)"
+            } else {
+                ""
+            };
+            tracing::warn!(%addr, "tcp: no complete handshake within {hs:?}{tls}; closing");
             return;
         }
     };
-    let (hello, kill) = accepted;
+    let (stream, hello, kill) = accepted;
     let link = hello.link;
     let sh = Arc::clone(&shared);
     // The stream is served on a thread of its own (see `sock::on_own_thread`).
@@ -338,11 +353,32 @@ async fn handshake_then_serve(shared: Arc<Shared>, mut stream: TcpStream, addr: 
     }
 }
 
+/// TLS first when this endpoint has it (a peer that fails it is refused, naming TLS), then the
+/// handshake, inside TLS.
+async fn secure_then_handshake(
+    shared: &Shared,
+    tcp: TcpStream,
+    addr: SocketAddr,
+) -> Result<(Conn, Hello, watch::Receiver<bool>), Refused> {
+    let mut s = match &shared.tls {
+        None => Conn::Plain(tcp),
+        Some(tls) => {
+            let t = tls
+                .accept_over(Sock::new(tcp), &addr.to_string(), shared.handshake_timeout)
+                .await
+                .map_err(|e| Refused::Loud(e.to_string()))?;
+            Conn::Tls(Box::new(t.into()))
+        }
+    };
+    let (hello, kill) = handshake(shared, &mut s).await?;
+    Ok((s, hello, kill))
+}
+
 /// CHALLENGE, HELLO, verdict, reply. On success the stream is in its link's books.
-async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::Receiver<bool>), Refused> {
+async fn handshake(shared: &Shared, s: &mut Conn) -> Result<(Hello, watch::Receiver<bool>), Refused> {
     let nonce = kvxfer_core::secret::nonce().map_err(|e| Refused::Loud(format!("drawing a nonce: {e}")))?;
     let challenge = Challenge { identity: shared.identity, secret: shared.secret.is_some(), nonce }.encode();
-    s.write_all(&challenge).await.map_err(|e| Refused::Quiet(format!("sending the challenge: {e}")))?;
+    s.send(&challenge).await.map_err(|e| Refused::Quiet(format!("sending the challenge: {e}")))?;
     let mut hb = [0u8; wire::HELLO_LEN];
     s.read_exact(&mut hb).await.map_err(|e| Refused::Quiet(format!("reading the HELLO: {e}")))?;
     let hello = Hello::decode(&hb);
@@ -355,7 +391,7 @@ async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::
     let hello = match admitted {
         Ok(h) => h,
         Err(reason) => {
-            let _ = s.write_all(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
+            let _ = s.send(&wire::encode_hello_reply(shared.identity, Some(&reason))).await;
             return Err(Refused::Loud(reason));
         }
     };
@@ -363,7 +399,7 @@ async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::
         Some(secret) => wire::encode_proved_reply(shared.identity, secret, &challenge, &hb).to_vec(),
         None => wire::encode_hello_reply(shared.identity, None),
     };
-    s.write_all(&reply).await.map_err(|e| Refused::Quiet(format!("sending the reply: {e}")))?;
+    s.send(&reply).await.map_err(|e| Refused::Quiet(format!("sending the reply: {e}")))?;
     // Joined only now, with nothing left to await: a handshake cut off by its deadline leaves no
     // books behind. (A stream that lost a race for its link id is closed after the acceptance.)
     let kill = shared.join(&hello).map_err(Refused::Loud)?;
@@ -372,13 +408,7 @@ async fn handshake(shared: &Shared, s: &mut TcpStream) -> Result<(Hello, watch::
 
 /// Frames of one accepted stream, until BYE, loss, a protocol error, or the loss of another stream
 /// of its link.
-async fn serve(
-    shared: Arc<Shared>,
-    stream: TcpStream,
-    addr: SocketAddr,
-    hello: Hello,
-    mut kill: watch::Receiver<bool>,
-) {
+async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello, mut kill: watch::Receiver<bool>) {
     let (mut r, mut w) = stream.into_split();
     let peer = format!("{addr} (identity {:#x}, stream {})", hello.identity, hello.index);
     let killed = async {
@@ -400,7 +430,7 @@ async fn serve(
             h.n = msg.len() as u32;
             let mut buf = h.encode().to_vec();
             buf.extend_from_slice(msg.as_bytes());
-            let _ = tokio::time::timeout(Duration::from_secs(1), w.write_all(&buf)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), w.send(&buf)).await;
             shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
         }
     }
@@ -478,18 +508,13 @@ pub(crate) fn admit_write(
     Ok((refs, guards))
 }
 
-async fn serve_frames(
-    shared: &Shared,
-    hello: &Hello,
-    r: &mut OwnedReadHalf,
-    w: &mut OwnedWriteHalf,
-) -> Result<(), Ending> {
+async fn serve_frames(shared: &Shared, hello: &Hello, r: &mut Rx, w: &mut Tx) -> Result<(), Ending> {
     let (t, poll) = (shared.timeout, shared.poll);
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
         // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
         // socket. Once a header's first byte arrived, the rest must arrive within the deadline.
-        let got = match io::read_vectored_polling(r, &mut [std::io::IoSliceMut::new(&mut hb)], poll).await {
+        let got = match r.read_vectored_polling(&mut [std::io::IoSliceMut::new(&mut hb)], poll).await {
             Ok(0) => return Err(Ending::Lost("connection closed without BYE".into())),
             Ok(n) => n,
             Err(e) => return Err(Ending::Lost(format!("reading a frame header: {e}"))),
@@ -510,7 +535,7 @@ async fn serve_frames(
                 if h.flags & wire::FLAG_LAST != 0 && h.flags & wire::FLAG_NOTE_FOLLOWS != 0 {
                     shared.part(hello.link, h.batch, false)?;
                 }
-                within(t, "sending an ACK", w.write_all(&Header::new(FrameType::Ack, h.batch).encode())).await?;
+                within(t, "sending an ACK", w.send(&Header::new(FrameType::Ack, h.batch).encode())).await?;
             }
             FrameType::Note => {
                 let mut body = vec![0u8; h.n as usize];

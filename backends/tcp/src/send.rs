@@ -17,10 +17,10 @@ use std::time::Duration;
 use kvxfer_core::toolkit::{segments, EventQueue, RegionRef};
 use kvxfer_core::{AbortTransfer, BackendError, BackendEvent, RegionId, TransferState, WriteOp};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::conn::{Conn, Rx, Tx};
 use crate::wire::{self, FrameType, Header, OpDesc};
 use crate::{io, sock, NAME};
 
@@ -359,7 +359,7 @@ pub(crate) struct Link {
 impl Link {
     /// Starts a writer and a reader per stream (`streams`: data streams, then the control stream).
     pub fn start(
-        streams: Vec<tokio::net::TcpStream>,
+        streams: Vec<Conn>,
         regions: std::collections::HashMap<RegionId, u64>,
         identity: u64,
         events: Arc<EventQueue>,
@@ -510,7 +510,7 @@ fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
 /// Starts and writes one WRITE frame, or drops it (a DROP PART in its place when it carried the
 /// stream's part of an attached notification).
 async fn write_job(
-    w: &mut OwnedWriteHalf,
+    w: &mut Tx,
     acks: &Acks,
     xfer: Arc<Xfer>,
     head: Vec<u8>,
@@ -519,7 +519,7 @@ async fn write_job(
 ) -> std::io::Result<()> {
     let dropped = drop_frame(xfer.batch, wire::DROP_PART, 0);
     let dropped = if note_part { &dropped[..] } else { &[] };
-    let Some(refs) = xfer.start(true) else { return w.write_all(dropped).await };
+    let Some(refs) = xfer.start(true) else { return w.send(dropped).await };
     let _holding = Holding(Arc::clone(&xfer));
     // One read guard per run of source bytes: reads exclude only writes, so the ranges are sliced
     // out of it (a guard per range would cost more than sending a short range), and contiguous ops
@@ -537,7 +537,7 @@ async fn write_job(
                     detail: format!("{e} (a transfer into this endpoint is writing a source range)"),
                 });
                 drop(guards);
-                return w.write_all(dropped).await;
+                return w.send(dropped).await;
             }
         }
     }
@@ -545,7 +545,7 @@ async fn write_job(
     io::write_frame(w, &head, &guards).await
 }
 
-async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>) {
+async fn writer(mut w: Tx, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>) {
     while let Some(job) = jobs.recv().await {
         let r = match job {
             Job::Write { xfer, head, ops, note_part } => write_job(&mut w, &acks, xfer, head, ops, note_part).await,
@@ -555,7 +555,7 @@ async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, a
                     Some(x) if x.start(false).is_some() => Some(Holding(x)),
                     Some(x) => {
                         if parts > 0 {
-                            if let Err(e) = w.write_all(&drop_frame(x.batch, wire::DROP_NOTE, parts)).await {
+                            if let Err(e) = w.send(&drop_frame(x.batch, wire::DROP_NOTE, parts)).await {
                                 state.fail(state.lost(format!("sending: {e}")));
                                 return;
                             }
@@ -563,7 +563,7 @@ async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, a
                         continue;
                     }
                 };
-                let r = w.write_all(&head).await;
+                let r = w.send(&head).await;
                 drop(holding);
                 if let Some(d) = done.filter(|_| r.is_ok()) {
                     let _ = d.send(());
@@ -571,7 +571,7 @@ async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, a
                 r
             }
             Job::Bye => {
-                let _ = w.write_all(&Header::new(FrameType::Bye, 0).encode()).await;
+                let _ = w.send(&Header::new(FrameType::Bye, 0).encode()).await;
                 let _ = w.shutdown().await;
                 return;
             }
@@ -586,7 +586,7 @@ async fn writer(mut w: OwnedWriteHalf, mut jobs: mpsc::UnboundedReceiver<Job>, a
 /// Reads ACK and ERROR frames. A stream with unacknowledged frames that hears nothing for the
 /// link's timeout fails the link (so an abort or a transfer never waits forever), and so does a
 /// frame header that stops after its first bytes.
-async fn reader(mut r: OwnedReadHalf, acks: Acks, state: Arc<LinkState>) {
+async fn reader(mut r: Rx, acks: Acks, state: Arc<LinkState>) {
     let protocol = |detail: String| BackendError::Protocol { backend: NAME, peer: state.peer.clone(), detail };
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
@@ -595,6 +595,14 @@ async fn reader(mut r: OwnedReadHalf, acks: Acks, state: Arc<LinkState>) {
             match tokio::time::timeout(state.timeout, r.read(&mut hb[got..])).await {
                 // After BYE the receiver closes the stream once it acknowledged everything on it.
                 Ok(Ok(0)) if state.is_closing() && lock(&acks).is_empty() => return,
+                // A TLS stream whose peer closed the socket without close_notify.
+                Ok(Err(e))
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof
+                        && state.is_closing()
+                        && lock(&acks).is_empty() =>
+                {
+                    return
+                }
                 Ok(Ok(0)) => return state.fail(state.lost("connection closed by the peer".into())),
                 Ok(Ok(n)) => got += n,
                 Ok(Err(e)) => return state.fail(state.lost(format!("receiving: {e}"))),

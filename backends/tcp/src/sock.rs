@@ -15,6 +15,8 @@ use std::net::SocketAddr;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::{AbortHandle, JoinHandle};
 
+use crate::conn::Conn;
+
 /// Default socket buffer request in bytes (SO_SNDBUF and SO_RCVBUF): 0, the kernel's autotuning.
 pub(crate) const DEFAULT_BUFFER: u32 = 0;
 
@@ -51,7 +53,7 @@ pub(crate) async fn connect(addr: &str, buffer: u32) -> io::Result<TcpStream> {
 
 /// Runs the tasks that `start` spawns for one stream on a thread of the stream's own (a
 /// current-thread runtime whose IO driver watches only this socket), and returns their abort
-/// handles. `start` gets the stream registered with that runtime.
+/// handles. `start` gets the stream (plaintext or TLS) registered with that runtime.
 ///
 /// Why: on the ambient multi-threaded runtime, an idle worker sleeping in the shared `epoll_wait` is
 /// woken for every segment that lands on any socket and every time a full send buffer drains, and
@@ -63,18 +65,19 @@ pub(crate) async fn connect(addr: &str, buffer: u32) -> io::Result<TcpStream> {
 ///
 /// If no thread or runtime can be had (resource limits), the tasks run on the ambient runtime.
 pub(crate) fn on_own_thread(
-    stream: TcpStream,
+    stream: Conn,
     name: &str,
-    start: impl FnOnce(TcpStream) -> Vec<JoinHandle<()>>,
+    start: impl FnOnce(Conn) -> Vec<JoinHandle<()>>,
 ) -> io::Result<Vec<AbortHandle>> {
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => Background(Some(rt)),
         Err(_) => return Ok(handles(&start(stream))),
     };
-    let std = stream.into_std()?;
     let tasks = {
         let _guard = rt.0.as_ref().expect("runtime").enter();
-        start(TcpStream::from_std(std)?)
+        // The socket leaves the runtime it was accepted or connected on for this one (a TLS
+        // stream keeps its session).
+        start(stream.rebind()?)
     };
     let aborts = handles(&tasks);
     // The runtime moves into the thread, which drives it until every task ended (or was aborted).

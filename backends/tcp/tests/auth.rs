@@ -160,6 +160,7 @@ async fn a_server_that_cannot_prove_the_secret_is_refused() {
         addr: fake,
         token: "00".repeat(wire::TOKEN_LEN),
         regions: vec![],
+        tls: false,
     };
     let meta = EndpointMetadata::new(kvxfer_tcp::NAME, 9, serde_json::to_vec(&m).unwrap());
     let e = a.connect(&meta).await.expect_err("a server without the secret's proof was accepted").to_string();
