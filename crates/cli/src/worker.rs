@@ -301,6 +301,9 @@ async fn watch_members(store: Arc<dyn MetadataStore>, mut mw: MemberWatch, repor
     let started = Instant::now();
     let mut failing: Option<Instant> = None;
     loop {
+        // A failed call means the store was unreachable since (at the latest) that call started: a
+        // call that timed out after 5 s counts 5 s, not 0, against the lease TTL.
+        let call = Instant::now();
         match mw.next(Duration::from_millis(500)).await {
             Ok(evs) => {
                 failing = None;
@@ -327,7 +330,7 @@ async fn watch_members(store: Arc<dyn MetadataStore>, mut mw: MemberWatch, repor
             }
             Err(e) => {
                 progress(json!({"kind": "store_error", "error": e.to_string()}));
-                let since = *failing.get_or_insert_with(Instant::now);
+                let since = *failing.get_or_insert(call);
                 if since.elapsed() >= ttl && lock(&report.fatal).is_none() {
                     *lock(&report.fatal) = Some(format!(
                         "{} unreachable for {:?} (lease TTL {ttl:?}), peers consider this rank lost: {e}",
