@@ -220,6 +220,15 @@ impl Drop for Proc {
     }
 }
 
+/// A process's lines after `t0`, each with its time since `t0` (progress of requests left out).
+fn timeline(p: &Proc, t0: Instant) -> String {
+    let l = p.lines.lock().unwrap();
+    l.iter()
+        .filter(|l| l.at >= t0 && !l.text.contains("\"kind\":\"sent\"") && !l.text.contains("\"kind\":\"done\""))
+        .map(|l| format!("{:7.3} {}{}\n", (l.at - t0).as_secs_f64(), if l.err { "E| " } else { "O| " }, l.text))
+        .collect()
+}
+
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
@@ -1294,6 +1303,9 @@ fn link_cut() -> Result<CaseOut, String> {
     let (spr, at) = p
         .wait_exit(STORE_EXIT_BOUND + Duration::from_secs(10))
         .unwrap_or_else(|| panic!("prefill did not exit:\n{}", p.output()));
+    if at - t0 > STORE_EXIT_BOUND {
+        eprintln!("link_cut: the prefill's lines, seconds after the cut:\n{}", timeline(&p, t0));
+    }
     let m4 = measure("prefill exit", at - t0, STORE_EXIT_BOUND);
     assert!(!sd.success() && !spr.success());
     let v = check_verified(&d, None);
