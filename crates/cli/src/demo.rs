@@ -6,8 +6,9 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::BootstrapServer;
+use kvxfer::bootstrap::{BootstrapServer, ServerConfig};
 use kvxfer_core::plan::plan_chunk;
+use kvxfer_core::secret::{Secret, SECRET_ENV};
 use kvxfer_core::{Side, Topology};
 use serde::Serialize;
 
@@ -215,10 +216,20 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The cluster secret (KVXFER_SECRET, never printed): the workers inherit it from the
+    // environment, so the embedded service requires it too, and a named store is checked with it.
+    let secret = match Secret::from_env() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvxfer demo: {SECRET_ENV}: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // The embedded bootstrap service, unless a store is named; then the store must be reachable
     // and hold no live rank under the prefix (another run, or one not yet expired).
+    let config = ServerConfig { secret: secret.clone(), ..ServerConfig::default() };
     let (server, store_args) = match &args.metadata {
-        None => match rt.block_on(BootstrapServer::start(&args.bootstrap_listen)) {
+        None => match rt.block_on(BootstrapServer::start_with(&args.bootstrap_listen, config)) {
             Ok(s) => {
                 let a = vec!["--bootstrap".to_string(), s.addr().to_string()];
                 (Some(s), a)
@@ -228,7 +239,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         },
-        Some(m) => match rt.block_on(check_store(m)) {
+        Some(m) => match rt.block_on(check_store(m, secret)) {
             Ok(()) => (None, vec!["--metadata".to_string(), m.clone()]),
             Err(e) => {
                 eprintln!("kvxfer demo: {e}");
@@ -397,9 +408,11 @@ pub fn run(args: &DemoArgs) -> ExitCode {
 }
 
 /// Connects to the store `addr` names and checks that no rank is registered under its prefix.
-async fn check_store(addr: &str) -> Result<(), String> {
+async fn check_store(addr: &str, secret: Option<Secret>) -> Result<(), String> {
     let a = kvxfer::metadata::MetadataAddr::parse(addr).map_err(|e| e.to_string())?;
-    let store = kvxfer::metadata::connect(&a, kvxfer::metadata::DEFAULT_OP_TIMEOUT).await.map_err(|e| e.to_string())?;
+    let store = kvxfer::metadata::connect_with(&a, kvxfer::metadata::DEFAULT_OP_TIMEOUT, secret)
+        .await
+        .map_err(|e| e.to_string())?;
     let (ranks, _) = store.list("ranks/").await.map_err(|e| e.to_string())?;
     if ranks.is_empty() {
         return Ok(());

@@ -44,6 +44,25 @@ fn demo_p2_d1_nhd_attached_verifies_every_byte() {
     assert_ok(&["--model", "llama3-8b", "--prefill-tp", "2", "--decode-tp", "1"]);
 }
 
+/// With the cluster secret in the environment, the demo's embedded bootstrap requires it and its
+/// workers prove it to the service and to each other (tcp protocol 3): the run verifies as without.
+/// (Before, the embedded service had no secret and every worker failed: "no challenge within 5s".)
+#[test]
+fn demo_with_the_cluster_secret_in_the_environment_verifies_every_byte() {
+    let out = Command::new(EXE)
+        .args(["demo", "--format", "json", "--timeout-s", "120", "--requests", "4", "--tokens", "80", "--layers", "4"])
+        .env("KVXFER_SECRET", "multiprocess-test-secret-0123456789")
+        .output()
+        .expect("run kvxfer demo");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON ({e}); stderr {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "demo failed: {v:#}\nstderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(v["ok"], true, "{v:#}");
+    assert_eq!(v["verified_bytes"].as_u64().unwrap(), v["bytes_per_request"].as_u64().unwrap() * 4, "{v:#}");
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!all.contains("multiprocess-test-secret"), "the secret was printed");
+}
+
 #[test]
 fn demo_p1_d2_hnd_out_of_band_two_kv_heads_multi_chunk() {
     assert_ok(&[
