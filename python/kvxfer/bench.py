@@ -16,7 +16,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.exit('python -m kvxfer.bench needs numpy: pip install "./python[demo]" (or pip install numpy)')
 
 import kvxfer
 from kvxfer import _native

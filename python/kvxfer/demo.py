@@ -13,7 +13,10 @@ import argparse
 import json
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.exit('python -m kvxfer.demo needs numpy: pip install "./python[demo]" (or pip install numpy)')
 
 import kvxfer
 from kvxfer._testing import Request, Shape, run_cluster, scattered
