@@ -10,6 +10,11 @@
 //! Async methods never block a runtime thread on the device or the network: `register` pins pages
 //! and a closing registration deregisters them in `spawn_blocking`, `connect` runs its handshake
 //! there too, and every wait (notify, disconnect, revoke acknowledgements) has the endpoint's deadline.
+//!
+//! Authentication (see the README): every handshake starts with the exchange of [`proto::Open`],
+//! [`proto::Challenge`] and [`Frame::Auth`]; no queue pair, ring or region of either side is
+//! announced before it passed. With a cluster secret, a notification whose key is not the identity
+//! its connection proved is dropped, counted ([`Counters::forged`]), and its sender lost and refused.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -22,13 +27,13 @@ use std::time::{Duration, Instant};
 use kvxfer_core::toolkit::{Drained, EventQueue, Fragmenter, PeerTable, Reassembler, RegionTable};
 use kvxfer_core::{
     BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, EndpointMetadata, HostBuffer,
-    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Transfer, TransferState,
+    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret, Transfer, TransferState,
     TransferStatus, WriteOp,
 };
 use tokio::sync::Notify;
 
 use crate::attrs::{self, LocalPort, RemoteQp, Timing};
-use crate::proto::{Address, Frame, Hello, RemoteRegion, PROTO_VERSION};
+use crate::proto::{self, Address, Challenge, Frame, Hello, Open, RemoteRegion, PROTO_VERSION};
 use crate::ring::{self, RingRx, RingTx};
 use crate::transfer::{
     lock, plan_writes, Aborter, Job, Peer, Pending, RecvState, SendState, WrDesc, WrLimits, OOB_FRAGS, RING_SOURCE,
@@ -48,6 +53,16 @@ const RING_REGION: u32 = u32::MAX;
 const WC_WR_FLUSH_ERR: u32 = 5;
 /// Incomplete notifications a connection keeps while reassembling.
 const MAX_PENDING_NOTIFICATIONS: usize = 64;
+
+/// What every authentication refusal tells the operator to do.
+const AUTH_FIX: &str = "configure the same cluster secret (KVXFER_SECRET or a secret file) on every rank";
+
+/// Counters of an endpoint that outlive no one: shared with [`crate::VerbsBackend`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Notifications dropped because their key was not the identity their connection proved.
+    pub forged: AtomicU64,
+}
 
 fn io_err(context: impl Into<String>, e: impl fmt::Display) -> BackendError {
     BackendError::Io { backend: NAME, context: context.into(), detail: e.to_string() }
@@ -149,6 +164,13 @@ impl RevokeWait {
 
 pub(crate) struct Inner<V: Verbs> {
     identity: u64,
+    /// Random per endpoint: which incarnation of `identity` this is (bound into the proofs).
+    instance: u64,
+    /// The cluster secret; `None`: nothing is authenticated.
+    secret: Option<Secret>,
+    counters: Arc<Counters>,
+    /// (identity, instance) of peers refused for this endpoint's life (a forged notification).
+    refused: Mutex<HashSet<(u64, u64)>>,
     opts: Settings,
     ctx: Arc<V::Context>,
     pd: Arc<V::Pd>,
@@ -189,15 +211,21 @@ impl<V: Verbs> fmt::Debug for Endpoint<V> {
     }
 }
 
-/// Opens an endpoint on verbs implementation `V`.
-pub(crate) fn create<V: Verbs>(identity: u64, opts: Settings) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-    Ok(Arc::new(Endpoint::<V>::new(identity, opts)?))
+/// Opens an endpoint on verbs implementation `V`; returns it and its counters.
+pub(crate) fn create<V: Verbs>(
+    identity: u64,
+    secret: Option<Secret>,
+    opts: Settings,
+) -> Result<(Arc<dyn KvTransferBackend>, Arc<Counters>), BackendError> {
+    let ep = Endpoint::<V>::new(identity, secret, opts)?;
+    let counters = ep.inner.counters.clone();
+    Ok((Arc::new(ep), counters))
 }
 
 impl<V: Verbs> Endpoint<V> {
     /// Opens the device, allocates the protection domain and completion channel, binds the handshake
     /// listener and starts the poller and listener threads.
-    fn new(identity: u64, opts: Settings) -> Result<Self, BackendError> {
+    fn new(identity: u64, secret: Option<Secret>, opts: Settings) -> Result<Self, BackendError> {
         if V::EMULATED {
             tracing::warn!("kvxfer-verbs endpoint on the test-only in-process verbs model (device=emulated), not RDMA");
         }
@@ -229,6 +257,10 @@ impl<V: Verbs> Endpoint<V> {
         capabilities.cross_host = reach;
         let inner = Arc::new(Inner {
             identity,
+            instance: rand::random(),
+            secret,
+            counters: Arc::new(Counters::default()),
+            refused: Mutex::new(HashSet::new()),
             ctx,
             pd,
             channel,
@@ -417,6 +449,7 @@ impl<V: Verbs> Inner<V> {
         &self,
         half: Half<V>,
         remote: Hello,
+        instance: u64,
         tcp: TcpStream,
         label: String,
     ) -> Result<Arc<Peer<V>>, BackendError> {
@@ -440,6 +473,8 @@ impl<V: Verbs> Inner<V> {
             id,
             key: half.key,
             identity: remote.identity,
+            instance,
+            refused: AtomicBool::new(false),
             label,
             send_cq: half.send_cq,
             recv_cq: half.recv_cq,
@@ -499,7 +534,8 @@ impl<V: Verbs> Inner<V> {
         lock(&self.by_key).remove(&peer.key);
     }
 
-    /// Connecting side of the handshake (blocking; run in `spawn_blocking`).
+    /// Connecting side of the handshake (blocking; run in `spawn_blocking`): the authentication
+    /// exchange, then the hellos, then ready.
     fn dial(self: &Arc<Self>, addr: Address, expected_identity: u64) -> Result<PeerId, BackendError> {
         let deadline = Instant::now() + self.opts.timeout;
         let target: SocketAddr = addr.handshake.parse().map_err(|_| BackendError::BadMetadata {
@@ -512,6 +548,7 @@ impl<V: Verbs> Inner<V> {
             .map_err(|e| conn_err(format!("TCP connect to the handshake listener: {e}")))?;
         let _ = s.set_nodelay(true);
         set_deadline(&s, deadline).map_err(|e| conn_err(e.to_string()))?;
+        let instance = self.authenticate(&mut s, expected_identity).map_err(conn_err)?;
         let half = self.new_half()?;
         Frame::Hello(self.hello(&half)).write_to(&mut s).map_err(|e| conn_err(format!("sending hello: {e}")))?;
         let remote =
@@ -528,13 +565,61 @@ impl<V: Verbs> Inner<V> {
             )));
         }
         let reader = s.try_clone().map_err(|e| conn_err(format!("cloning the side channel: {e}")))?;
-        let peer = self.finish(half, remote, s.try_clone().map_err(|e| conn_err(e.to_string()))?, label.clone())?;
+        let tcp = s.try_clone().map_err(|e| conn_err(e.to_string()))?;
+        let peer = self.finish(half, remote, instance, tcp, label.clone())?;
         if let Err(e) = Frame::Ready.write_to(&mut s) {
             self.withdraw(&peer);
             return Err(conn_err(format!("sending ready: {e}")));
         }
         clear_deadline(&s);
         Ok(self.publish(peer, reader))
+    }
+
+    /// The connector's part of the exchange (open, challenge, auth); returns the acceptor's instance.
+    /// A refusal is told to the acceptor (so it stops waiting) and returned with what to do.
+    fn authenticate(&self, s: &mut TcpStream, expected_identity: u64) -> Result<u64, String> {
+        let nonce = kvxfer_core::secret::nonce().map_err(|e| format!("drawing a challenge nonce: {e}"))?;
+        let open = Open { version: PROTO_VERSION, identity: self.identity, instance: self.instance, nonce };
+        Frame::Open(open.clone()).write_to(s).map_err(|e| format!("sending open: {e}"))?;
+        let challenge = match Frame::read_from(s).map_err(|e| format!("waiting for the peer's challenge: {e}"))? {
+            Frame::Challenge(c) => c,
+            Frame::Reject(r) => return Err(format!("the peer refused: {r}")),
+            f => return Err(format!("expected a challenge, got {f:?}")),
+        };
+        let refuse = |s: &mut TcpStream, why: String| {
+            let _ = Frame::Reject(why.clone()).write_to(s);
+            Err(why)
+        };
+        if challenge.identity != expected_identity {
+            let why = format!(
+                "the metadata names identity {expected_identity} but the endpoint answered as {}",
+                challenge.identity
+            );
+            return refuse(s, why);
+        }
+        if lock(&self.refused).contains(&(challenge.identity, challenge.instance)) {
+            return refuse(s, "this endpoint refused the peer after a forged notification".to_owned());
+        }
+        let x = proto::exchange(&open, &challenge);
+        let proof = match (&self.secret, &challenge.proof) {
+            (None, None) => None,
+            (Some(secret), Some(p)) if x.verify_acceptor(secret, p) => Some(x.connector_proof(secret)),
+            (Some(_), Some(_)) => {
+                let why = "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets \
+                           differ)";
+                return refuse(s, format!("{why}; {AUTH_FIX}"));
+            }
+            (None, Some(_)) => {
+                let why = "authentication required: the peer has a cluster secret and this endpoint none";
+                return refuse(s, format!("{why}; {AUTH_FIX}"));
+            }
+            (Some(_), None) => {
+                let why = "authentication failed: the peer has no cluster secret and cannot prove one";
+                return refuse(s, format!("{why}; {AUTH_FIX}"));
+            }
+        };
+        Frame::Auth(proof).write_to(s).map_err(|e| format!("sending auth: {e}"))?;
+        Ok(challenge.instance)
     }
 
     fn accept_loop(self: Arc<Self>, listener: TcpListener) {
@@ -570,10 +655,19 @@ impl<V: Verbs> Inner<V> {
             return;
         }
         let mut s = stream;
+        let Some(open) = self.challenge(&mut s, from) else { return };
         let remote = match Frame::read_from(&mut s) {
-            Ok(Frame::Hello(h)) => h,
+            Ok(Frame::Hello(h)) if h.identity == open.identity => h,
+            Ok(Frame::Hello(h)) => {
+                let why = format!(
+                    "the hello names identity {} but the connection authenticated as {}",
+                    h.identity, open.identity
+                );
+                let _ = Frame::Reject(why).write_to(&mut s);
+                return;
+            }
             Ok(f) => {
-                tracing::warn!(%from, frame = ?f, "handshake did not start with a hello");
+                tracing::warn!(%from, frame = ?f, "expected the peer's hello after its authentication");
                 return;
             }
             Err(e) => {
@@ -591,7 +685,7 @@ impl<V: Verbs> Inner<V> {
             let hello = self.hello(&half);
             let writer = s.try_clone().map_err(|e| io_err("cloning the side channel", e))?;
             let reader = s.try_clone().map_err(|e| io_err("cloning the side channel", e))?;
-            let peer = self.finish(half, remote, writer, label.clone())?;
+            let peer = self.finish(half, remote, open.instance, writer, label.clone())?;
             // Our QP is in RTS before the peer learns its number; the peer sends nothing before it is
             // in RTS itself, and we send nothing before its Ready.
             if let Err(e) = Frame::Hello(hello).write_to(s) {
@@ -618,6 +712,84 @@ impl<V: Verbs> Inner<V> {
         }
         clear_deadline(&s);
         self.publish(peer, reader);
+    }
+
+    /// The acceptor's part of the exchange: reads the open, answers the challenge, checks the
+    /// connector's proof. Returns the open once the connector may go on (with a secret: proved it);
+    /// `None` when the connection was refused (told to the connector with the reason) or dropped.
+    fn challenge(&self, s: &mut TcpStream, from: SocketAddr) -> Option<Open> {
+        let refuse = |s: &mut TcpStream, why: String| {
+            tracing::warn!(%from, reason = %why, "connection refused");
+            let _ = Frame::Reject(why).write_to(s);
+            None
+        };
+        let open = match Frame::read_from(s) {
+            Ok(Frame::Open(o)) => o,
+            Ok(Frame::Hello(_)) => {
+                let why = format!(
+                    "the peer started with a hello: this endpoint speaks verbs handshake version {PROTO_VERSION}, \
+                     which starts with the authentication exchange (run the same kvxfer build on every rank)"
+                );
+                return refuse(s, why);
+            }
+            Ok(f) => {
+                tracing::warn!(%from, frame = ?f, "handshake did not start with an open");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(%from, error = %e, "handshake read failed");
+                return None;
+            }
+        };
+        if open.version != PROTO_VERSION {
+            return refuse(s, format!("handshake version {} (this build speaks {PROTO_VERSION})", open.version));
+        }
+        if lock(&self.refused).contains(&(open.identity, open.instance)) {
+            let why = format!(
+                "this endpoint refused identity {:#x} (this instance of it) after a forged notification",
+                open.identity
+            );
+            return refuse(s, why);
+        }
+        let nonce = match kvxfer_core::secret::nonce() {
+            Ok(n) => n,
+            Err(e) => return refuse(s, format!("the accepting endpoint could not draw a challenge nonce: {e}")),
+        };
+        let mut challenge = Challenge { identity: self.identity, instance: self.instance, nonce, proof: None };
+        let x = proto::exchange(&open, &challenge);
+        challenge.proof = self.secret.as_ref().map(|secret| x.acceptor_proof(secret));
+        if let Err(e) = Frame::Challenge(challenge).write_to(s) {
+            tracing::warn!(%from, error = %e, "sending the challenge failed");
+            return None;
+        }
+        let proof = match Frame::read_from(s) {
+            Ok(Frame::Auth(p)) => p,
+            Ok(Frame::Reject(r)) => {
+                tracing::info!(%from, reason = %r, "the connecting endpoint gave up the connection");
+                return None;
+            }
+            Ok(f) => {
+                tracing::warn!(%from, frame = ?f, "expected the peer's auth");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(%from, error = %e, "waiting for the peer's auth failed");
+                return None;
+            }
+        };
+        match (&self.secret, proof) {
+            // Without a secret nothing is checked (a connector with one refused our challenge).
+            (None, _) => Some(open),
+            (Some(secret), Some(p)) if x.verify_connector(secret, &p) => Some(open),
+            (Some(_), _) => {
+                let why = format!(
+                    "authentication failed: the connecting endpoint (identity {:#x}) did not prove this endpoint's \
+                     cluster secret; {AUTH_FIX}",
+                    open.identity
+                );
+                refuse(s, why)
+            }
+        }
     }
 
     // ---- side channel ----
@@ -695,6 +867,28 @@ impl<V: Verbs> Inner<V> {
         self.forget_in_revokes(peer.key);
         tracing::info!(peer = %peer.label, %reason, "peer lost");
         self.events.push(BackendEvent::PeerLost { identity: peer.identity, reason });
+    }
+
+    /// A peer that proved its identity sent a notification keyed with another one: it is not
+    /// delivered, counted, the peer is refused for this endpoint's life (this instance of it), its
+    /// connection failed and told why, and `PeerLost` names the forged key.
+    fn refuse_forged(&self, peer: &Arc<Peer<V>>, n: &Notification) {
+        self.counters.forged.fetch_add(1, Ordering::Relaxed);
+        peer.refused.store(true, Ordering::SeqCst);
+        lock(&self.refused).insert((peer.identity, peer.instance));
+        let reason = format!(
+            "forged notification refused: {} proved identity {:#x} but keyed a notification of request {} with \
+             sender {} ({:#x}); its connection was closed and it is refused",
+            peer.label,
+            peer.identity,
+            n.request,
+            n.sender,
+            n.sender.to_u64()
+        );
+        tracing::warn!(peer = %peer.label, "{reason}");
+        self.lose(peer, reason.clone());
+        let _ = peer.send_frame(&Frame::Bye(reason));
+        let _ = lock(&peer.tcp).shutdown(Shutdown::Both);
     }
 
     /// Tears a connection down from our side: goodbye, flush (posted requests end with their flush
@@ -805,7 +999,9 @@ impl<V: Verbs> Inner<V> {
         }
         match outcome {
             Ok(None) => {}
+            Ok(Some(_)) if peer.refused.load(Ordering::SeqCst) => {}
             Ok(Some(msg)) => match Notification::decode(&msg) {
+                Ok(n) if self.secret.is_some() && !n.is_from(peer.identity) => self.refuse_forged(peer, &n),
                 Ok(n) => self.events.push(BackendEvent::Notification(n)),
                 Err(e) => tracing::warn!(error = %e, peer = %peer.label, "dropping an undecodable notification"),
             },

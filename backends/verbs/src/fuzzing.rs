@@ -9,10 +9,11 @@
 use std::io::Cursor;
 use std::time::Instant;
 
+use kvxfer_core::secret::NONCE_BYTES;
 use kvxfer_core::toolkit::{Fragmenter, Reassembler};
-use kvxfer_core::{EndpointMetadata, Notification, RequestId, SenderKey};
+use kvxfer_core::{EndpointMetadata, Notification, RequestId, Secret, SenderKey};
 
-use crate::proto::{self, Address, Frame, Hello, RemoteRegion, PROTO_VERSION};
+use crate::proto::{self, Address, Challenge, Frame, Hello, Open, RemoteRegion, PROTO_VERSION};
 use crate::ring::{self, Imm, RingRx, RingTx};
 use crate::NAME;
 
@@ -27,7 +28,9 @@ const MAX_PENDING_NOTIFICATIONS: usize = 64;
 /// `verbs_wire`: the first byte chooses what the rest is. [`MODE_SIDE_CHANNEL`] (even): the bytes of
 /// the TCP side channel, read as the endpoint reads them ([`Frame::read_from`] during the handshake,
 /// [`proto::take_frame`] afterwards); every frame re-encodes to the same bytes (a hello to the same
-/// value), a hello is validated for both link layers and its ring geometry used, credits applied.
+/// value), a hello is validated for both link layers and its ring geometry used, credits applied,
+/// and the authentication exchange checked as the endpoint checks it (a challenge's proof against
+/// the open before it, an auth's against both, with a fixed secret; the seeds carry valid proofs).
 /// [`MODE_RING`] (odd): `u16` slots, `u16` slot size, then records of `u32` immediate, `u32` byte
 /// length and that many bytes (up to the slot size): write-with-immediate completions checked by
 /// [`RingRx::accept`], their fragments reassembled into notifications.
@@ -37,6 +40,43 @@ pub fn wire(data: &[u8]) -> bool {
         side_channel(rest)
     } else {
         ring_completions(rest)
+    }
+}
+
+/// The secret the seeds' proofs are made with.
+fn fuzz_secret() -> Secret {
+    Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty")
+}
+
+/// The authentication exchange seen so far on one stream (what the endpoint keeps while it checks).
+#[derive(Default)]
+struct Auth {
+    open: Option<Open>,
+    challenge: Option<Challenge>,
+    /// A proof that did not verify (the endpoint would refuse the connection).
+    refused: bool,
+}
+
+impl Auth {
+    fn see(&mut self, f: &Frame, secret: &Secret) {
+        match f {
+            Frame::Open(o) => *self = Auth { open: Some(o.clone()), challenge: None, refused: false },
+            Frame::Challenge(c) => {
+                if let (Some(o), Some(p)) = (&self.open, &c.proof) {
+                    self.refused |= !proto::exchange(o, c).verify_acceptor(secret, p);
+                }
+                self.challenge = Some(c.clone());
+            }
+            Frame::Auth(Some(p)) => {
+                if let (Some(o), Some(c)) = (&self.open, &self.challenge) {
+                    let x = proto::exchange(o, c);
+                    let ok = x.verify_connector(secret, p);
+                    assert!(!(ok && x.verify_acceptor(secret, p)), "a proof verified in both directions");
+                    self.refused |= !ok;
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -72,21 +112,27 @@ fn frame(f: &Frame, raw: &[u8]) {
 
 fn side_channel(stream: &[u8]) -> bool {
     // During the handshake: blocking reads of whole frames.
+    let secret = fuzz_secret();
+    let mut auth = Auth::default();
     let mut r = Cursor::new(stream);
     loop {
         let at = r.position() as usize;
         match Frame::read_from(&mut r) {
-            Ok(f) => frame(&f, &stream[at..r.position() as usize]),
+            Ok(f) => {
+                frame(&f, &stream[at..r.position() as usize]);
+                auth.see(&f, &secret);
+            }
             Err(_) => break,
         }
     }
+
     // Afterwards: frames taken off a buffer of what was read so far.
     let mut buf = stream.to_vec();
     loop {
         let before = buf.clone();
         match proto::take_frame(&mut buf) {
             Ok(Some(f)) => frame(&f, &before[..before.len() - buf.len()]),
-            Ok(None) => return buf.is_empty(),
+            Ok(None) => return buf.is_empty() && !auth.refused,
             Err(_) => return false,
         }
     }
@@ -148,6 +194,16 @@ pub fn metadata(data: &[u8]) -> bool {
     accepted
 }
 
+/// The seeds' open: what a connecting endpoint sends first.
+fn seed_open() -> Open {
+    Open {
+        version: PROTO_VERSION,
+        identity: 0x0001_0000_0000_0002,
+        instance: 0x1111_2222_3333_4444,
+        nonce: [0xc1; NONCE_BYTES],
+    }
+}
+
 fn hello() -> Hello {
     Hello {
         version: PROTO_VERSION,
@@ -190,8 +246,47 @@ pub fn wire_seeds() -> Vec<(String, Vec<u8>)> {
         ring.extend_from_slice(&(frag.len() as u32).to_le_bytes());
         ring.extend_from_slice(&frag);
     }
+    let secret = fuzz_secret();
+    let open = seed_open();
+    let mut challenge = Challenge {
+        identity: 0x8000_0000_0000_0007,
+        instance: 0x5555_6666_7777_8888,
+        nonce: [0xa2; NONCE_BYTES],
+        proof: None,
+    };
+    let x = proto::exchange(&open, &challenge);
+    let unauthenticated = stream(&[
+        Frame::Open(open.clone()),
+        Frame::Challenge(challenge.clone()),
+        Frame::Auth(None),
+        Frame::Hello(hello()),
+        Frame::Ready,
+    ]);
+    challenge.proof = Some(x.acceptor_proof(&secret));
     vec![
-        ("handshake".to_owned(), stream(&[Frame::Hello(hello()), Frame::Ready])),
+        (
+            "handshake".to_owned(),
+            stream(&[
+                Frame::Open(open.clone()),
+                Frame::Challenge(challenge.clone()),
+                Frame::Auth(Some(x.connector_proof(&secret))),
+                Frame::Hello(hello()),
+                Frame::Ready,
+            ]),
+        ),
+        ("handshake-no-secret".to_owned(), unauthenticated),
+        (
+            "auth-refused".to_owned(),
+            stream(&[
+                Frame::Open(open),
+                Frame::Challenge(challenge),
+                Frame::Reject(
+                    "authentication failed: the peer did not prove this endpoint's cluster secret (the secrets \
+                     differ); configure the same cluster secret (KVXFER_SECRET or a secret file) on every rank"
+                        .into(),
+                ),
+            ]),
+        ),
         (
             "session".to_owned(),
             stream(&[

@@ -15,15 +15,28 @@
 //! - [`ring`]: the notification ring (slots, credits, immediates);
 //! - [`proto`]: the metadata payload and the side-channel frames.
 //!
+//! **The cluster secret** (`BackendConfig::secret`): every connection starts with the toolkit's
+//! mutual challenge-response ([`kvxfer_core::secret::Exchange`]) on the side channel, before any
+//! queue pair, ring or remote key is announced; a connect between endpoints whose secrets differ,
+//! or where only one has one, fails naming authentication. With a secret, every notification must be
+//! keyed with the identity its connection proved ([`kvxfer_core::Notification::is_from`]); one that
+//! is not is dropped, counted ([`VerbsBackend::forged_notifications`]), its sender refused and
+//! reported lost. RDMA writes themselves are not gated by the secret (see the README).
+//!
 //! Options (`BackendConfig::options`, falling back to the environment variable `KVXFER_VERBS_<NAME>`,
 //! then the default; an unknown option is an error listing the known ones): see [`Settings`].
 
+use std::fmt;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvxfer_core::toolkit::{Options, FRAGMENT_HEADER};
-use kvxfer_core::{BackendConfig, BackendError, Capabilities, Completion, KvTransferBackend, Limits, MemKinds};
+use kvxfer_core::{
+    BackendConfig, BackendError, BackendEvent, Capabilities, Completion, EndpointMetadata, KvTransferBackend, Limits,
+    MemDesc, MemKinds, Notification, PeerId, RegionId, Registration, Transfer, WriteOp,
+};
 
 pub mod attrs;
 #[cfg(feature = "emulator")]
@@ -162,16 +175,75 @@ impl Settings {
     }
 }
 
-/// Builds an endpoint. Without a usable RDMA device this is [`BackendError::NoDevice`] with what
-/// `ibv_get_device_list` reported. With `device=emulated` (builds with the `emulator` feature only)
-/// the endpoint runs on the in-process model.
-pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-    let settings = Settings::from_config(config)?;
-    #[cfg(feature = "emulator")]
-    if settings.emulated() {
-        return endpoint::create::<emu::Emulated>(config.identity, settings);
+/// A verbs endpoint (on a device, or on the in-process model), with its counters.
+pub struct VerbsBackend {
+    ep: Arc<dyn KvTransferBackend>,
+    counters: Arc<endpoint::Counters>,
+}
+
+impl VerbsBackend {
+    /// Builds an endpoint. Without a usable RDMA device this is [`BackendError::NoDevice`] with
+    /// what `ibv_get_device_list` reported. With `device=emulated` (builds with the `emulator`
+    /// feature only) the endpoint runs on the in-process model.
+    pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
+        let settings = Settings::from_config(config)?;
+        let secret = config.secret.clone();
+        #[cfg(feature = "emulator")]
+        if settings.emulated() {
+            let (ep, counters) = endpoint::create::<emu::Emulated>(config.identity, secret, settings)?;
+            return Ok(Self { ep, counters });
+        }
+        let (ep, counters) = endpoint::create::<ffi::Ibv>(config.identity, secret, settings)?;
+        Ok(Self { ep, counters })
     }
-    endpoint::create::<ffi::Ibv>(config.identity, settings)
+
+    /// Notifications dropped because their key was not the identity their connection proved (with
+    /// a cluster secret); each also refused its sender.
+    pub fn forged_notifications(&self) -> u64 {
+        self.counters.forged.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for VerbsBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsBackend").field("forged_notifications", &self.forged_notifications()).finish()
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransferBackend for VerbsBackend {
+    fn name(&self) -> &'static str {
+        self.ep.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.ep.capabilities()
+    }
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        self.ep.register(id, mem).await
+    }
+    fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
+        self.ep.metadata()
+    }
+    async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
+        self.ep.connect(peer).await
+    }
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.ep.post(peer, ops, notify)
+    }
+    async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
+        self.ep.notify(peer, notification).await
+    }
+    async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
+        self.ep.recv(max_wait).await
+    }
+    async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+        self.ep.disconnect(peer).await
+    }
+}
+
+/// Builds an endpoint ([`VerbsBackend::new`]).
+pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+    Ok(Arc::new(VerbsBackend::new(config)?))
 }
 
 /// Builds an endpoint on the in-process model of the verbs layer (test-only; same as `create` with

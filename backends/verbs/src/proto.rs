@@ -2,9 +2,11 @@
 //!
 //! An endpoint's [`EndpointMetadata`](kvxfer_core::EndpointMetadata) payload is [`Address`] as JSON:
 //! the TCP address of its handshake listener and its port's addressing (LID, GID, MTU). `connect`
-//! opens a TCP connection there; both sides exchange a [`Hello`] (QP number, PSN, notification ring,
-//! registered regions with remote keys), move their QPs to RTR/RTS, and the connecting side confirms
-//! with `Ready` once its QP can receive. The connection then stays open as the side channel: ring
+//! opens a TCP connection there and authenticates first ([`Open`], [`Challenge`], [`Frame::Auth`]:
+//! the toolkit's mutual challenge-response, [`kvxfer_core::secret::Exchange`] with the label
+//! [`AUTH_PROTOCOL`], when the endpoints have a cluster secret); only then do both sides exchange a
+//! [`Hello`] (QP number, PSN, notification ring, registered regions with remote keys), move their
+//! QPs to RTR/RTS, and the connecting side confirms with `Ready` once its QP can receive. The connection then stays open as the side channel: ring
 //! credits flow on it, region revokes and their acknowledgements (a closing registration tells every
 //! peer to forget its remote key, and each peer answers once none of its writes into it can still
 //! land), and its loss is how a peer's death is noticed (RC itself only notices on the next send).
@@ -13,10 +15,15 @@
 
 use std::io::{Read, Write};
 
+use kvxfer_core::secret::{Exchange, NONCE_BYTES, PROOF_BYTES};
 use serde::{Deserialize, Serialize};
 
-/// Version of the payload and the handshake.
-pub const PROTO_VERSION: u32 = 1;
+/// Version of the payload and the handshake (2: the handshake starts with the authentication
+/// exchange, [`Frame::Open`]).
+pub const PROTO_VERSION: u32 = 2;
+
+/// The protocol label of this backend's authentication exchange ([`Exchange::protocol`]).
+pub const AUTH_PROTOCOL: &str = "kvxfer-verbs";
 /// Largest frame we accept (a Hello lists regions; 16 MiB is far above any real count).
 pub const MAX_FRAME: usize = 16 << 20;
 
@@ -136,9 +143,56 @@ impl Hello {
     }
 }
 
+/// The connecting side's first frame: who it is and its fresh challenge nonce (sent with or without
+/// a cluster secret, so the acceptor's answer can say what is missing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Open {
+    /// [`PROTO_VERSION`].
+    pub version: u32,
+    /// The connecting endpoint's identity.
+    pub identity: u64,
+    /// The connecting endpoint's instance (random per endpoint).
+    pub instance: u64,
+    /// The connector's fresh nonce `nc`.
+    pub nonce: [u8; NONCE_BYTES],
+}
+
+/// The accepting side's answer to an [`Open`]: who it is, its fresh nonce, and (when it has a
+/// cluster secret) its proof [`Exchange::acceptor_proof`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Challenge {
+    /// The accepting endpoint's identity.
+    pub identity: u64,
+    /// The accepting endpoint's instance.
+    pub instance: u64,
+    /// The acceptor's fresh nonce `na`.
+    pub nonce: [u8; NONCE_BYTES],
+    /// The acceptor's proof; `None`: the acceptor has no secret.
+    pub proof: Option<[u8; PROOF_BYTES]>,
+}
+
+/// The exchange of a connection between the endpoint that sent `open` and the one that answered
+/// `challenge` (proofs computed by the toolkit with [`AUTH_PROTOCOL`]).
+pub fn exchange(open: &Open, challenge: &Challenge) -> Exchange {
+    Exchange {
+        protocol: AUTH_PROTOCOL,
+        connector_nonce: open.nonce,
+        acceptor_nonce: challenge.nonce,
+        connector: (open.identity, open.instance),
+        acceptor: (challenge.identity, challenge.instance),
+    }
+}
+
 /// A side-channel frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
+    /// Authentication, connector to acceptor: the first frame of every connection.
+    Open(Open),
+    /// Authentication, acceptor to connector: the answer to [`Frame::Open`].
+    Challenge(Challenge),
+    /// Authentication, connector to acceptor: its proof [`Exchange::connector_proof`] (`None`: the
+    /// connector has no secret). Followed by the connector's [`Frame::Hello`].
+    Auth(Option<[u8; PROOF_BYTES]>),
     /// Handshake.
     Hello(Hello),
     /// The connecting side's QP is in RTS: the peer may use the connection.
@@ -168,11 +222,38 @@ const T_BYE: u8 = 4;
 const T_REJECT: u8 = 5;
 const T_REVOKE: u8 = 6;
 const T_REVOKE_ACK: u8 = 7;
+const T_OPEN: u8 = 8;
+const T_CHALLENGE: u8 = 9;
+const T_AUTH: u8 = 10;
+
+/// Body length of an open: version, identity, instance, nonce.
+const OPEN_LEN: usize = 4 + 8 + 8 + NONCE_BYTES;
+/// Body length of a challenge without a proof: identity, instance, nonce.
+const CHALLENGE_LEN: usize = 8 + 8 + NONCE_BYTES;
 
 impl Frame {
     /// Encodes with its length prefix.
     pub fn encode(&self) -> Vec<u8> {
         let (tag, body) = match self {
+            Frame::Open(o) => {
+                let mut b = Vec::with_capacity(OPEN_LEN);
+                b.extend_from_slice(&o.version.to_le_bytes());
+                b.extend_from_slice(&o.identity.to_le_bytes());
+                b.extend_from_slice(&o.instance.to_le_bytes());
+                b.extend_from_slice(&o.nonce);
+                (T_OPEN, b)
+            }
+            Frame::Challenge(c) => {
+                let mut b = Vec::with_capacity(CHALLENGE_LEN + PROOF_BYTES);
+                b.extend_from_slice(&c.identity.to_le_bytes());
+                b.extend_from_slice(&c.instance.to_le_bytes());
+                b.extend_from_slice(&c.nonce);
+                if let Some(p) = &c.proof {
+                    b.extend_from_slice(p);
+                }
+                (T_CHALLENGE, b)
+            }
+            Frame::Auth(p) => (T_AUTH, p.map_or_else(Vec::new, |p| p.to_vec())),
             Frame::Hello(h) => (T_HELLO, serde_json::to_vec(h).expect("plain struct serialises")),
             Frame::Ready => (T_READY, Vec::new()),
             Frame::Credit(n) => (T_CREDIT, n.to_le_bytes().to_vec()),
@@ -192,7 +273,24 @@ impl Frame {
     pub fn decode(buf: &[u8]) -> Result<Frame, String> {
         let (&tag, body) = buf.split_first().ok_or("empty frame")?;
         let text = |b: &[u8]| String::from_utf8(b.to_vec()).map_err(|_| "frame text is not UTF-8".to_string());
+        let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
         match tag {
+            T_OPEN if body.len() == OPEN_LEN => Ok(Frame::Open(Open {
+                version: u32::from_le_bytes(body[..4].try_into().expect("4 bytes")),
+                identity: u64_at(body, 4),
+                instance: u64_at(body, 12),
+                nonce: body[20..].try_into().expect("nonce bytes"),
+            })),
+            T_CHALLENGE if body.len() == CHALLENGE_LEN || body.len() == CHALLENGE_LEN + PROOF_BYTES => {
+                Ok(Frame::Challenge(Challenge {
+                    identity: u64_at(body, 0),
+                    instance: u64_at(body, 8),
+                    nonce: body[16..CHALLENGE_LEN].try_into().expect("nonce bytes"),
+                    proof: body[CHALLENGE_LEN..].try_into().ok(),
+                }))
+            }
+            T_AUTH if body.is_empty() => Ok(Frame::Auth(None)),
+            T_AUTH if body.len() == PROOF_BYTES => Ok(Frame::Auth(Some(body.try_into().expect("proof bytes")))),
             T_HELLO => serde_json::from_slice(body).map(Frame::Hello).map_err(|e| format!("malformed hello: {e}")),
             T_READY if body.is_empty() => Ok(Frame::Ready),
             T_CREDIT if body.len() == 8 => Ok(Frame::Credit(u64::from_le_bytes(body.try_into().expect("8 bytes")))),
@@ -205,7 +303,7 @@ impl Frame {
             T_REVOKE_ACK if body.len() == 8 => {
                 Ok(Frame::RevokeAck(u64::from_le_bytes(body.try_into().expect("8 bytes"))))
             }
-            T_READY | T_CREDIT | T_REVOKE | T_REVOKE_ACK => {
+            T_READY | T_CREDIT | T_REVOKE | T_REVOKE_ACK | T_OPEN | T_CHALLENGE | T_AUTH => {
                 Err(format!("frame tag {tag} with a body of {} bytes", body.len()))
             }
             t => Err(format!("unknown frame tag {t}")),
@@ -292,8 +390,8 @@ mod tests {
         assert!(Address::from_payload(b"{}").is_err());
         assert!(Address::from_payload(b"\x00\x01").is_err());
         let mut v = a.clone();
-        v.version = 2;
-        assert!(Address::from_payload(&v.to_payload()).unwrap_err().contains("version 2"));
+        v.version = 1;
+        assert!(Address::from_payload(&v.to_payload()).unwrap_err().contains("version 1"));
         let mut m = a.clone();
         m.mtu = 9;
         assert!(Address::from_payload(&m.to_payload()).is_err());
@@ -320,6 +418,16 @@ mod tests {
     #[test]
     fn frames_round_trip_through_a_stream() {
         let frames = vec![
+            Frame::Open(Open { version: PROTO_VERSION, identity: 7, instance: 8, nonce: [1; NONCE_BYTES] }),
+            Frame::Challenge(Challenge { identity: 9, instance: 10, nonce: [2; NONCE_BYTES], proof: None }),
+            Frame::Challenge(Challenge {
+                identity: 9,
+                instance: 10,
+                nonce: [2; NONCE_BYTES],
+                proof: Some([3; PROOF_BYTES]),
+            }),
+            Frame::Auth(None),
+            Frame::Auth(Some([4; PROOF_BYTES])),
             Frame::Hello(hello(42)),
             Frame::Ready,
             Frame::Credit(123_456_789),
@@ -364,12 +472,31 @@ mod tests {
         assert!(Frame::decode(&[T_CREDIT, 1, 2]).is_err());
         assert!(Frame::decode(&[T_REVOKE, 1, 2, 3]).is_err());
         assert!(Frame::decode(&[T_REVOKE_ACK]).is_err());
+        assert!(Frame::decode(&[T_OPEN; OPEN_LEN]).is_err(), "one byte short");
+        assert!(Frame::decode(&[T_CHALLENGE; CHALLENGE_LEN + 2]).is_err(), "a partial proof");
+        assert!(Frame::decode(&[T_AUTH; PROOF_BYTES]).is_err(), "a partial proof");
+        assert!(Frame::decode(&[T_AUTH; PROOF_BYTES + 2]).is_err(), "an over-long proof");
         assert!(Frame::decode(&[99]).unwrap_err().contains("99"));
         assert!(Frame::decode(&[T_BYE, 0xff]).is_err());
         let mut r = std::io::Cursor::new(vec![0u8, 0, 0, 0]);
         assert!(Frame::read_from(&mut r).is_err(), "zero length");
         let mut r = std::io::Cursor::new(((MAX_FRAME + 1) as u32).to_le_bytes().to_vec());
         assert!(Frame::read_from(&mut r).is_err(), "over-long");
+    }
+
+    #[test]
+    fn the_exchange_binds_both_frames_and_this_backends_label() {
+        let s = kvxfer_core::Secret::new(b"cluster".to_vec()).unwrap();
+        let open = Open { version: PROTO_VERSION, identity: 7, instance: 8, nonce: [1; NONCE_BYTES] };
+        let ch = Challenge { identity: 9, instance: 10, nonce: [2; NONCE_BYTES], proof: None };
+        let x = exchange(&open, &ch);
+        assert_eq!((x.protocol, x.connector, x.acceptor), (AUTH_PROTOCOL, (7, 8), (9, 10)));
+        let (a, c) = (x.acceptor_proof(&s), x.connector_proof(&s));
+        assert!(x.verify_acceptor(&s, &a) && x.verify_connector(&s, &c) && !x.verify_connector(&s, &a));
+        let other = Exchange { protocol: "kvxfer-ucx", ..x };
+        assert!(!other.verify_acceptor(&s, &a), "another backend's label");
+        let replayed = exchange(&Open { nonce: [5; NONCE_BYTES], ..open }, &ch);
+        assert!(!replayed.verify_acceptor(&s, &a) && !replayed.verify_connector(&s, &c), "another connection");
     }
 
     proptest! {

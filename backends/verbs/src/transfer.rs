@@ -221,7 +221,12 @@ pub(crate) struct Peer<V: Verbs> {
     pub id: PeerId,
     /// Key of its CQs (the poller finds the peer by it).
     pub key: u64,
+    /// The identity it proved (with a secret) or claimed; notifications must be keyed with it.
     pub identity: u64,
+    /// Its instance (from the authentication exchange).
+    pub instance: u64,
+    /// It sent a forged notification: nothing more of it is delivered.
+    pub refused: AtomicBool,
     pub label: String,
     pub send_cq: Arc<V::Cq>,
     pub recv_cq: Arc<V::Cq>,

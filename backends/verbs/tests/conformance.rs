@@ -7,13 +7,14 @@
 //!
 //! Built with `--features emulator` (and no `KVXFER_VERBS_DEVICE` naming a real device), the same
 //! suite runs the backend over the in-process model of the verbs layer (`device=emulated`,
-//! src/emu.rs) and reports itself as `verbs(emulated)`.
+//! src/emu.rs) and reports itself as `verbs(emulated)`. The `auth` family runs with endpoints
+//! configured with the cluster secret (`create_with_secret`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvxfer_conformance::BackendFactory;
-use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend};
+use kvxfer_core::{BackendConfig, BackendError, KvTransferBackend, Secret};
 
 struct Verbs {
     config: BackendConfig,
@@ -33,6 +34,13 @@ impl BackendFactory for Verbs {
     }
     fn agent_backend(&self) -> Option<(String, BTreeMap<String, String>)> {
         Some((kvxfer_verbs::NAME.into(), self.config.options.clone()))
+    }
+    fn create_with_secret(
+        &self,
+        identity: u64,
+        secret: Option<Secret>,
+    ) -> Option<Result<Arc<dyn KvTransferBackend>, BackendError>> {
+        Some(kvxfer_verbs::create(&BackendConfig { identity, ..self.config.clone() }.with_secret(secret)))
     }
 }
 
