@@ -571,6 +571,24 @@ impl<V: Verbs> Inner<V> {
             self.withdraw(&peer);
             return Err(conn_err(format!("sending ready: {e}")));
         }
+        // The acceptor's Ready: it counts us as a peer now, so a region it closes from here on is
+        // revoked at us (returning before it, a close right after `connect` could resolve while
+        // our first writes were still landing).
+        match Frame::read_from(&mut s) {
+            Ok(Frame::Ready) => {}
+            Ok(Frame::Reject(r)) => {
+                self.withdraw(&peer);
+                return Err(conn_err(format!("the peer refused: {r}")));
+            }
+            Ok(f) => {
+                self.withdraw(&peer);
+                return Err(conn_err(format!("expected the peer's ready, got {f:?}")));
+            }
+            Err(e) => {
+                self.withdraw(&peer);
+                return Err(conn_err(format!("waiting for the peer's ready: {e}")));
+            }
+        }
         clear_deadline(&s);
         Ok(self.publish(peer, reader))
     }
@@ -709,6 +727,25 @@ impl<V: Verbs> Inner<V> {
                 self.withdraw(&peer);
                 return;
             }
+        }
+        // Our Ready. The peer is marked ready first, under the side channel's writer lock: a revoke
+        // that sees it not ready started before the connector could read this Ready (so before its
+        // `connect` returned); one that sees it ready queues its frame on the writer lock, after
+        // this Ready. (Marked after the write, a close right after `connect` returned could find the
+        // peer not ready yet and resolve while its first writes were still landing: seen under load.)
+        let confirmed = {
+            let mut w = lock(&peer.tcp);
+            peer.ready.store(true, Ordering::SeqCst);
+            let r = Frame::Ready.write_to(&mut *w);
+            if r.is_err() {
+                peer.ready.store(false, Ordering::SeqCst);
+            }
+            r
+        };
+        if let Err(e) = confirmed {
+            tracing::warn!(%from, error = %e, "could not confirm the connection");
+            self.withdraw(&peer);
+            return;
         }
         clear_deadline(&s);
         self.publish(peer, reader);

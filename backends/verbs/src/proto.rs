@@ -6,7 +6,10 @@
 //! the toolkit's mutual challenge-response, [`kvxfer_core::secret::Exchange`] with the label
 //! [`AUTH_PROTOCOL`], when the endpoints have a cluster secret); only then do both sides exchange a
 //! [`Hello`] (QP number, PSN, notification ring, registered regions with remote keys), move their
-//! QPs to RTR/RTS, and the connecting side confirms with `Ready` once its QP can receive. The connection then stays open as the side channel: ring
+//! QPs to RTR/RTS, and the connecting side confirms with `Ready` once its QP can receive; the
+//! accepting side answers with its own `Ready` once it counts the peer as connected (its revokes now
+//! reach it), and only then does `connect` return, so a region the acceptor closes after that is
+//! always revoked at the new peer. The connection then stays open as the side channel: ring
 //! credits flow on it, region revokes and their acknowledgements (a closing registration tells every
 //! peer to forget its remote key, and each peer answers once none of its writes into it can still
 //! land), and its loss is how a peer's death is noticed (RC itself only notices on the next send).
