@@ -45,8 +45,9 @@ pub(crate) fn skip_reason(f: &dyn BackendFactory) -> Option<String> {
     let probe = f.create_with_secret(u64::MAX - 2, Some(secret("probe")));
     match probe {
         None => Some("backend does not authenticate connections (no create_with_secret)".into()),
-        Some(Err(e)) => Some(format!("cannot create an endpoint with a secret: {e}")),
-        Some(Ok(_)) => None,
+        // A backend that authenticates but cannot create the endpoint fails the cases (naming the
+        // error); only the absence of the hook is a skip.
+        Some(Err(_)) | Some(Ok(_)) => None,
     }
 }
 
