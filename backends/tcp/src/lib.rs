@@ -40,7 +40,10 @@
 //! (host put in the metadata; default: the listen address, or 127.0.0.1 when it is unspecified),
 //! `connections` (data streams per peer, default 2), `timeout_s` (connect, rest-of-a-frame once its
 //! first byte arrived, acknowledgement, notification and disconnect deadline, default 120),
-//! `handshake_timeout_s` (a stream's whole handshake, default 5), `socket_buffer`
+//! `handshake_timeout_s` (a stream's whole handshake, default 5), `max_handshakes` (incoming
+//! connections in their handshake at once, in total, default 256) and `max_handshakes_per_source`
+//! (the same per source IP address, default 64; a connection beyond either is refused at once,
+//! naming the limit), `socket_buffer`
 //! (SO_SNDBUF/SO_RCVBUF in bytes, default 0: the kernel's autotuning), `poll_us` (how long a
 //! receiving stream polls its empty socket before sleeping, default 0), `tls` (`on`/`off`, default
 //! off), `tls_cert`, `tls_key`, `tls_ca` (PEM files; default: `KVXFER_TLS_CERT`, `KVXFER_TLS_KEY`,
@@ -55,11 +58,14 @@
 
 pub mod wire;
 
+pub use limits::{HandshakeRefusals, LimitRefusal};
+
 mod conn;
 
 #[doc(hidden)]
 pub mod fuzzing;
 mod io;
+mod limits;
 mod recv;
 mod send;
 mod sock;
@@ -126,6 +132,12 @@ pub struct TcpOptions {
     /// Deadline of a stream's handshake: an incoming stream must complete its HELLO within it from
     /// its accept (else it is closed), and a connecting side waits at most this long for each answer.
     pub handshake_timeout: Duration,
+    /// Most incoming connections in their handshake at once, in total (`max_handshakes`); one
+    /// beyond is refused at once, naming the limit.
+    pub max_handshakes: u32,
+    /// Most incoming connections in their handshake at once from one source IP address
+    /// (`max_handshakes_per_source`); one beyond is refused at once, naming the limit.
+    pub max_handshakes_per_source: u32,
     /// SO_SNDBUF and SO_RCVBUF requested for every stream, in bytes (0: the kernel's autotuning).
     pub socket_buffer: u32,
     /// How long a receiving stream polls its empty socket before it sleeps (zero: never polls).
@@ -150,6 +162,8 @@ impl TcpOptions {
                 "connections",
                 "timeout_s",
                 "handshake_timeout_s",
+                "max_handshakes",
+                "max_handshakes_per_source",
                 "socket_buffer",
                 "poll_us",
                 "tls",
@@ -193,6 +207,12 @@ impl TcpOptions {
             connections: o.int_in("connections", 2, 1..=64)?,
             timeout: o.seconds("timeout_s", Duration::from_secs(120), 86_400.0)?,
             handshake_timeout: o.seconds("handshake_timeout_s", recv::DEFAULT_HANDSHAKE, 3_600.0)?,
+            max_handshakes: o.int_in("max_handshakes", limits::DEFAULT_MAX_HANDSHAKES, 1..=1 << 20)?,
+            max_handshakes_per_source: o.int_in(
+                "max_handshakes_per_source",
+                limits::DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+                1..=1 << 20,
+            )?,
             socket_buffer: o.int_in("socket_buffer", sock::DEFAULT_BUFFER, 0..=1 << 30)?,
             poll: Duration::from_micros(o.int_in("poll_us", recv::DEFAULT_POLL.as_micros() as u64, 0..=1_000_000)?),
             tls,
@@ -368,6 +388,7 @@ impl TcpBackend {
             )
             .with_poll(opts.poll)
             .with_auth(config.secret.clone(), opts.handshake_timeout)
+            .with_limits(opts.max_handshakes, opts.max_handshakes_per_source)
             .with_tls(tls),
         );
         let accept = rt.spawn(recv::accept_loop(Arc::clone(&shared), listener)).abort_handle();
@@ -402,9 +423,15 @@ impl TcpBackend {
     }
 
     /// Incoming handshakes refused so far: malformed, wrong token, failed authentication, a misused
-    /// link id, or none complete within the handshake deadline.
+    /// link id, none complete within the handshake deadline, or beyond `max_handshakes` or
+    /// `max_handshakes_per_source` (see [`Self::handshake_refusals`] for the breakdown).
     pub fn refused_handshakes(&self) -> u64 {
-        self.shared.refused.load(std::sync::atomic::Ordering::Relaxed)
+        self.shared.refusals.snapshot().total()
+    }
+
+    /// Incoming handshakes refused so far, by reason.
+    pub fn handshake_refusals(&self) -> HandshakeRefusals {
+        self.shared.refusals.snapshot()
     }
 
     /// Opens one stream of a link: connect, TLS when this endpoint has it, then the handshake
@@ -421,7 +448,12 @@ impl TcpBackend {
         let mut s = match &self.shared.tls {
             None => Conn::Plain(tcp),
             Some(tls) => {
-                let t = tls.connect_over(Sock::new(tcp), &m.addr, hs).await.map_err(|e| conn(e.to_string()))?;
+                let t = tls.connect_over(Sock::new(tcp), &m.addr, hs).await.map_err(|e| {
+                    conn(format!(
+                        "{e} (a TLS listener also closes a connection at once beyond its max_handshakes or \
+                         max_handshakes_per_source limit: its log names the limit)"
+                    ))
+                })?;
                 Conn::Tls(Box::new(t.into()))
             }
         };
@@ -711,6 +743,15 @@ mod tests {
         let c = BackendConfig::new(1).with("tls_mode", "tcp");
         let e = TcpOptions::from_config(&c).unwrap_err().to_string();
         assert!(e.contains("unknown option") && e.contains("connections") && e.contains("tls_ca"), "{e}");
+        assert!(e.contains("max_handshakes_per_source"), "{e}");
+        assert_eq!((o.max_handshakes, o.max_handshakes_per_source), (256, 64));
+        let c = BackendConfig::new(1).with("max_handshakes", "8").with("max_handshakes_per_source", "2");
+        let o = TcpOptions::from_config(&c).unwrap();
+        assert_eq!((o.max_handshakes, o.max_handshakes_per_source), (8, 2));
+        let c = BackendConfig::new(1).with("max_handshakes", "0");
+        assert!(TcpOptions::from_config(&c).unwrap_err().to_string().contains("max_handshakes=0"));
+        let c = BackendConfig::new(1).with("max_handshakes_per_source", "many");
+        assert!(TcpOptions::from_config(&c).unwrap_err().to_string().contains("max_handshakes_per_source"));
     }
 
     #[test]

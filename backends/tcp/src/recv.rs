@@ -28,6 +28,9 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use crate::conn::{Conn, Rx, Sock, Tx};
+use crate::limits::{
+    HandshakeLimits, LimitRefusal, RefusalCounters, Slot, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+};
 use crate::wire::{self, AuthFailure, Challenge, FrameType, Header, Hello, OpDesc, WireError};
 use crate::{io, sock};
 
@@ -84,8 +87,10 @@ pub(crate) struct Shared {
     pub handshake_timeout: Duration,
     /// Notifications refused because their key is not the identity their stream proved.
     pub forged: AtomicU64,
-    /// Incoming handshakes refused (malformed, wrong token, authentication, link id misuse).
-    pub refused: AtomicU64,
+    /// Incoming handshakes refused, by reason.
+    pub refusals: RefusalCounters,
+    /// Connections in their handshake, bounded in total and per source.
+    pub limits: HandshakeLimits,
     /// TLS (`tls=on`): every stream, incoming and outgoing, runs TLS with this setup before the
     /// handshake.
     pub tls: Option<kvxfer_tls::Tls>,
@@ -111,7 +116,8 @@ impl Shared {
             secret: None,
             handshake_timeout: DEFAULT_HANDSHAKE,
             forged: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
+            refusals: RefusalCounters::default(),
+            limits: HandshakeLimits::new(DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_SOURCE),
             tls: None,
             links: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
@@ -128,6 +134,12 @@ impl Shared {
     pub fn with_auth(mut self, secret: Option<Secret>, handshake_timeout: Duration) -> Self {
         self.secret = secret;
         self.handshake_timeout = handshake_timeout;
+        self
+    }
+
+    /// The same state with other limits on connections in their handshake (in total, per source).
+    pub fn with_limits(mut self, max: u32, per_source: u32) -> Self {
+        self.limits = HandshakeLimits::new(max, per_source);
         self
     }
 
@@ -263,16 +275,41 @@ impl Shared {
 pub(crate) async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     loop {
         match listener.accept().await {
-            Ok((stream, addr)) => {
-                // The handshake runs here (bounded); only an accepted stream gets a thread.
-                let task = tokio::spawn(handshake_then_serve(Arc::clone(&shared), stream, addr));
-                shared.track(task.abort_handle());
-            }
+            Ok((stream, addr)) => match shared.limits.admit(addr.ip()) {
+                Ok(slot) => {
+                    // The handshake runs here (bounded); only an accepted stream gets a thread.
+                    let task = tokio::spawn(handshake_then_serve(Arc::clone(&shared), stream, addr, slot));
+                    shared.track(task.abort_handle());
+                }
+                Err(why) => refuse_at_limit(&shared, stream, addr, why),
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "tcp: accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Answers a connection beyond a limit at once and closes it. Plaintext: a CHALLENGE followed by a
+/// rejected HELLO reply naming the limit, written without waiting (a fresh socket's send buffer
+/// takes it whole), so a kvxfer client reads the challenge, sends its HELLO and reads the refusal:
+/// its `connect` fails naming the limit. With TLS the refusal cannot be read before a TLS handshake
+/// this endpoint does not spend on it: the connection is closed at once (the client's TLS fails).
+fn refuse_at_limit(shared: &Shared, stream: TcpStream, addr: SocketAddr, why: LimitRefusal) {
+    shared.refusals.limit(&why);
+    tracing::warn!(%addr, reason = %why, "tcp: refused a connection at a handshake limit");
+    if shared.tls.is_some() {
+        return;
+    }
+    let challenge =
+        Challenge { identity: shared.identity, secret: shared.secret.is_some(), nonce: [0; wire::NONCE_BYTES] }
+            .encode();
+    let mut answer = challenge.to_vec();
+    answer.extend_from_slice(&wire::encode_hello_reply(shared.identity, Some(&why.to_string())));
+    // Off the reactor: a plain non-blocking write, then the socket closes when dropped.
+    if let Ok(mut s) = stream.into_std() {
+        let _ = std::io::Write::write(&mut s, &answer);
     }
 }
 
@@ -314,22 +351,25 @@ enum Refused {
 
 /// Handshake of one incoming stream (bounded by the handshake deadline as a whole), then its frames
 /// on a thread of its own.
-async fn handshake_then_serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr) {
+/// `slot` is the stream's place among those in their handshake, given back once it ends.
+async fn handshake_then_serve(shared: Arc<Shared>, stream: TcpStream, addr: SocketAddr, slot: Slot) {
     let _ = stream.set_nodelay(true);
     let hs = shared.handshake_timeout;
-    let accepted = match tokio::time::timeout(hs, secure_then_handshake(&shared, stream, addr)).await {
+    let outcome = tokio::time::timeout(hs, secure_then_handshake(&shared, stream, addr)).await;
+    drop(slot);
+    let accepted = match outcome {
         Ok(Ok(v)) => v,
         Ok(Err(Refused::Quiet(why))) => {
             tracing::debug!(%addr, %why, "tcp: incoming stream closed during the handshake");
             return;
         }
         Ok(Err(Refused::Loud(why))) => {
-            shared.refused.fetch_add(1, Ordering::Relaxed);
+            shared.refusals.rejected.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%addr, reason = %why, "tcp: rejected a handshake");
             return;
         }
         Err(_) => {
-            shared.refused.fetch_add(1, Ordering::Relaxed);
+            shared.refusals.timed_out.fetch_add(1, Ordering::Relaxed);
             let tls = if shared.tls.is_some() {
                 " (this endpoint has tls=on: a plaintext peer never speaks TLS)"
             } else {

@@ -262,3 +262,26 @@ fn missing_or_partial_material_is_refused_at_create_saying_what_to_do() {
     let e = TcpBackend::new(&c).expect_err("a missing certificate file").to_string();
     assert!(e.contains("/nonexistent/cert.pem") && e.contains("TLS"), "{e}");
 }
+
+/// With TLS a connection beyond `max_handshakes` is closed at once, before any TLS: the
+/// connecting endpoint's `connect` fails at once, its error saying a limit may be the cause, and
+/// the listener counts the refusal by its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_max_handshakes_a_tls_listener_closes_at_once() {
+    let mut opts = tls_of("limits");
+    opts.extend([("max_handshakes", "2".into()), ("handshake_timeout_s", "3".into())]);
+    let b = ep(2, None, &opts);
+    let addr = TcpMetadata::from_envelope(&b.metadata().unwrap()).unwrap().addr;
+    // Two connections that never start TLS hold both slots.
+    let _held =
+        [tokio::net::TcpStream::connect(&addr).await.unwrap(), tokio::net::TcpStream::connect(&addr).await.unwrap()];
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a = ep(1, None, &tls_of("limits"));
+    let t0 = Instant::now();
+    let e = a.connect(&b.metadata().unwrap()).await.unwrap_err().to_string();
+    let t = t0.elapsed();
+    eprintln!("tls, max_handshakes=2: connect refused after {t:?}: {e}");
+    assert!(t < Duration::from_secs(1), "refused after {t:?}");
+    assert!(e.contains("max_handshakes"), "{e}");
+    assert_eq!(b.handshake_refusals().max_handshakes, 1);
+}
