@@ -94,9 +94,11 @@ async fn moves_verified_bytes(a: &TcpBackend, b: &TcpBackend, seed: u8) {
     let mut dst = HostBuffer::filled(len, 0xEE);
     let _rs = a.register(RegionId(0), src.desc()).await.unwrap();
     let d = dst.desc();
-    let _rd = b.register(RegionId(1), d.clone()).await.unwrap();
+    // A region id of its own per call: a dropped registration may still be closing.
+    let dst_region = RegionId(100 + u32::from(seed));
+    let _rd = b.register(dst_region, d.clone()).await.unwrap();
     let peer = a.connect(&b.metadata().unwrap()).await.expect("connect");
-    let ops = [WriteOp::contiguous(RegionId(0), 0, RegionId(1), 0, len as u64)];
+    let ops = [WriteOp::contiguous(RegionId(0), 0, dst_region, 0, len as u64)];
     a.post(peer, &ops, None).unwrap().wait(Instant::now() + Duration::from_secs(10)).await.unwrap();
     let got = d.read_guard(0, len as u64).unwrap().as_slice().to_vec();
     assert!(got == bytes, "destination differs from the source");
