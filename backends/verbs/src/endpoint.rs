@@ -3,7 +3,10 @@
 //! Threads (std, so the endpoint works under any async runtime and `create` needs none):
 //! - the poller sleeps on the completion channel (100 ms ticks to notice shutdown), drains the CQ that
 //!   fired, settles transfers and turns receive completions into events;
-//! - the listener accepts handshake connections (non-blocking accept, 50 ms ticks);
+//! - the listener accepts handshake connections (non-blocking accept, 50 ms ticks), each on a thread
+//!   of its own within `max_handshakes` in total and `max_handshakes_per_source` per source address
+//!   until it authenticated (one beyond is answered at once with a `Reject` naming the limit), and
+//!   each with `handshake_timeout_ms` from its accept to its authentication;
 //! - one side-channel thread per peer reads credit, revoke and goodbye frames and reports the peer
 //!   lost when the connection drops.
 //!
@@ -33,6 +36,7 @@ use kvxfer_core::{
 use tokio::sync::Notify;
 
 use crate::attrs::{self, LocalPort, RemoteQp, Timing};
+use crate::limits::{HandshakeLimits, LimitRefusal, RefusalCounters, Slot};
 use crate::proto::{self, Address, Challenge, Frame, Hello, Open, RemoteRegion, PROTO_VERSION};
 use crate::ring::{self, RingRx, RingTx};
 use crate::transfer::{
@@ -62,6 +66,8 @@ const AUTH_FIX: &str = "configure the same cluster secret (KVXFER_SECRET or a se
 pub(crate) struct Counters {
     /// Notifications dropped because their key was not the identity their connection proved.
     pub forged: AtomicU64,
+    /// Incoming connections refused before their authentication, by reason.
+    pub refusals: RefusalCounters,
 }
 
 fn io_err(context: impl Into<String>, e: impl fmt::Display) -> BackendError {
@@ -169,6 +175,8 @@ pub(crate) struct Inner<V: Verbs> {
     /// The cluster secret; `None`: nothing is authenticated.
     secret: Option<Secret>,
     counters: Arc<Counters>,
+    /// Incoming connections before their authentication, bounded in total and per source.
+    limits: HandshakeLimits,
     /// (identity, instance) of peers refused for this endpoint's life (a forged notification).
     refused: Mutex<HashSet<(u64, u64)>>,
     opts: Settings,
@@ -260,6 +268,7 @@ impl<V: Verbs> Endpoint<V> {
             instance: rand::random(),
             secret,
             counters: Arc::new(Counters::default()),
+            limits: HandshakeLimits::new(opts.max_handshakes, opts.max_handshakes_per_source),
             refused: Mutex::new(HashSet::new()),
             ctx,
             pd,
@@ -643,15 +652,18 @@ impl<V: Verbs> Inner<V> {
     fn accept_loop(self: Arc<Self>, listener: TcpListener) {
         while !self.shutdown.load(Ordering::SeqCst) {
             match listener.accept() {
-                Ok((stream, from)) => {
-                    let inner = self.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("kvxfer-verbs-hs".into())
-                        .spawn(move || inner.serve_handshake(stream, from));
-                    if let Err(e) = spawned {
-                        tracing::warn!(error = %e, %from, "could not start a handshake thread");
+                Ok((stream, from)) => match self.limits.admit(from.ip()) {
+                    Ok(slot) => {
+                        let inner = self.clone();
+                        let spawned = std::thread::Builder::new()
+                            .name("kvxfer-verbs-hs".into())
+                            .spawn(move || inner.serve_handshake(stream, from, slot));
+                        if let Err(e) = spawned {
+                            tracing::warn!(error = %e, %from, "could not start a handshake thread");
+                        }
                     }
-                }
+                    Err(why) => self.refuse_at_limit(stream, from, why),
+                },
                 Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                     std::thread::sleep(Duration::from_millis(50));
                 }
@@ -663,17 +675,46 @@ impl<V: Verbs> Inner<V> {
         }
     }
 
-    /// Listening side of the handshake, then the connection's side-channel loop.
-    fn serve_handshake(self: Arc<Self>, stream: TcpStream, from: SocketAddr) {
-        let deadline = Instant::now() + self.opts.timeout;
+    /// Answers a connection beyond a limit at once with a `Reject` naming it, on the listener's
+    /// thread (a fresh socket's send buffer takes the frame whole; the write is bounded anyway), and
+    /// closes it. What the connector already sent is read off first, so the close is a FIN, not a
+    /// reset that could overtake the refusal.
+    fn refuse_at_limit(&self, mut stream: TcpStream, from: SocketAddr, why: LimitRefusal) {
+        self.counters.refusals.limit(&why);
+        tracing::warn!(%from, reason = %why, "handshake connection refused at a limit");
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+        let _ = Frame::Reject(why.to_string()).write_to(&mut stream);
+        if stream.set_nonblocking(true).is_ok() {
+            let mut sink = [0u8; 4096];
+            for _ in 0..4 {
+                if !matches!(stream.read(&mut sink), Ok(n) if n > 0) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Listening side of the handshake, then the connection's side-channel loop. `slot` is the
+    /// connection's place among those not authenticated yet, given back once it authenticated.
+    fn serve_handshake(self: Arc<Self>, stream: TcpStream, from: SocketAddr, slot: Slot) {
+        let accepted = Instant::now();
+        let deadline = accepted + self.opts.timeout;
+        let unauthenticated = accepted + self.opts.handshake_timeout.min(self.opts.timeout);
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_nodelay(true);
-        if let Err(e) = set_deadline(&stream, deadline) {
+        if let Err(e) = set_deadline(&stream, unauthenticated) {
             tracing::warn!(error = %e, %from, "handshake socket setup failed");
             return;
         }
         let mut s = stream;
-        let Some(open) = self.challenge(&mut s, from) else { return };
+        let open = self.challenge(&mut s, from, unauthenticated);
+        drop(slot);
+        let Some(open) = open else { return };
+        if let Err(e) = set_deadline(&s, deadline) {
+            tracing::warn!(error = %e, %from, "handshake socket setup failed");
+            return;
+        }
         let remote = match Frame::read_from(&mut s) {
             Ok(Frame::Hello(h)) if h.identity == open.identity => h,
             Ok(Frame::Hello(h)) => {
@@ -754,13 +795,29 @@ impl<V: Verbs> Inner<V> {
     /// The acceptor's part of the exchange: reads the open, answers the challenge, checks the
     /// connector's proof. Returns the open once the connector may go on (with a secret: proved it);
     /// `None` when the connection was refused (told to the connector with the reason) or dropped.
-    fn challenge(&self, s: &mut TcpStream, from: SocketAddr) -> Option<Open> {
+    /// Every read is bounded by `until` as a whole (see [`Until`]); one cut off by it is counted.
+    fn challenge(&self, s: &mut TcpStream, from: SocketAddr, until: Instant) -> Option<Open> {
+        let refusals = &self.counters.refusals;
         let refuse = |s: &mut TcpStream, why: String| {
+            refusals.rejected.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%from, reason = %why, "connection refused");
             let _ = Frame::Reject(why).write_to(s);
             None
         };
-        let open = match Frame::read_from(s) {
+        let timed_out = |e: &std::io::Error| {
+            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+                refusals.timed_out.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    %from,
+                    "not authenticated within {:?} (handshake_timeout_ms); closing",
+                    self.opts.handshake_timeout.min(self.opts.timeout)
+                );
+                true
+            } else {
+                false
+            }
+        };
+        let open = match Frame::read_from(&mut Until { s, deadline: until }) {
             Ok(Frame::Open(o)) => o,
             Ok(Frame::Hello(_)) => {
                 let why = format!(
@@ -774,7 +831,9 @@ impl<V: Verbs> Inner<V> {
                 return None;
             }
             Err(e) => {
-                tracing::warn!(%from, error = %e, "handshake read failed");
+                if !timed_out(&e) {
+                    tracing::warn!(%from, error = %e, "handshake read failed");
+                }
                 return None;
             }
         };
@@ -799,7 +858,7 @@ impl<V: Verbs> Inner<V> {
             tracing::warn!(%from, error = %e, "sending the challenge failed");
             return None;
         }
-        let proof = match Frame::read_from(s) {
+        let proof = match Frame::read_from(&mut Until { s, deadline: until }) {
             Ok(Frame::Auth(p)) => p,
             Ok(Frame::Reject(r)) => {
                 tracing::info!(%from, reason = %r, "the connecting endpoint gave up the connection");
@@ -810,7 +869,9 @@ impl<V: Verbs> Inner<V> {
                 return None;
             }
             Err(e) => {
-                tracing::warn!(%from, error = %e, "waiting for the peer's auth failed");
+                if !timed_out(&e) {
+                    tracing::warn!(%from, error = %e, "waiting for the peer's auth failed");
+                }
                 return None;
             }
         };
@@ -1246,6 +1307,24 @@ impl<V: Verbs> CloseRegistration for Closer<V> {
                 tracing::warn!(error = %e, "closing a dropped registration");
             }
         });
+    }
+}
+
+/// Reads from a socket until a deadline however the bytes trickle in: each read waits at most what
+/// is left (its receive timeout set anew), and none starts once the deadline passed.
+struct Until<'a> {
+    s: &'a mut TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(ErrorKind::TimedOut, "the handshake deadline passed"));
+        }
+        self.s.set_read_timeout(Some(left))?;
+        self.s.read(buf)
     }
 }
 

@@ -45,6 +45,7 @@ mod endpoint;
 mod ffi;
 #[doc(hidden)]
 pub mod fuzzing;
+mod limits;
 pub mod proto;
 pub mod ring;
 mod transfer;
@@ -86,6 +87,12 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
     .with_limits(Limits::new(DEFAULT_MAX_OPS, max_notification_bytes(DEFAULT_SLOT), DEFAULT_MAX_REGIONS))
     .with_completion(Completion::Remote);
 
+pub use limits::{HandshakeRefusals, LimitRefusal};
+
+/// Default of `handshake_timeout_ms`: an incoming connection's time from its accept to its
+/// authentication.
+pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+
 /// Settings of one endpoint, from options and environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -97,8 +104,17 @@ pub struct Settings {
     pub gid_index: u8,
     /// Handshake listener address.
     pub listen: SocketAddr,
-    /// Deadline of connect, notify, disconnect and the revoke acknowledgements of a closing region.
+    /// Deadline of connect, notify, disconnect and the revoke acknowledgements of a closing region;
+    /// also of an incoming connection's whole handshake.
     pub timeout: Duration,
+    /// How long an incoming connection may take from its accept to its authentication (open,
+    /// challenge, auth) before it is closed (`handshake_timeout_ms`; capped by `timeout_ms`).
+    pub handshake_timeout: Duration,
+    /// Most incoming connections before their authentication at once, in total (`max_handshakes`).
+    pub max_handshakes: u32,
+    /// Most incoming connections before their authentication at once from one source IP address
+    /// (`max_handshakes_per_source`).
+    pub max_handshakes_per_source: u32,
     /// Notification ring slots per connection.
     pub ring_slots: u32,
     /// Notification ring slot size.
@@ -120,12 +136,15 @@ pub struct Settings {
 }
 
 /// Every option name.
-pub const OPTIONS: [&str; 14] = [
+pub const OPTIONS: [&str; 17] = [
     "device",
     "port",
     "gid_index",
     "listen",
     "timeout_ms",
+    "handshake_timeout_ms",
+    "max_handshakes",
+    "max_handshakes_per_source",
     "ring_slots",
     "slot_size",
     "recv_buf",
@@ -147,6 +166,17 @@ impl Settings {
             gid_index: o.int_in("gid_index", 0, 0..=u8::MAX)?,
             listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an ip:port address")?,
             timeout: Duration::from_millis(o.int_in("timeout_ms", 30_000, 1..=3_600_000)?),
+            handshake_timeout: Duration::from_millis(o.int_in(
+                "handshake_timeout_ms",
+                DEFAULT_HANDSHAKE_TIMEOUT_MS,
+                1..=3_600_000,
+            )?),
+            max_handshakes: o.int_in("max_handshakes", limits::DEFAULT_MAX_HANDSHAKES, 1..=1 << 20)?,
+            max_handshakes_per_source: o.int_in(
+                "max_handshakes_per_source",
+                limits::DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+                1..=1 << 20,
+            )?,
             ring_slots: o.int_in("ring_slots", 64, 1..=ring::MAX_SLOTS)?,
             slot_size: o.int_in("slot_size", DEFAULT_SLOT, 64..=ring::MAX_SLOT_SIZE)?,
             recv_buf: o.int_in("recv_buf", DEFAULT_SLOT, 64..=1 << 20)?,
@@ -201,6 +231,13 @@ impl VerbsBackend {
     /// a cluster secret); each also refused its sender.
     pub fn forged_notifications(&self) -> u64 {
         self.counters.forged.load(Ordering::Relaxed)
+    }
+
+    /// Incoming connections refused before their authentication, by reason: beyond
+    /// `max_handshakes` or `max_handshakes_per_source` (answered at once), not authenticated
+    /// within `handshake_timeout_ms`, or refused in the exchange (version, authentication).
+    pub fn handshake_refusals(&self) -> HandshakeRefusals {
+        self.counters.refusals.snapshot()
     }
 }
 
@@ -302,6 +339,15 @@ mod tests {
         assert_eq!(o.ring_slots, 16, "an option beats the environment");
         assert_eq!(o.gid_index, 3);
         assert_eq!(o.timeout, Duration::from_millis(500));
+        assert_eq!(o.handshake_timeout, Duration::from_secs(5));
+        assert_eq!((o.max_handshakes, o.max_handshakes_per_source), (256, 64));
+        let cfg = BackendConfig::new(1)
+            .with("handshake_timeout_ms", "250")
+            .with("max_handshakes", "8")
+            .with("max_handshakes_per_source", "2");
+        let o = Settings::from_config(&cfg).unwrap();
+        assert_eq!(o.handshake_timeout, Duration::from_millis(250));
+        assert_eq!((o.max_handshakes, o.max_handshakes_per_source), (8, 2));
         std::env::remove_var("KVXFER_VERBS_RING_SLOTS");
         std::env::remove_var("KVXFER_VERBS_SIGNAL_EVERY");
     }
@@ -316,6 +362,10 @@ mod tests {
         assert!(bad("slot_size", "100000").contains("slot_size"));
         assert!(bad("port", "0").contains("port"));
         assert!(bad("sq_depth", "2").contains("sq_depth"));
+        assert!(bad("max_handshakes", "0").contains("max_handshakes=0"));
+        assert!(bad("max_handshakes_per_source", "x").contains("max_handshakes_per_source"));
+        assert!(bad("handshake_timeout_ms", "0").contains("handshake_timeout_ms"));
+        assert!(bad("colour", "red").contains("handshake_timeout_ms"));
         if !EMULATED {
             assert!(bad("device", EMULATED_DEVICE).contains("emulator"));
         }
