@@ -117,7 +117,11 @@ impl Shared {
             handshake_timeout: DEFAULT_HANDSHAKE,
             forged: AtomicU64::new(0),
             refusals: RefusalCounters::default(),
-            limits: HandshakeLimits::new(DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_SOURCE),
+            limits: HandshakeLimits::new(
+                DEFAULT_MAX_HANDSHAKES,
+                DEFAULT_MAX_HANDSHAKES_PER_SOURCE,
+                "handshake_timeout_s",
+            ),
             tls: None,
             links: Mutex::new(HashMap::new()),
             tasks: Mutex::new(Vec::new()),
@@ -139,7 +143,7 @@ impl Shared {
 
     /// The same state with other limits on connections in their handshake (in total, per source).
     pub fn with_limits(mut self, max: u32, per_source: u32) -> Self {
-        self.limits = HandshakeLimits::new(max, per_source);
+        self.limits = HandshakeLimits::new(max, per_source, "handshake_timeout_s");
         self
     }
 

@@ -268,7 +268,7 @@ impl<V: Verbs> Endpoint<V> {
             instance: rand::random(),
             secret,
             counters: Arc::new(Counters::default()),
-            limits: HandshakeLimits::new(opts.max_handshakes, opts.max_handshakes_per_source),
+            limits: HandshakeLimits::new(opts.max_handshakes, opts.max_handshakes_per_source, "handshake_timeout_ms"),
             refused: Mutex::new(HashSet::new()),
             ctx,
             pd,

@@ -3,6 +3,8 @@
 //! - [`RegionTable`]: registered regions by id, with use counting so a registration's close can
 //!   wait until no local operation holds the memory ([`RegionTable::remove`] + [`Drained`]).
 //! - [`PeerTable`]: connected peers by [`PeerId`].
+//! - [`handshake`]: limits on incoming connections before they authenticate (in total and per
+//!   source address), with refusal counters.
 //! - [`EventQueue`]: the receive side's event queue with its bounded [`EventQueue::recv`] drain.
 //! - [`Options`]: option parsing with `KVXFER_<BACKEND>_<OPTION>` environment fallbacks; an
 //!   unknown option is an error that lists the known ones.
@@ -13,6 +15,8 @@
 //! Plus, in [`crate::backend`]: [`crate::TransferState`] (a transfer's completion state),
 //! [`crate::Registration`] and [`crate::register_backend!`]. Nothing here does IO; waits use
 //! tokio's sync and time types inside the caller's runtime.
+
+pub mod handshake;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::str::FromStr;
