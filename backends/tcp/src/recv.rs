@@ -158,7 +158,8 @@ impl Shared {
         if let Some(l) = lock(&self.links).get_mut(&link) {
             if !l.lost {
                 l.lost = true;
-                tracing::warn!(identity = l.identity, %reason, "tcp: lost incoming peer");
+                // Reported to the caller as an event (the engine names it in every request it fails).
+                tracing::info!(identity = l.identity, %reason, "tcp: lost incoming peer");
                 self.events.push(BackendEvent::PeerLost { identity: l.identity, reason });
                 l.kill.send_replace(true);
             }

@@ -297,7 +297,8 @@ impl LinkState {
             let mut i = lock(&self.inner);
             if i.dead.is_none() {
                 if !i.closing {
-                    tracing::warn!(error = %err, "tcp: link failed");
+                    // Reported to the caller as an event (the engine names it in the requests it fails).
+                    tracing::info!(error = %err, "tcp: link failed");
                     self.events.push(BackendEvent::PeerLost { identity: self.identity, reason: err.to_string() });
                 }
                 i.dead = Some(err.clone());

@@ -37,7 +37,22 @@ enum Command {
     BenchPeer(bench::PeerArgs),
 }
 
+/// Log filter: `KVXFER_LOG`, else `RUST_LOG`, else `warn` (the library's warnings: refused
+/// handshakes, forged notifications, lost peers, failed reconnects). Logs go to stderr, so the
+/// JSON and text reports on stdout stay clean.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = std::env::var("KVXFER_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .ok()
+        .and_then(|f| EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| EnvFilter::new("warn"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
+}
+
 fn main() -> ExitCode {
+    init_logging();
     match Cli::parse().command {
         Command::Plan(args) => plan::run(&args),
         Command::Demo(args) => demo::run(&args),

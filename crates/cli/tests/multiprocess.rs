@@ -171,7 +171,8 @@ fn incompatible_layouts_are_rejected_before_any_byte_moves() {
     // The decode rank never got a peer: it fails at its deadline with what it waited for.
     assert!(!d.status.success());
     assert!(
-        String::from_utf8_lossy(&d.stderr).contains("only 0 of 1 prefill ranks"),
+        String::from_utf8_lossy(&d.stderr)
+            .contains("prefill rank(s) [0/0] that this rank exchanges with did not register"),
         "{}",
         String::from_utf8_lossy(&d.stderr)
     );

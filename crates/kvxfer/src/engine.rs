@@ -1066,9 +1066,10 @@ impl Inner {
         watch: MemberWatch,
     ) {
         let other = self.other();
-        let want = self.topo.ranks(other).len() as u32;
+        // Only the ranks this one exchanges with: one that feeds nobody may finish and leave first.
+        let need: Vec<RankId> = lock(&self.peers).keys().copied().collect();
         let r = tokio::select! {
-            r = crate::metadata::handshake(&*store, &me, other, want, self.cfg.connect_timeout) => r,
+            r = crate::metadata::handshake_among(&*store, &me, other, &need, self.cfg.connect_timeout) => r,
             _ = self.stop.cancelled() => return,
         };
         match r {
@@ -1192,6 +1193,16 @@ impl Inner {
         }
         lock(&self.stats).peers_lost += 1;
         self.connected.store(false, Ordering::Release);
+        let active = match self.cfg.role {
+            Side::Decode => lock(&self.recvs).len(),
+            Side::Prefill => lock(&self.sends).values().filter(|q| !q.done && q.failure.is_none()).count(),
+        };
+        // A peer that leaves when nothing needs it (a normal shutdown) is no warning.
+        if active > 0 {
+            tracing::warn!(rank = %self.cfg.rank, peer = %r, active, "lost {} rank {r}: {why}", self.other());
+        } else {
+            tracing::info!(rank = %self.cfg.rank, peer = %r, "lost {} rank {r}: {why}", self.other());
+        }
         match self.cfg.role {
             Side::Decode => {
                 if let Some(rx) = &self.receiver {
@@ -1313,6 +1324,18 @@ impl Inner {
                 if expired > 0 {
                     lock(&self.stats).early_handoffs_expired += expired;
                 }
+                // The initial connect failed: every request fails with it at once.
+                let failed = lock(&self.connect_error).clone();
+                if let Some(e) = failed {
+                    let rooms: Vec<RequestId> = lock(&self.sends)
+                        .iter()
+                        .filter(|(_, q)| !q.done && q.failure.is_none())
+                        .map(|(k, _)| *k)
+                        .collect();
+                    for room in rooms {
+                        self.sender_abort(room, format!("connecting to the decode ranks failed: {e}"));
+                    }
+                }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
                 let lost: Vec<(RankId, String)> =
@@ -1329,18 +1352,46 @@ impl Inner {
                     }
                 }
                 // Requests past their deadline fail.
-                let late: Vec<RequestId> = lock(&self.sends)
+                let late: Vec<(RequestId, String)> = lock(&self.sends)
                     .iter()
                     .filter(|(_, q)| {
                         !q.done && q.failure.is_none() && q.created.is_some_and(|c| now >= c + self.cfg.request_timeout)
                     })
-                    .map(|(k, _)| *k)
+                    .map(|(k, q)| (*k, self.waiting_for(q)))
                     .collect();
-                for room in late {
-                    let why = format!("not finished within {:?}", self.cfg.request_timeout);
+                for (room, waiting) in late {
+                    let why = format!("not finished within {:?}: {waiting}", self.cfg.request_timeout);
                     self.sender_abort(room, why);
                 }
             }
+        }
+    }
+
+    /// What an unfinished prefill request still waits for, for its deadline error.
+    fn waiting_for(&self, q: &SendReq) -> String {
+        let missing: Vec<String> = self
+            .topo
+            .receivers(self.cfg.rank)
+            .into_iter()
+            .filter(|d| !q.handoffs.contains_key(d))
+            .map(|d| match self.peer_id(d) {
+                Some(_) => format!("{d}"),
+                None => format!("{d} (not connected)"),
+            })
+            .collect();
+        if !missing.is_empty() {
+            return format!(
+                "waiting for the page list of decode rank(s) {} (did the decode side call send_metadata for this room?)",
+                missing.join(", ")
+            );
+        }
+        match q.total {
+            None => "waiting for init (the request's page count)".into(),
+            Some(t) if q.sent_pages < t => format!("waiting for input: {} of {t} pages given to send", q.sent_pages),
+            Some(_) if q.outstanding > 0 => {
+                format!("waiting for {} posted transfer(s) to be acknowledged by the decode side", q.outstanding)
+            }
+            Some(_) => "every page was sent; waiting for the outcome to be told to the decode side".into(),
         }
     }
 
@@ -1392,6 +1443,11 @@ impl Inner {
             let notified = self.wake.notified();
             let _ = tokio::time::timeout(TICK * 5, notified).await;
         }
+        if lock(&self.connect_error).is_some() {
+            // The request fails with the connect error (`receiver_phase`); nothing is sent.
+            self.wake.notify_waiters();
+            return;
+        }
         let senders = self.topo.senders(self.cfg.rank);
         let sends = senders.iter().map(|p| self.to_prefill(*p, &note));
         join_all(sends).await;
@@ -1401,6 +1457,15 @@ impl Inner {
     fn receiver_phase(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> (Phase, Option<String>, bool) {
         if let Some(why) = &r.early_failure {
             return (Phase::Failed, Some(why.clone()), true);
+        }
+        // The initial connect failed: no handoff went out (`hand_off` sends none then), so nothing
+        // can land and the pages are reusable.
+        if let Some(e) = lock(&self.connect_error).as_ref() {
+            return (
+                Phase::Failed,
+                Some(format!("decode rank {}: connecting to its prefill ranks failed: {e}", self.cfg.rank)),
+                true,
+            );
         }
         if r.generation.is_none() {
             let phase =

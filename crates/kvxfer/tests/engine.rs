@@ -434,3 +434,118 @@ async fn a_lost_decode_rank_fails_prefill_requests_now_and_later() {
         a.shutdown(soon()).await.unwrap();
     }
 }
+
+/// MLA with prefill TP 2 and decode TP 1: decode rank 0 reads the latent from prefill rank 0 only,
+/// so prefill rank 1 feeds nobody and may finish and leave before the decode rank starts. The
+/// decode rank waits for the ranks it exchanges with, not for every prefill rank: before, it
+/// waited for both, its handoffs went nowhere and prefill rank 0's requests failed at their
+/// deadline ("not finished within 60s", seen in CI on `kvxfer demo --model deepseek-v3`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_rank_that_feeds_nobody_may_leave_before_decode_starts() {
+    let kv = KvSpec {
+        attention: Attention::Mla { latent_dim: 16 },
+        layers: 2,
+        dtype_bytes: 2,
+        page_size: 4,
+        layout: Layout::Nhd,
+    };
+    let t =
+        Topology::new(&SideSpec { kv, parallel: Parallel::new(2, 1) }, &SideSpec { kv, parallel: Parallel::new(1, 1) })
+            .unwrap();
+    assert!(t.receivers(RankId::new(1, 0)).is_empty(), "prefill rank 1 feeds nobody");
+    let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+    let addr = server.addr().to_string();
+    let cfg = |role, tp| {
+        let mut c = config(role, tp, &t, &addr, NotifyStyle::Attached, "local");
+        c.connect_timeout = Duration::from_secs(3);
+        c
+    };
+    let p0 = Agent::start(cfg(Side::Prefill, 0), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
+    let p1 = Agent::start(cfg(Side::Prefill, 1), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
+    p1.shutdown(soon()).await.unwrap();
+    let d = Agent::start(cfg(Side::Decode, 0), KvMemory::Host { pages: PAGES, fill: SENTINEL }).await.unwrap();
+    d.wait_connected(soon()).await.expect("the decode rank connects without the prefill rank that left");
+    p0.wait_connected(soon()).await.unwrap();
+    for (bi, m) in p0.host_memory().iter().enumerate() {
+        let data: Vec<u8> = (0..m.len()).map(|i| pattern(0, bi, i)).collect();
+        m.write(0, &data).unwrap();
+    }
+    let room = RequestId(3);
+    let rx = d.receiver(room).unwrap();
+    let (src, dst) = ([4u32, 9, 1], [0u32, 7, 2]);
+    rx.send_metadata(&dst, None).unwrap();
+    let tx = p0.sender(room).unwrap();
+    tx.init(3).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    tx.send(&src).unwrap();
+    let s = rx.wait(soon()).await.unwrap();
+    assert_eq!(s.phase, Phase::Success, "{s:?}");
+    assert_eq!(tx.wait(soon()).await.unwrap().phase, Phase::Success);
+    let pb = t.buffer_bytes(Side::Decode, kvxfer_core::KvKind::Latent, 1);
+    for (bi, m) in d.host_memory().iter().enumerate() {
+        for (sp, dp) in src.iter().zip(&dst) {
+            let mut got = vec![0u8; pb as usize];
+            m.read(u64::from(*dp) * pb, &mut got).unwrap();
+            let want: Vec<u8> = (0..pb).map(|i| pattern(0, bi, u64::from(*sp) * pb + i)).collect();
+            assert_eq!(got, want, "buffer {bi} page {sp} -> {dp}");
+        }
+    }
+    tx.release().unwrap();
+    rx.release().unwrap();
+    p0.shutdown(soon()).await.unwrap();
+    d.shutdown(soon()).await.unwrap();
+}
+
+/// A rank whose initial connect fails (a needed peer never registered) fails its requests with
+/// that error as soon as the connect deadline passes, on both sides, instead of at each request's
+/// own deadline; the decode pages are reusable (no handoff went out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_fails_requests_at_once_on_either_side() {
+    let t = topo(2, 1, 1);
+    let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+    let addr = server.addr().to_string();
+    let cfg = |role, tp| {
+        let mut c = config(role, tp, &t, &addr, NotifyStyle::Attached, "local");
+        c.connect_timeout = Duration::from_secs(1);
+        c.request_timeout = Duration::from_secs(30);
+        c
+    };
+    // Prefill rank 1 never starts; prefill rank 0 waits for the decode rank, which waits for both.
+    let p0 = Agent::start(cfg(Side::Prefill, 0), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
+    let d = Agent::start(cfg(Side::Decode, 0), KvMemory::Host { pages: PAGES, fill: SENTINEL }).await.unwrap();
+    let t0 = Instant::now();
+    let rx = d.receiver(RequestId(1)).unwrap();
+    rx.send_metadata(&[0, 1], None).unwrap();
+    let s = rx.wait(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    assert!(s.pages_reusable, "{s:?}");
+    let why = s.reason.unwrap();
+    assert!(why.contains("connecting") && why.contains("1/0"), "{why}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "failed after {:?}", t0.elapsed());
+    rx.release().unwrap();
+    d.shutdown(soon()).await.unwrap();
+    p0.shutdown(soon()).await.unwrap();
+
+    // Prefill side: P1 -> D2, decode rank 1 never starts.
+    let t = topo(1, 2, 1);
+    let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
+    let addr = server.addr().to_string();
+    let cfg = |role, tp| {
+        let mut c = config(role, tp, &t, &addr, NotifyStyle::Attached, "local");
+        c.connect_timeout = Duration::from_secs(1);
+        c.request_timeout = Duration::from_secs(30);
+        c
+    };
+    let p0 = Agent::start(cfg(Side::Prefill, 0), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
+    let t0 = Instant::now();
+    let tx = p0.sender(RequestId(1)).unwrap();
+    tx.init(2).unwrap();
+    let s = tx.wait(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    let why = s.reason.unwrap();
+    assert!(why.contains("connecting") && why.contains("decode"), "{why}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "failed after {:?}", t0.elapsed());
+    tx.release().unwrap();
+    p0.shutdown(soon()).await.unwrap();
+    drop(server);
+}

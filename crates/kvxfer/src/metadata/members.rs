@@ -93,6 +93,24 @@ pub enum MetadataError {
         /// Our lease TTL, as a hint.
         ttl: Duration,
     },
+    /// Ranks this rank exchanges with did not register in time.
+    #[error(
+        "{store}: {role} rank(s) [{}] that this rank exchanges with did not register within {} ms (registered: [{}]); \
+         start them against the same metadata address and prefix, or check their logs for why they stopped",
+        missing.join(", "), after.as_millis(), have.join(", ")
+    )]
+    MissingRanks {
+        /// The store.
+        store: String,
+        /// The role.
+        role: Side,
+        /// The ranks still missing.
+        missing: Vec<String>,
+        /// The ranks of `role` that were registered.
+        have: Vec<String>,
+        /// How long.
+        after: Duration,
+    },
     /// Fewer peers than needed registered in time.
     #[error("{store}: only {have} of {want} {role} ranks registered within {} ms (have: [{}])", after.as_millis(), names.join(", "))]
     Peers {
@@ -164,6 +182,55 @@ pub async fn peers(
     }
 }
 
+/// Waits until every rank in `need` of `role` is registered, and at least one rank of `role` when
+/// `need` is empty (at most `timeout`); returns every live rank of `role` seen then. Unlike
+/// [`peers`], ranks this rank does not exchange with are not waited for: one that already finished
+/// and left (an MLA prefill rank that feeds nobody) does not hold the others up.
+pub async fn peers_among(
+    store: &dyn MetadataStore,
+    role: Side,
+    need: &[RankId],
+    timeout: Duration,
+) -> Result<Vec<Member>, MetadataError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let (found, rev) = live(store, Some(role)).await?;
+        let now = tokio::time::Instant::now();
+        let missing: Vec<RankId> =
+            need.iter().filter(|r| !found.iter().any(|m| m.registration.rank == **r)).copied().collect();
+        if missing.is_empty() && !found.is_empty() {
+            return Ok(found);
+        }
+        if now >= deadline {
+            let missing =
+                if need.is_empty() { vec!["any".into()] } else { missing.iter().map(ToString::to_string).collect() };
+            return Err(MetadataError::MissingRanks {
+                store: store.name().to_owned(),
+                role,
+                missing,
+                have: found.iter().map(|m| m.registration.rank.to_string()).collect(),
+                after: timeout,
+            });
+        }
+        let mut w = store.watch(&role_prefix(role), rev).await?;
+        // Any change under the role's prefix: list again.
+        let _ = w.next(deadline - now).await?;
+    }
+}
+
+/// [`handshake`] for the ranks in `need` only (see [`peers_among`]): waits for them, checks every
+/// live rank of `role` against `me`, and returns the live ranks and the topology.
+pub async fn handshake_among(
+    store: &dyn MetadataStore,
+    me: &Registration,
+    role: Side,
+    need: &[RankId],
+    timeout: Duration,
+) -> Result<(Vec<Member>, Topology), MetadataError> {
+    let peers = peers_among(store, role, need, timeout).await?;
+    check_peers(store, me, role, peers, 1, timeout)
+}
+
 /// Waits for the ranks of `role`, then checks each against `me`: every layout mismatch is reported
 /// before any byte moves. Returns the peers and the topology.
 pub async fn handshake(
@@ -174,6 +241,18 @@ pub async fn handshake(
     timeout: Duration,
 ) -> Result<(Vec<Member>, Topology), MetadataError> {
     let peers = peers(store, role, want, timeout).await?;
+    check_peers(store, me, role, peers, want, timeout)
+}
+
+/// Checks every peer against `me` (layouts) and the first against `me` (compatibility).
+fn check_peers(
+    store: &dyn MetadataStore,
+    me: &Registration,
+    role: Side,
+    peers: Vec<Member>,
+    want: u32,
+    timeout: Duration,
+) -> Result<(Vec<Member>, Topology), MetadataError> {
     for p in &peers {
         check_pair(me, &p.registration).map_err(MetadataError::Layout)?;
     }

@@ -45,7 +45,8 @@ pub mod memory;
 pub mod testing;
 
 pub use members::{
-    handshake, peers, Member, MemberEvent, MemberWatch, Membership, MetadataError, RankRecord, DEFAULT_LEASE_TTL,
+    handshake, handshake_among, peers, peers_among, Member, MemberEvent, MemberWatch, Membership, MetadataError,
+    RankRecord, DEFAULT_LEASE_TTL,
 };
 
 /// The cluster prefix used when an address names none.
