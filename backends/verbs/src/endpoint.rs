@@ -608,7 +608,9 @@ impl<V: Verbs> Inner<V> {
         let nonce = kvxfer_core::secret::nonce().map_err(|e| format!("drawing a challenge nonce: {e}"))?;
         let open = Open { version: PROTO_VERSION, identity: self.identity, instance: self.instance, nonce };
         Frame::Open(open.clone()).write_to(s).map_err(|e| format!("sending open: {e}"))?;
-        let challenge = match Frame::read_from(s).map_err(|e| format!("waiting for the peer's challenge: {e}"))? {
+        let challenge = match Frame::read_bounded(s, proto::MAX_AUTH_FRAME)
+            .map_err(|e| format!("waiting for the peer's challenge: {e}"))?
+        {
             Frame::Challenge(c) => c,
             Frame::Reject(r) => return Err(format!("the peer refused: {r}")),
             f => return Err(format!("expected a challenge, got {f:?}")),
@@ -817,7 +819,7 @@ impl<V: Verbs> Inner<V> {
                 false
             }
         };
-        let open = match Frame::read_from(&mut Until { s, deadline: until }) {
+        let open = match Frame::read_bounded(&mut Until { s, deadline: until }, proto::MAX_AUTH_FRAME) {
             Ok(Frame::Open(o)) => o,
             Ok(Frame::Hello(_)) => {
                 let why = format!(
@@ -858,7 +860,7 @@ impl<V: Verbs> Inner<V> {
             tracing::warn!(%from, error = %e, "sending the challenge failed");
             return None;
         }
-        let proof = match Frame::read_from(&mut Until { s, deadline: until }) {
+        let proof = match Frame::read_bounded(&mut Until { s, deadline: until }, proto::MAX_AUTH_FRAME) {
             Ok(Frame::Auth(p)) => p,
             Ok(Frame::Reject(r)) => {
                 tracing::info!(%from, reason = %r, "the connecting endpoint gave up the connection");

@@ -29,6 +29,9 @@ pub const PROTO_VERSION: u32 = 2;
 pub const AUTH_PROTOCOL: &str = "kvxfer-verbs";
 /// Largest frame we accept (a Hello lists regions; 16 MiB is far above any real count).
 pub const MAX_FRAME: usize = 16 << 20;
+/// Largest frame read before the peer is authenticated (open, challenge, auth, a reject's reason):
+/// an unauthenticated peer cannot make the endpoint allocate more than this for one frame.
+pub const MAX_AUTH_FRAME: usize = 64 << 10;
 
 /// What an endpoint publishes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -321,11 +324,20 @@ impl Frame {
 
     /// Reads one frame (blocking, honouring the stream's read timeout).
     pub fn read_from(r: &mut impl Read) -> std::io::Result<Frame> {
+        Self::read_bounded(r, MAX_FRAME)
+    }
+
+    /// Reads one frame of at most `max` bytes ([`MAX_AUTH_FRAME`] before the peer is
+    /// authenticated): a longer declared length is an error before anything is allocated.
+    pub fn read_bounded(r: &mut impl Read, max: usize) -> std::io::Result<Frame> {
         let mut len = [0u8; 4];
         r.read_exact(&mut len)?;
         let len = u32::from_le_bytes(len) as usize;
-        if len == 0 || len > MAX_FRAME {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame length {len}")));
+        if len == 0 || len > max.min(MAX_FRAME) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("frame length {len} (at most {} here)", max.min(MAX_FRAME)),
+            ));
         }
         let mut buf = vec![0u8; len];
         r.read_exact(&mut buf)?;
@@ -485,6 +497,16 @@ mod tests {
         assert!(Frame::read_from(&mut r).is_err(), "zero length");
         let mut r = std::io::Cursor::new(((MAX_FRAME + 1) as u32).to_le_bytes().to_vec());
         assert!(Frame::read_from(&mut r).is_err(), "over-long");
+        // Before authentication a frame may not declare more than MAX_AUTH_FRAME.
+        let mut r = std::io::Cursor::new(((MAX_AUTH_FRAME + 1) as u32).to_le_bytes().to_vec());
+        let e = Frame::read_bounded(&mut r, MAX_AUTH_FRAME).unwrap_err();
+        assert!(e.to_string().contains("at most 65536"), "{e}");
+        let mut buf = Vec::new();
+        Frame::Reject("no".into()).write_to(&mut buf).unwrap();
+        assert_eq!(
+            Frame::read_bounded(&mut std::io::Cursor::new(buf), MAX_AUTH_FRAME).unwrap(),
+            Frame::Reject("no".into())
+        );
     }
 
     #[test]
