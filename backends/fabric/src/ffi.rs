@@ -338,22 +338,31 @@ pub struct FiError {
     pub code: i32,
     /// `fi_strerror` and `fi_cq_strerror` text.
     pub detail: String,
+    /// The provider's own error number (`prov_errno`; the tcp provider's is the socket's errno).
+    pub prov_errno: i32,
 }
 
+/// libfabric's connection errors (their numbers are the Linux errno values).
+const CONNECTION_ERRORS: [u32; 7] = [
+    sys::FI_ECONNRESET,
+    sys::FI_ECONNREFUSED,
+    sys::FI_ECONNABORTED,
+    sys::FI_ENOTCONN,
+    sys::FI_ETIMEDOUT,
+    sys::FI_EHOSTUNREACH,
+    sys::FI_EIO,
+];
+
 impl FiError {
-    /// Whether the error says the connection to the peer is gone.
+    /// Whether the error says the connection to the peer is gone: a connection error, or an
+    /// operation the provider cancelled because its socket failed with one (the tcp provider
+    /// completes the writes queued to a dead peer with `FI_ECANCELED` and `prov_errno` ENOTCONN or
+    /// ECONNRESET; without this a killed decode rank was reported only as a failed write, never as
+    /// a lost peer).
     pub fn is_connection_loss(&self) -> bool {
-        [
-            sys::FI_ECONNRESET,
-            sys::FI_ECONNREFUSED,
-            sys::FI_ECONNABORTED,
-            sys::FI_ENOTCONN,
-            sys::FI_ETIMEDOUT,
-            sys::FI_EHOSTUNREACH,
-            sys::FI_EIO,
-        ]
-        .iter()
-        .any(|c| *c as i32 == self.code)
+        const EPIPE: i32 = 32;
+        let conn = |c: i32| CONNECTION_ERRORS.iter().any(|e| *e as i32 == c) || c == EPIPE;
+        conn(self.code) || (self.code == sys::FI_ECANCELED as i32 && self.prov_errno != 0 && conn(self.prov_errno))
     }
 }
 
@@ -1045,6 +1054,7 @@ impl Endpoint {
         let fe = FiError {
             code: err.err,
             detail: format!("{} (provider errno {}: {msg})", strerror(i64::from(err.err)), err.prov_errno),
+            prov_errno: err.prov_errno,
         };
         self.complete(err.op_context as usize, err.flags, err.len, err.data, Some(fe), out);
         Ok(1)
@@ -1156,5 +1166,25 @@ impl Drop for Waker {
             sys::kvx_close_fd(self.read);
             sys::kvx_close_fd(self.write);
         }
+    }
+}
+
+#[cfg(test)]
+mod connection_loss_tests {
+    use super::*;
+
+    fn e(code: u32, prov_errno: i32) -> FiError {
+        FiError { code: code as i32, detail: String::new(), prov_errno }
+    }
+
+    #[test]
+    fn a_cancelled_write_to_a_dead_socket_is_a_connection_loss() {
+        assert!(e(sys::FI_ENOTCONN, 0).is_connection_loss());
+        assert!(e(sys::FI_ECANCELED, sys::FI_ENOTCONN as i32).is_connection_loss(), "tcp provider, peer killed");
+        assert!(e(sys::FI_ECANCELED, sys::FI_ECONNRESET as i32).is_connection_loss());
+        assert!(e(sys::FI_ECANCELED, 32).is_connection_loss(), "EPIPE");
+        assert!(!e(sys::FI_ECANCELED, 0).is_connection_loss(), "a cancel of our own");
+        assert!(!e(sys::FI_ECANCELED, 22).is_connection_loss(), "EINVAL");
+        assert!(!e(sys::FI_EINVAL, sys::FI_ENOTCONN as i32).is_connection_loss(), "only a cancel looks at prov_errno");
     }
 }

@@ -6,7 +6,7 @@
 //! | `kill9_decode` | SIGKILL of the decode worker mid-transfer | prefill names `decode rank 0/0` lost, exits non-zero |
 //! | `kill9_prefill` | SIGKILL of the prefill worker mid-transfer | decode names `prefill rank 0/0` lost, exits non-zero, no wrong byte verified |
 //! | `kill9_prefill_later_requests` | SIGKILL of the prefill worker under an in-process decode `Agent` | a request registered after the loss fails at once (not at its 60 s deadline), naming the rank |
-//! | `sigstop_prefill`, `sigstop_decode` | SIGSTOP of one worker (sockets stay open; tcp `timeout_s=5`) | the peer names it by its lease; exits once the stalled link fails; then SIGCONT and clean-up |
+//! | `sigstop_prefill`, `sigstop_decode` | SIGSTOP of one worker (sockets stay open; tcp `timeout_s=5`, ucx / fabric `timeout_ms=5000`) | the peer names it by its lease; exits once the stalled link fails; then SIGCONT and clean-up |
 //! | `bootstrap_killed` | SIGKILL of the metadata service mid-run | both workers fail naming the store, exit non-zero |
 //! | `forged_notification` | a client that read the decode's endpoint metadata sends chunk notifications on its data port (`KVXFER_SECRET` set) | refused at the handshake naming authentication, nothing applied, every request verified (skipped, saying why, on a tcp backend that does not authenticate) |
 //! | `impersonated_identity` | a client claims prefill rank 0/0's identity on the decode's data port (`KVXFER_SECRET` set) | refused; the real prefill's requests unaffected |
@@ -55,6 +55,12 @@ const EXIT_BOUND: Duration = Duration::from_secs(10);
 /// backend's `timeout_s` (5 s in these cases; nothing else releases a sender's pages while a frame
 /// to a frozen reader is half-written), the agent's shutdown deadline (5 s) and 2 s of scheduling.
 const SIGSTOP_EXIT_BOUND: Duration = Duration::from_secs(TCP_TIMEOUT_S + 5 + 2);
+/// The same for ucx and fabric (`timeout_ms` = 5 s here): once the agent closes the connection to
+/// the lost peer, its in-flight writes fail after `timeout_ms`; then the survivor's registration
+/// close waits up to `timeout_ms` more for the frozen peer's revoke acknowledgement (with UCX's
+/// put path a frozen peer could still write into the region when it wakes); + the lease TTL the
+/// loss is named after, + 5 s for the worker's own shutdown.
+const SIGSTOP_EXIT_BOUND_C: Duration = Duration::from_secs(2 * TCP_TIMEOUT_S + TTL.as_secs() + 5);
 /// A request registered after its sender was lost fails "at once" (issue 14): 1 s, against the
 /// request deadline of 60 s it used to wait.
 const LATE_REQUEST_BOUND: Duration = Duration::from_secs(1);
@@ -428,12 +434,15 @@ fn kill9(backend: &str, victim: &str) -> CaseOut {
 }
 
 fn sigstop(backend: &str, victim: &str) -> CaseOut {
-    // A frame half-written to a frozen peer holds the sender's source pages (its fence) until the
-    // backend gives up on the stalled link: tcp's `timeout_s`, 120 s by default, 5 s here.
+    // A write in flight to a frozen peer holds the sender's source pages (its fence) until the
+    // backend gives up on the stalled connection, which the agent closes once the peer's lease
+    // expired: tcp's `timeout_s` (120 s by default), ucx's and fabric's `timeout_ms` (30 s by
+    // default); 5 s here.
     let extra: Vec<String> = match backend {
         "tcp" => vec!["--backend-opt".into(), format!("timeout_s={TCP_TIMEOUT_S}")],
-        _ => vec![],
+        _ => vec!["--backend-opt".into(), format!("timeout_ms={}", TCP_TIMEOUT_S * 1000)],
     };
+    let bound = if backend == "tcp" { SIGSTOP_EXIT_BOUND } else { SIGSTOP_EXIT_BOUND_C };
     let (_boot, _addr, mut d, mut p) = running_with(backend, Env { secret: false }, &[], &extra);
     let (victim_p, survivor) = if victim == "decode" { (&mut d, &mut p) } else { (&mut p, &mut d) };
     victim_p.signal("STOP");
@@ -443,9 +452,16 @@ fn sigstop(backend: &str, victim: &str) -> CaseOut {
         .unwrap_or_else(|| panic!("the {} never named {victim} rank 0/0 lost:\n{}", survivor.name, survivor.output()));
     let m1 = measure("named", named.at - t0, NAMED_BOUND);
     let (st, at) = survivor
-        .wait_exit(SIGSTOP_EXIT_BOUND + Duration::from_secs(10))
+        .wait_exit(bound + Duration::from_secs(10))
         .unwrap_or_else(|| panic!("the {} did not exit:\n{}", survivor.name, survivor.output()));
-    let m2 = measure("exit", at - t0, SIGSTOP_EXIT_BOUND);
+    if at - t0 > bound {
+        eprintln!(
+            "sigstop_{victim}: the {}'s lines, seconds after the stop:\n{}",
+            survivor.name,
+            timeline(survivor, t0)
+        );
+    }
+    let m2 = measure("exit", at - t0, bound);
     assert!(!st.success(), "the {} exited 0 after its peer froze", survivor.name);
     let mut note = vec![format!("survivor {st}")];
     if victim == "prefill" {
@@ -462,7 +478,7 @@ fn sigstop(backend: &str, victim: &str) -> CaseOut {
         }
     };
     (
-        format!("named {}, exit {}", secs(NAMED_BOUND), secs(SIGSTOP_EXIT_BOUND)),
+        format!("named {}, exit {}", secs(NAMED_BOUND), secs(bound)),
         format!("{m1}, {m2}"),
         format!("{}; {after}", note.join("; ")),
     )

@@ -821,12 +821,14 @@ impl Registration {
     /// operations, but something may still touch the memory, so do not free it.
     pub async fn close(mut self, deadline: Instant) -> Result<(), BackendError> {
         let Some(c) = self.closer.get_mut().unwrap_or_else(|p| p.into_inner()).take() else { return Ok(()) };
+        // What the caller allowed, measured before waiting (after the wait it is zero).
+        let allowed = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout_at(deadline.into(), c.close()).await {
             Ok(r) => r,
             Err(_) => Err(BackendError::Timeout {
                 backend: self.backend,
                 what: format!("closing {}", self.id),
-                after: deadline.saturating_duration_since(Instant::now()),
+                after: allowed,
             }),
         }
     }

@@ -468,6 +468,10 @@ impl fmt::Debug for Agent {
     }
 }
 
+/// Longest the agent waits for the backend to close the connection to a lost peer (each backend
+/// bounds it by its own deadline first).
+const DISCONNECT_BOUND: Duration = Duration::from_secs(120);
+
 /// How often the progress task wakes when nothing arrives (deadlines, early-buffer ages).
 const TICK: Duration = Duration::from_millis(20);
 
@@ -1183,14 +1187,15 @@ impl Inner {
     /// A peer rank is gone: every request that needs it fails (decode: and counts it fenced; its
     /// connection is closed).
     fn peer_lost(self: &Arc<Self>, r: RankId, why: String) {
-        {
+        let id = {
             let mut peers = lock(&self.peers);
             let Some(p) = peers.get_mut(&r) else { return };
             if p.lost.is_some() {
                 return;
             }
             p.lost = Some(why.clone());
-        }
+            p.id.take()
+        };
         lock(&self.stats).peers_lost += 1;
         self.connected.store(false, Ordering::Release);
         let active = match self.cfg.role {
@@ -1216,6 +1221,26 @@ impl Inner {
                     self.sender_abort(room, format!("lost decode rank {r}: {why}"));
                 }
             }
+        }
+        // Close the connection: a rank declared lost (its lease expired, or its transport failed)
+        // may still be alive but frozen (SIGSTOP, a cut link), so writes to it never complete and
+        // the aborted requests' fences would wait for the transport to give up by itself. The
+        // backend's disconnect fails what is in flight within its own deadline (tcp `timeout_s`,
+        // ucx / fabric `timeout_ms`), so those fences resolve then. The rank reconnects under a new
+        // epoch (`connect_peer`).
+        if let Some(id) = id {
+            let this = Arc::clone(self);
+            self.handle.spawn(async move {
+                match tokio::time::timeout(DISCONNECT_BOUND, this.backend.disconnect(id)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(rank = %this.cfg.rank, peer = %r, error = %e, "closing a lost peer"),
+                    Err(_) => tracing::warn!(
+                        rank = %this.cfg.rank, peer = %r,
+                        "closing the connection to lost rank {r} took more than {DISCONNECT_BOUND:?}"
+                    ),
+                }
+                this.wake.notify_waiters();
+            });
         }
         self.wake.notify_waiters();
     }
