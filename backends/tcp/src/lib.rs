@@ -699,6 +699,23 @@ impl KvTransferBackend for TcpBackend {
         Ok(self.shared.events.recv(max_wait).await)
     }
 
+    async fn disconnect_lost(&self, peer: PeerId, reason: &str) -> Result<(), BackendError> {
+        let link = self.peers.remove(peer)?;
+        // No BYE, no wait for acknowledgements: the writer tasks stop (a write blocked on a full
+        // socket is dropped with them) and every transfer fails.
+        let live = link.state.closing();
+        link.state.fail(BackendError::PeerLost {
+            backend: NAME,
+            peer: format!("{peer}"),
+            detail: format!("closed as lost: {reason}"),
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for x in &live {
+            x.state.settled(deadline).await;
+        }
+        Ok(())
+    }
+
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         let link = self.peers.remove(peer)?;
         let live = link.state.closing();

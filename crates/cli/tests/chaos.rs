@@ -19,8 +19,9 @@
 //! Every wait is bounded; every process is killed (after a SIGCONT) when its guard drops, also on a
 //! panic. Each case runs under `catch_unwind`, so one failing case does not hide the others; the test
 //! fails at the end if any case failed. Filters: `KVXFER_CHAOS_CASES=kill9_decode,slowloris` runs only
-//! those; `KVXFER_CHAOS_SLOW=1` adds the slow cases (`link_cut`, and every case on ucx / fabric when
-//! built with those features). Fast cases on tcp: about 45-75 s on 2 cores.
+//! those; `KVXFER_CHAOS_SLOW=1` adds the slow cases (every case on ucx / fabric when built with those
+//! features). `link_cut` skips, saying why, where network namespaces cannot be made (not root).
+//! Cases on tcp: about 50 s on 2 cores.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -1370,7 +1371,7 @@ fn matrix() -> Vec<(String, &'static str, bool, Body)> {
     m.push(("demo_killed".into(), "tcp", false, Box::new(|| Ok(demo_killed()))));
     m.push(("slowloris".into(), "tcp", false, Box::new(slowloris)));
     m.push(("fd_exhaustion".into(), "tcp", false, Box::new(|| Ok(fd_exhaustion()))));
-    m.push(("link_cut".into(), "tcp", true, Box::new(link_cut)));
+    m.push(("link_cut".into(), "tcp", false, Box::new(link_cut)));
     m
 }
 

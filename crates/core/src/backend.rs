@@ -895,6 +895,17 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// Closes the connection to `peer`; its id becomes unknown. Resolves after every transfer to
     /// the peer is final.
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError>;
+
+    /// Closes the connection to a peer the caller declared lost (its lease expired, or this rank
+    /// lost its metadata store): nothing more is sent and nothing is waited for from the peer;
+    /// transfers in flight to it fail as soon as no local send still reads their source memory, so
+    /// their fences resolve without the transport's own deadline. The id becomes unknown; it
+    /// resolves once every transfer to the peer is final. The default is [`Self::disconnect`]
+    /// (bounded by the backend's deadline); a backend that can drop a connection at once overrides it.
+    async fn disconnect_lost(&self, peer: PeerId, reason: &str) -> Result<(), BackendError> {
+        let _ = reason;
+        self.disconnect(peer).await
+    }
 }
 
 /// Builds a backend endpoint.

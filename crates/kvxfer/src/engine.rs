@@ -580,6 +580,7 @@ impl Agent {
         let tasks = vec![
             tokio::spawn(Arc::clone(&inner).progress()),
             tokio::spawn(Arc::clone(&inner).connect_and_watch(store, me, watch)),
+            tokio::spawn(Arc::clone(&inner).watch_health(membership.health())),
         ];
         Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, tasks })
     }
@@ -742,8 +743,21 @@ impl Agent {
         }
         let mut first: Option<EngineError> = None;
         if let Some(m) = self.membership.take() {
-            if let Err(e) = m.leave().await {
-                first.get_or_insert(self.inner.setup(format!("leaving the metadata store: {e}")));
+            // With the store unreachable for a lease TTL already, leaving gets at most 1 s (the
+            // lease expires by itself); otherwise what is left of the deadline.
+            let unhealthy = m.health().borrow().is_some();
+            let bound =
+                if unhealthy { Duration::from_secs(1) } else { deadline.saturating_duration_since(Instant::now()) };
+            match tokio::time::timeout(bound.max(Duration::from_millis(100)), m.leave()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first.get_or_insert(self.inner.setup(format!("leaving the metadata store: {e}")));
+                }
+                Err(_) => {
+                    first.get_or_insert(
+                        self.inner.setup(format!("leaving the metadata store: no answer within {bound:?}")),
+                    );
+                }
             }
         }
         for m in std::mem::take(&mut self.memory) {
@@ -1141,6 +1155,27 @@ impl Inner {
         Ok(())
     }
 
+    /// This rank's own lease: once the store says it is gone, or no keep-alive succeeded for a
+    /// whole TTL, the peers consider this rank lost (and fail what it shares with them); so does
+    /// this rank: every peer is lost (requests fail, connections close) until the rank is
+    /// restarted under a new epoch.
+    async fn watch_health(self: Arc<Self>, mut health: tokio::sync::watch::Receiver<Option<String>>) {
+        loop {
+            let why = health.borrow_and_update().clone();
+            if let Some(why) = why {
+                let ranks: Vec<RankId> = lock(&self.peers).keys().copied().collect();
+                for r in ranks {
+                    self.peer_lost(r, format!("this rank's own membership is lost ({why})"));
+                }
+                return;
+            }
+            tokio::select! {
+                r = health.changed() => if r.is_err() { return },
+                _ = self.stop.cancelled() => return,
+            }
+        }
+    }
+
     async fn watch_members(self: Arc<Self>, mut watch: MemberWatch) {
         loop {
             let evs = tokio::select! {
@@ -1230,8 +1265,9 @@ impl Inner {
         // epoch (`connect_peer`).
         if let Some(id) = id {
             let this = Arc::clone(self);
+            let why = why.clone();
             self.handle.spawn(async move {
-                match tokio::time::timeout(DISCONNECT_BOUND, this.backend.disconnect(id)).await {
+                match tokio::time::timeout(DISCONNECT_BOUND, this.backend.disconnect_lost(id, &why)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::debug!(rank = %this.cfg.rank, peer = %r, error = %e, "closing a lost peer"),
                     Err(_) => tracing::warn!(
