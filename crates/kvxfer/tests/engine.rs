@@ -549,3 +549,41 @@ async fn a_failed_connect_fails_requests_at_once_on_either_side() {
     p0.shutdown(soon()).await.unwrap();
     drop(server);
 }
+
+/// A rank that cannot renew its own lease for a whole TTL is considered lost by its peers; it
+/// considers them lost too: its requests fail naming its own membership, on both sides, instead
+/// of waiting on links the peers have dropped (chaos `link_cut`: the prefill's exit went from up to
+/// 21.5 s to 6.6 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_loses_its_own_membership_fails_its_requests() {
+    let t = topo(1, 1, 1);
+    let c = cluster(t, NotifyStyle::Attached).await;
+    let room = RequestId(9);
+    let rx = c.decode[0].receiver(room).unwrap();
+    rx.send_metadata(&[0, 1], None).unwrap();
+    let tx = c.prefill[0].sender(room).unwrap();
+    tx.init(2).unwrap();
+    until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+    // The store goes away (nothing is sent for the request): keep-alives fail from now on.
+    let t0 = Instant::now();
+    drop(c._server);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let s = rx.wait(deadline).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    assert!(s.reason.as_deref().unwrap_or("").contains("own membership is lost"), "{s:?}");
+    assert!(s.pages_reusable, "{s:?}");
+    let s = tx.wait(deadline).await.unwrap();
+    assert_eq!(s.phase, Phase::Failed, "{s:?}");
+    assert!(s.reason.as_deref().unwrap_or("").contains("own membership is lost"), "{s:?}");
+    // The lease TTL is 2 s: named within it and one keep-alive round more.
+    assert!(t0.elapsed() < Duration::from_secs(5), "failed after {:?}", t0.elapsed());
+    assert!(c.decode[0].stats().peers_lost >= 1 && c.prefill[0].stats().peers_lost >= 1);
+    tx.release().unwrap();
+    rx.release().unwrap();
+    for a in c.prefill.into_iter().chain(c.decode) {
+        // Leaving the unreachable store is bounded (1 s); the error says so.
+        let t1 = Instant::now();
+        let _ = a.shutdown(Instant::now() + Duration::from_secs(5)).await;
+        assert!(t1.elapsed() < Duration::from_secs(5), "shutdown took {:?}", t1.elapsed());
+    }
+}
