@@ -496,6 +496,14 @@ async fn a_prefill_rank_that_feeds_nobody_may_leave_before_decode_starts() {
     d.shutdown(soon()).await.unwrap();
 }
 
+/// `c` with a 1 s connect deadline and a long request deadline: a failed connect must fail the
+/// requests long before their own deadline.
+fn quick_connect(mut c: AgentConfig) -> AgentConfig {
+    c.connect_timeout = Duration::from_secs(1);
+    c.request_timeout = Duration::from_secs(30);
+    c
+}
+
 /// A rank whose initial connect fails (a needed peer never registered) fails its requests with
 /// that error as soon as the connect deadline passes, on both sides, instead of at each request's
 /// own deadline; the decode pages are reusable (no handoff went out).
@@ -504,12 +512,7 @@ async fn a_failed_connect_fails_requests_at_once_on_either_side() {
     let t = topo(2, 1, 1);
     let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
     let addr = server.addr().to_string();
-    let cfg = |role, tp| {
-        let mut c = config(role, tp, &t, &addr, NotifyStyle::Attached, "local");
-        c.connect_timeout = Duration::from_secs(1);
-        c.request_timeout = Duration::from_secs(30);
-        c
-    };
+    let cfg = |role, tp| quick_connect(config(role, tp, &t, &addr, NotifyStyle::Attached, "local"));
     // Prefill rank 1 never starts; prefill rank 0 waits for the decode rank, which waits for both.
     let p0 = Agent::start(cfg(Side::Prefill, 0), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
     let d = Agent::start(cfg(Side::Decode, 0), KvMemory::Host { pages: PAGES, fill: SENTINEL }).await.unwrap();
@@ -530,12 +533,7 @@ async fn a_failed_connect_fails_requests_at_once_on_either_side() {
     let t = topo(1, 2, 1);
     let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
     let addr = server.addr().to_string();
-    let cfg = |role, tp| {
-        let mut c = config(role, tp, &t, &addr, NotifyStyle::Attached, "local");
-        c.connect_timeout = Duration::from_secs(1);
-        c.request_timeout = Duration::from_secs(30);
-        c
-    };
+    let cfg = |role, tp| quick_connect(config(role, tp, &t, &addr, NotifyStyle::Attached, "local"));
     let p0 = Agent::start(cfg(Side::Prefill, 0), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
     let t0 = Instant::now();
     let tx = p0.sender(RequestId(1)).unwrap();

@@ -152,6 +152,30 @@ async fn live(store: &dyn MetadataStore, role: Option<Side>) -> Result<(Vec<Memb
     Ok((v, rev))
 }
 
+/// Lists the live ranks of `role` until `enough` says they are enough (`Ok`) or `timeout` passes
+/// (`Err` with the last list; a store error is returned as such).
+async fn wait_live(
+    store: &dyn MetadataStore,
+    role: Side,
+    timeout: Duration,
+    enough: impl Fn(&[Member]) -> bool,
+) -> Result<Result<Vec<Member>, Vec<Member>>, MetadataError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let (found, rev) = live(store, Some(role)).await?;
+        let now = tokio::time::Instant::now();
+        if enough(&found) {
+            return Ok(Ok(found));
+        }
+        if now >= deadline {
+            return Ok(Err(found));
+        }
+        let mut w = store.watch(&role_prefix(role), rev).await?;
+        // Any change under the role's prefix: list again.
+        let _ = w.next(deadline - now).await?;
+    }
+}
+
 /// Waits until `want` ranks of `role` are registered (at most `timeout`) and returns them.
 pub async fn peers(
     store: &dyn MetadataStore,
@@ -159,27 +183,14 @@ pub async fn peers(
     want: u32,
     timeout: Duration,
 ) -> Result<Vec<Member>, MetadataError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let (found, rev) = live(store, Some(role)).await?;
-        let now = tokio::time::Instant::now();
-        if found.len() >= want as usize {
-            return Ok(found);
-        }
-        if now >= deadline {
-            return Err(MetadataError::Peers {
-                store: store.name().to_owned(),
-                role,
-                want,
-                have: found.len() as u32,
-                names: found.iter().map(|m| m.registration.rank.to_string()).collect(),
-                after: timeout,
-            });
-        }
-        let mut w = store.watch(&role_prefix(role), rev).await?;
-        // Any change under the role's prefix: list again.
-        let _ = w.next(deadline - now).await?;
-    }
+    wait_live(store, role, timeout, |found| found.len() >= want as usize).await?.map_err(|found| MetadataError::Peers {
+        store: store.name().to_owned(),
+        role,
+        want,
+        have: found.len() as u32,
+        names: found.iter().map(|m| m.registration.rank.to_string()).collect(),
+        after: timeout,
+    })
 }
 
 /// Waits until every rank in `need` of `role` is registered, and at least one rank of `role` when
@@ -192,30 +203,22 @@ pub async fn peers_among(
     need: &[RankId],
     timeout: Duration,
 ) -> Result<Vec<Member>, MetadataError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let (found, rev) = live(store, Some(role)).await?;
-        let now = tokio::time::Instant::now();
-        let missing: Vec<RankId> =
-            need.iter().filter(|r| !found.iter().any(|m| m.registration.rank == **r)).copied().collect();
-        if missing.is_empty() && !found.is_empty() {
-            return Ok(found);
+    let missing = |found: &[Member]| -> Vec<RankId> {
+        need.iter().filter(|r| !found.iter().any(|m| m.registration.rank == **r)).copied().collect()
+    };
+    wait_live(store, role, timeout, |found| missing(found).is_empty() && !found.is_empty()).await?.map_err(|found| {
+        MetadataError::MissingRanks {
+            store: store.name().to_owned(),
+            role,
+            missing: if need.is_empty() {
+                vec!["any".into()]
+            } else {
+                missing(&found).iter().map(ToString::to_string).collect()
+            },
+            have: found.iter().map(|m| m.registration.rank.to_string()).collect(),
+            after: timeout,
         }
-        if now >= deadline {
-            let missing =
-                if need.is_empty() { vec!["any".into()] } else { missing.iter().map(ToString::to_string).collect() };
-            return Err(MetadataError::MissingRanks {
-                store: store.name().to_owned(),
-                role,
-                missing,
-                have: found.iter().map(|m| m.registration.rank.to_string()).collect(),
-                after: timeout,
-            });
-        }
-        let mut w = store.watch(&role_prefix(role), rev).await?;
-        // Any change under the role's prefix: list again.
-        let _ = w.next(deadline - now).await?;
-    }
+    })
 }
 
 /// [`handshake`] for the ranks in `need` only (see [`peers_among`]): waits for them, checks every
