@@ -21,7 +21,7 @@
 //! fails at the end if any case failed. Filters: `KVXFER_CHAOS_CASES=kill9_decode,slowloris` runs only
 //! those; `KVXFER_CHAOS_SLOW=1` adds the slow cases (every case on ucx / fabric when built with those
 //! features). `link_cut` skips, saying why, where network namespaces cannot be made (not root).
-//! Cases on tcp: about 50 s on 2 cores.
+//! Cases on tcp: about 44 s on 2 cores.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
