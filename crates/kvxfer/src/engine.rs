@@ -1250,11 +1250,7 @@ impl Inner {
                 }
             }
             Side::Prefill => {
-                let rooms: Vec<RequestId> =
-                    lock(&self.sends).iter().filter(|(_, q)| !q.done && q.failure.is_none()).map(|(k, _)| *k).collect();
-                for room in rooms {
-                    self.sender_abort(room, format!("lost decode rank {r}: {why}"));
-                }
+                self.abort_open_sends(&format!("lost decode rank {r}: {why}"));
             }
         }
         // Close the connection: a rank declared lost (its lease expired, or its transport failed)
@@ -1388,29 +1384,14 @@ impl Inner {
                 // The initial connect failed: every request fails with it at once.
                 let failed = lock(&self.connect_error).clone();
                 if let Some(e) = failed {
-                    let rooms: Vec<RequestId> = lock(&self.sends)
-                        .iter()
-                        .filter(|(_, q)| !q.done && q.failure.is_none())
-                        .map(|(k, _)| *k)
-                        .collect();
-                    for room in rooms {
-                        self.sender_abort(room, format!("connecting to the decode ranks failed: {e}"));
-                    }
+                    self.abort_open_sends(&format!("connecting to the decode ranks failed: {e}"));
                 }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
                 let lost: Vec<(RankId, String)> =
                     lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
-                if !lost.is_empty() {
-                    let rooms: Vec<RequestId> = lock(&self.sends)
-                        .iter()
-                        .filter(|(_, q)| !q.done && q.failure.is_none())
-                        .map(|(k, _)| *k)
-                        .collect();
-                    let (r, why) = &lost[0];
-                    for room in rooms {
-                        self.sender_abort(room, format!("decode rank {r} is lost: {why}"));
-                    }
+                if let Some((r, why)) = lost.first() {
+                    self.abort_open_sends(&format!("decode rank {r} is lost: {why}"));
                 }
                 // Requests past their deadline fail.
                 let late: Vec<(RequestId, String)> = lock(&self.sends)
@@ -1425,6 +1406,15 @@ impl Inner {
                     self.sender_abort(room, why);
                 }
             }
+        }
+    }
+
+    /// Fails every prefill request that has no outcome yet with `why` (each tells its receivers).
+    fn abort_open_sends(self: &Arc<Self>, why: &str) {
+        let rooms: Vec<RequestId> =
+            lock(&self.sends).iter().filter(|(_, q)| !q.done && q.failure.is_none()).map(|(k, _)| *k).collect();
+        for room in rooms {
+            self.sender_abort(room, why.to_owned());
         }
     }
 
@@ -1504,8 +1494,11 @@ impl Inner {
             let notified = self.wake.notified();
             let _ = tokio::time::timeout(TICK * 5, notified).await;
         }
-        if lock(&self.connect_error).is_some() {
-            // The request fails with the connect error (`receiver_phase`); nothing is sent.
+        if lock(&self.connect_error).is_some() || !self.connected.load(Ordering::Acquire) {
+            // Not every sender is connected (the connect failed, a sender is lost, or the wait hit
+            // the request's deadline): the request cannot succeed, so nothing is sent and nothing
+            // can land. It fails with the connect error (`receiver_phase`), the lost sender (the
+            // tracker) or its deadline.
             self.wake.notify_waiters();
             return;
         }
