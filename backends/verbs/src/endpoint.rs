@@ -679,14 +679,17 @@ impl<V: Verbs> Inner<V> {
 
     /// Answers a connection beyond a limit at once with a `Reject` naming it, on the listener's
     /// thread (a fresh socket's send buffer takes the frame whole; the write is bounded anyway), and
-    /// closes it. What the connector already sent is read off first, so the close is a FIN, not a
-    /// reset that could overtake the refusal.
+    /// closes it. The write side is shut first, so the connector sees the refusal and then an end of
+    /// stream (a FIN) even if its own bytes arrive later and the close turns into a reset; what it
+    /// already sent is read off before the close (seen in CI: without the shutdown, an open that
+    /// landed between the drain and the close made the close a bare reset).
     fn refuse_at_limit(&self, mut stream: TcpStream, from: SocketAddr, why: LimitRefusal) {
         self.counters.refusals.limit(&why);
         tracing::warn!(%from, reason = %why, "handshake connection refused at a limit");
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
         let _ = Frame::Reject(why.to_string()).write_to(&mut stream);
+        let _ = stream.shutdown(Shutdown::Write);
         if stream.set_nonblocking(true).is_ok() {
             let mut sink = [0u8; 4096];
             for _ in 0..4 {
