@@ -183,6 +183,10 @@ struct Job {
     abort: bool,
     error: Option<BackendError>,
     deadline: Option<Instant>,
+    /// Pieces posted since the progress loop last looked: the loop keeps going without a nap
+    /// while a transfer is posting (posting alone makes `ucp_worker_progress` report nothing
+    /// when puts complete in the call, as cma's do).
+    worked: bool,
 }
 
 impl Job {
@@ -208,6 +212,7 @@ impl Job {
             abort: false,
             error: None,
             deadline: None,
+            worked: false,
         }
     }
 
@@ -359,6 +364,7 @@ impl Job {
                 return;
             }
             burst += 1;
+            self.worked = true;
             let r = if c.am_data { self.post_data(c) } else { self.post_put(c) };
             match r {
                 Ok(Posted::Done) => {}
@@ -488,6 +494,11 @@ impl Peer {
 
     /// Advances the jobs in order; returns whether any is in flight.
     fn poll(&mut self, pid: PeerId, am_data: bool, headers: &Headers) -> bool {
+        self.poll_jobs(pid, am_data, headers).0
+    }
+
+    /// [`Peer::poll`], also returning whether any job posted pieces.
+    fn poll_jobs(&mut self, pid: PeerId, am_data: bool, headers: &Headers) -> (bool, bool) {
         let d = desc(pid, self.identity);
         if let Some(reason) = self.lost.clone() {
             // Nothing can land at a lost peer any more; UCX may never complete its requests
@@ -497,18 +508,23 @@ impl Peer {
                 j.finish(if j.abort { Outcome::Aborted } else { Outcome::Failed(e) });
             }
             self.jobs.clear();
-            return false;
+            return (false, false);
         }
         let mut may_start = true;
         let mut may_post_am = true;
+        let mut worked = false;
         for j in self.jobs.iter_mut() {
             let c = Ctx { ep: &self.ep, desc: &d, am_data, may_start, may_post_am, headers };
             j.poll(&c);
+            worked |= std::mem::take(&mut j.worked);
             may_start &= j.posted || j.done.is_none();
             may_post_am &= !j.am_waiting();
         }
+        let before = self.jobs.len();
         self.jobs.retain(|j| !(j.done.is_none() && j.quiet()));
-        !self.jobs.is_empty()
+        // A job that went lets the next one post (or send its notification) on the next turn.
+        worked |= self.jobs.len() != before;
+        (!self.jobs.is_empty(), worked)
     }
 }
 
@@ -571,6 +587,8 @@ struct Engine {
     next_seq: u64,
     lost_instances: HashSet<u64>,
     last_liveness: Instant,
+    /// A transfer posted pieces (or one finished) in the last [`Engine::poll_all`]: no nap.
+    worked: bool,
     /// Active-message path, receiving side: transfers that could not be placed, by (instance, seq).
     refused: HashMap<(u64, u64), String>,
     /// Connections waiting for the connector's proof, by (instance, hello nonce).
@@ -619,6 +637,7 @@ pub(crate) fn start(
                     next_seq: 1,
                     lost_instances: HashSet::new(),
                     last_liveness: Instant::now(),
+                    worked: false,
                     refused: HashMap::new(),
                     pending: HashMap::new(),
                     banned: HashSet::new(),
@@ -674,6 +693,7 @@ impl Engine {
                 }
             }
             let in_flight = self.poll_all();
+            busy |= std::mem::take(&mut self.worked);
             let now = Instant::now();
             if now.duration_since(self.last_liveness) >= self.settings.keepalive {
                 self.last_liveness = now;
@@ -1561,7 +1581,9 @@ impl Engine {
         let now = Instant::now();
         let bye = self.header(Kind::Goodbye, 0);
         for (pid, p) in self.peers.iter_mut() {
-            in_flight |= p.poll(*pid, am_data, &self.headers);
+            let (busy, worked) = p.poll_jobs(*pid, am_data, &self.headers);
+            in_flight |= busy;
+            self.worked |= worked;
             if let Some((_, _, deadline)) = &p.connecting {
                 if now >= *deadline || p.lost.is_some() {
                     let (_, reply, _) = p.connecting.take().expect("checked");
