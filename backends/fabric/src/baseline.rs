@@ -117,3 +117,179 @@ pub fn write_bandwidth(
 fn holds(mem: &MemDesc, want: &[u8]) -> bool {
     mem.read_guard(0, want.len() as u64).is_ok_and(|g| g.as_slice() == want)
 }
+
+/// What a two-process baseline target publishes (one line on its stdout): its endpoint address and
+/// the registered buffer's remote address, key and length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetInfo {
+    /// `fi_getname` of the target's endpoint.
+    pub name: Vec<u8>,
+    /// Remote address of the buffer (0 unless `FI_MR_VIRT_ADDR`).
+    pub base: u64,
+    /// Remote key.
+    pub key: u64,
+    /// Buffer length.
+    pub len: u64,
+}
+
+impl TargetInfo {
+    /// One line: `target <hex name> <base> <key> <len>`.
+    pub fn to_line(&self) -> String {
+        let hex: String = self.name.iter().map(|b| format!("{b:02x}")).collect();
+        format!("target {hex} {} {} {}", self.base, self.key, self.len)
+    }
+
+    /// Parses [`TargetInfo::to_line`]'s line.
+    pub fn parse(line: &str) -> Result<Self, BackendError> {
+        let bad = |what: &str| BackendError::Protocol {
+            backend: NAME,
+            peer: "baseline target".into(),
+            detail: format!("{what} in its published line {line:?}"),
+        };
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() != 5 || f[0] != "target" || f[1].len() % 2 != 0 {
+            return Err(bad("expected `target <hex name> <base> <key> <len>`"));
+        }
+        let name = (0..f[1].len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&f[1][i..i + 2], 16))
+            .collect::<Result<Vec<u8>, _>>()
+            .map_err(|_| bad("a bad hex address"))?;
+        let num = |s: &str| s.parse::<u64>().map_err(|_| bad("a bad number"));
+        Ok(Self { name, base: num(f[2])?, key: num(f[3])?, len: num(f[4])? })
+    }
+}
+
+/// Byte `i` of the two-process baseline's pattern.
+fn pattern_byte(i: usize) -> u8 {
+    (i % 251) as u8 + 1
+}
+
+/// The target side of the two-process baseline: opens an endpoint, registers a zeroed buffer of
+/// `len` bytes, writes its [`TargetInfo`] line to `out`, then polls its completion queue (manual
+/// progress: tcp;ofi_rxm places bytes only when the target polls) until `stop` reads true or
+/// `limit` passes. Returns whether the buffer then holds the initiator's pattern.
+pub fn serve_target(
+    provider: &str,
+    addr: Option<&str>,
+    len: usize,
+    out: &mut dyn std::io::Write,
+    stop: &std::sync::atomic::AtomicBool,
+    limit: Duration,
+) -> Result<bool, BackendError> {
+    let provider = if provider == "tcp" { "tcp;ofi_rxm" } else { provider };
+    let hints = Hints { provider: Some(provider.to_owned()), node: addr.map(str::to_owned), wait_fd: false };
+    let mut ep = RdmEndpoint::open(&hints)?;
+    let dst = HostBuffer::zeroed(len.max(1)).desc();
+    let (_, info) = ep.reg(&dst)?;
+    let line = TargetInfo { name: ep.name().to_vec(), base: info.base, key: info.key, len: len as u64 }.to_line();
+    let io = |e: std::io::Error| BackendError::Protocol {
+        backend: NAME,
+        peer: "baseline initiator".into(),
+        detail: format!("publishing the target line: {e}"),
+    };
+    writeln!(out, "{line}").map_err(io)?;
+    out.flush().map_err(io)?;
+    let deadline = Instant::now() + limit;
+    let mut events = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        if ep.poll(&mut events, 64)? == 0 {
+            std::thread::yield_now();
+        }
+        events.clear();
+        if Instant::now() > deadline {
+            return Err(BackendError::Timeout {
+                backend: NAME,
+                what: "baseline target: the initiator's end".into(),
+                after: limit,
+            });
+        }
+    }
+    // A few more polls, for providers that still place bytes after the initiator's completion.
+    for _ in 0..1000 {
+        ep.poll(&mut events, 64)?;
+        events.clear();
+    }
+    let g = dst.read_guard(0, len as u64).map_err(|e| BackendError::Protocol {
+        backend: NAME,
+        peer: "baseline initiator".into(),
+        detail: format!("reading the target buffer back: {e}"),
+    })?;
+    Ok(g.as_slice().iter().enumerate().all(|(i, &b)| b == pattern_byte(i)))
+}
+
+/// The initiator side of the two-process baseline: writes `size`-byte `fi_write`s covering the
+/// target's buffer in order (wrapping), up to `window` in flight, `writes` of them timed after a
+/// warm-up, and polls its own completion queue. The source is a buffer of the target's length
+/// holding the pattern [`serve_target`] checks. Fails after `limit`.
+pub fn write_to_target(
+    provider: &str,
+    addr: Option<&str>,
+    target: &TargetInfo,
+    size: usize,
+    writes: usize,
+    window: usize,
+    limit: Duration,
+) -> Result<Measurement, BackendError> {
+    let provider = if provider == "tcp" { "tcp;ofi_rxm" } else { provider };
+    let size = size.max(1);
+    let blocks = (target.len as usize / size).max(1);
+    if (size as u64) > target.len {
+        return Err(BackendError::Protocol {
+            backend: NAME,
+            peer: "baseline target".into(),
+            detail: format!("writes of {size} bytes into a target buffer of {} bytes", target.len),
+        });
+    }
+    let hints = Hints { provider: Some(provider.to_owned()), node: addr.map(str::to_owned), wait_fd: false };
+    let mut ep = RdmEndpoint::open(&hints)?;
+    let pattern: Vec<u8> = (0..target.len as usize).map(pattern_byte).collect();
+    let src = HostBuffer::from_slice(&pattern).desc();
+    let (src_mr, _) = ep.reg(&src)?;
+    let dest = ep.av_insert(&target.name)?;
+    let window = window.max(1);
+    let warmup = (writes / 10).clamp(1, 16);
+    // Every block at least once, so the target's check sees the whole pattern.
+    let total = (writes + warmup).max(blocks);
+    let deadline = Instant::now() + limit;
+    let (mut posted, mut done) = (0usize, 0usize);
+    let mut start = Instant::now();
+    let mut events = Vec::new();
+    while done < total {
+        while posted < total && posted - done < window {
+            let off = (posted % blocks * size) as u64;
+            let local = LocalRange { mr: src_mr, offset: off, len: size as u64 };
+            let remote = RemoteIov { addr: target.base + off, len: size as u64, key: target.key };
+            match ep.write_plain(dest, local, remote, posted as u64) {
+                Ok(()) => posted += 1,
+                Err(PostError::Again) => break,
+                Err(PostError::Failed(e)) => return Err(e),
+            }
+        }
+        ep.poll(&mut events, 64)?;
+        for e in events.drain(..) {
+            if let Event::Done { error, .. } = e {
+                if let Some(err) = error {
+                    return Err(BackendError::Ffi {
+                        backend: NAME,
+                        call: "fi_write (completion)",
+                        code: -i64::from(err.code),
+                        detail: err.detail,
+                    });
+                }
+                done += 1;
+                if done == warmup {
+                    start = Instant::now();
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(BackendError::Timeout {
+                backend: NAME,
+                what: format!("baseline: {done} of {total} writes of {size} bytes over {provider}"),
+                after: limit,
+            });
+        }
+    }
+    Ok(Measurement { size, writes: total - warmup, window, elapsed: start.elapsed() })
+}

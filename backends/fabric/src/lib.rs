@@ -42,7 +42,9 @@ use std::sync::Arc;
 
 use kvxfer_core::{BackendConfig, BackendError, Capabilities, Completion, KvTransferBackend, Limits};
 
-pub use backend::{capabilities_for, AttachedMode, FabricBackend, Options, KNOWN_OPTIONS, MAX_NOTIFICATION};
+pub use backend::{
+    capabilities_for, AttachedMode, FabricBackend, Options, KNOWN_OPTIONS, MAX_IN_FLIGHT, MAX_NOTIFICATION,
+};
 
 /// Registry name.
 pub const NAME: &str = "fabric";

@@ -198,21 +198,105 @@ fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, 
         #[cfg(feature = "fabric")]
         "fabric" => {
             let prov = opt("provider").or_else(|| std::env::var("FI_PROVIDER").ok()).unwrap_or_else(|| "tcp".into());
-            let addr = (prov == "tcp").then_some("127.0.0.1");
-            let r = kvxfer::backends::fabric::baseline::write_bandwidth(
-                &prov,
-                addr,
-                block as usize,
-                iters,
-                8,
-                Duration::from_secs(120),
-            );
-            Some((
-                format!("fi_write loop, provider {prov}, 8 in flight"),
-                r.map(|m| m.bytes_per_sec() / 1e9).map_err(|e| e.to_string()),
-            ))
+            // The backend's window: 16 MiB of writes in flight (at least 2 writes).
+            let window = (kvxfer::backends::fabric::MAX_IN_FLIGHT / block.max(1)).max(2) as usize;
+            let r = fabric_two_process(&prov, block, total, iters, window);
+            Some((format!("fi_write loop, two processes, provider {prov}, {window} in flight"), r))
         }
         _ => None,
+    }
+}
+
+/// The two-process `fi_write` baseline: a `fabric-baseline-target` process registers `total` bytes
+/// and publishes its address and key on stdout; this process writes `block`-sized writes into it.
+#[cfg(feature = "fabric")]
+fn fabric_two_process(prov: &str, block: u64, total: u64, iters: usize, window: usize) -> Result<f64, String> {
+    use kvxfer::backends::fabric::baseline;
+    let addr = (prov == "tcp").then_some("127.0.0.1");
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
+    let mut child = Command::new(exe)
+        .args(["fabric-baseline-target", "--provider", prov, "--len", &total.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start the baseline target process: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let result = (|| {
+        let mut line = String::new();
+        stdout.read_line(&mut line).map_err(|e| format!("baseline target: {e}"))?;
+        let target = baseline::TargetInfo::parse(line.trim()).map_err(|e| e.to_string())?;
+        let m = baseline::write_to_target(prov, addr, &target, block as usize, iters, window, Duration::from_secs(120))
+            .map_err(|e| e.to_string())?;
+        writeln!(stdin, "done").map_err(|e| format!("baseline target: {e}"))?;
+        let mut verdict = String::new();
+        stdout.read_line(&mut verdict).map_err(|e| format!("baseline target: {e}"))?;
+        match verdict.trim() {
+            "ok" => Ok(m.bytes_per_sec() / 1e9),
+            v => Err(format!("baseline target: {v}")),
+        }
+    })();
+    drop(stdin);
+    // The target exits after its verdict (or when its stdin closes); bounded wait, then kill.
+    let end = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().ok().flatten().is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if child.try_wait().ok().flatten().is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    result
+}
+
+/// Arguments of the two-process fabric baseline's target (started by `bench`).
+#[cfg(feature = "fabric")]
+#[derive(Debug, clap::Args)]
+pub struct FabricTargetArgs {
+    /// Provider (`tcp` means `tcp;ofi_rxm`).
+    #[arg(long)]
+    pub provider: String,
+    /// Bytes to register.
+    #[arg(long)]
+    pub len: u64,
+    /// Longest run, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub limit_s: u64,
+}
+
+/// The target process of the two-process fabric baseline: prints its line, serves until `done` (or
+/// the end of stdin), then prints `ok` or what went wrong.
+#[cfg(feature = "fabric")]
+pub fn fabric_target(args: &FabricTargetArgs) -> ExitCode {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let s2 = stop.clone();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::stdin().lock().read_line(&mut line);
+        s2.store(true, Ordering::Release);
+    });
+    let addr = (args.provider == "tcp").then_some("127.0.0.1");
+    let mut out = std::io::stdout();
+    let r = kvxfer::backends::fabric::baseline::serve_target(
+        &args.provider,
+        addr,
+        args.len as usize,
+        &mut out,
+        &stop,
+        Duration::from_secs(args.limit_s),
+    );
+    let verdict = match r {
+        Ok(true) => "ok".to_owned(),
+        Ok(false) => "the destination does not hold the written bytes".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    println!("{verdict}");
+    if verdict == "ok" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

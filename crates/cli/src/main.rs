@@ -35,6 +35,10 @@ enum Command {
     /// The receiving process of `bench` (started by it).
     #[command(hide = true)]
     BenchPeer(bench::PeerArgs),
+    /// The target process of the two-process fabric baseline (started by `bench`).
+    #[cfg(feature = "fabric")]
+    #[command(hide = true)]
+    FabricBaselineTarget(bench::FabricTargetArgs),
 }
 
 /// Log filter: `KVXFER_LOG`, else `RUST_LOG`, else `warn` (the library's warnings: refused
@@ -60,5 +64,7 @@ fn main() -> ExitCode {
         Command::Bootstrap(args) => bootstrap::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::BenchPeer(args) => bench::peer(&args),
+        #[cfg(feature = "fabric")]
+        Command::FabricBaselineTarget(args) => bench::fabric_target(&args),
     }
 }
