@@ -399,7 +399,7 @@ impl State {
                 continue;
             }
             let t = &job.target;
-            if pings.get(&t.fi_addr).is_none_or(|last| now.duration_since(*last) >= HOT_PING) {
+            if !pings.get(&t.fi_addr).is_some_and(|last| now.duration_since(*last) < HOT_PING) {
                 pings.insert(t.fi_addr, now);
                 due.push((t.fi_addr, t.nonce));
             }
