@@ -73,22 +73,7 @@ pub fn write_bandwidth(
         }
         a.poll(&mut events, 64)?;
         b.poll(&mut Vec::new(), 16)?;
-        for e in events.drain(..) {
-            if let Event::Done { error, .. } = e {
-                if let Some(err) = error {
-                    return Err(BackendError::Ffi {
-                        backend: NAME,
-                        call: "fi_write (completion)",
-                        code: -i64::from(err.code),
-                        detail: err.detail,
-                    });
-                }
-                done += 1;
-                if done == warmup {
-                    start = Instant::now();
-                }
-            }
-        }
+        count_writes(&mut events, &mut done, warmup, &mut start)?;
         if Instant::now() > deadline {
             return Err(BackendError::Timeout {
                 backend: NAME,
@@ -267,22 +252,7 @@ pub fn write_to_target(
             }
         }
         ep.poll(&mut events, 64)?;
-        for e in events.drain(..) {
-            if let Event::Done { error, .. } = e {
-                if let Some(err) = error {
-                    return Err(BackendError::Ffi {
-                        backend: NAME,
-                        call: "fi_write (completion)",
-                        code: -i64::from(err.code),
-                        detail: err.detail,
-                    });
-                }
-                done += 1;
-                if done == warmup {
-                    start = Instant::now();
-                }
-            }
-        }
+        count_writes(&mut events, &mut done, warmup, &mut start)?;
         if Instant::now() > deadline {
             return Err(BackendError::Timeout {
                 backend: NAME,
@@ -292,4 +262,31 @@ pub fn write_to_target(
         }
     }
     Ok(Measurement { size, writes: total - warmup, window, elapsed: start.elapsed() })
+}
+
+/// Counts the write completions in `events` (draining it); the clock restarts when the warm-up
+/// writes are done. A failed completion is the error.
+fn count_writes(
+    events: &mut Vec<Event>,
+    done: &mut usize,
+    warmup: usize,
+    start: &mut Instant,
+) -> Result<(), BackendError> {
+    for e in events.drain(..) {
+        if let Event::Done { error, .. } = e {
+            if let Some(err) = error {
+                return Err(BackendError::Ffi {
+                    backend: NAME,
+                    call: "fi_write (completion)",
+                    code: -i64::from(err.code),
+                    detail: err.detail,
+                });
+            }
+            *done += 1;
+            if *done == warmup {
+                *start = Instant::now();
+            }
+        }
+    }
+    Ok(())
 }
