@@ -124,7 +124,11 @@ pub struct AgentConfig {
     pub notify: NotifyStyle,
     /// The metadata store (`host:port` of a bootstrap service, or `etcd://...`).
     pub metadata: MetadataAddr,
-    /// TTL of this rank's lease in the store: a rank that stops renewing it is reported lost.
+    /// TTL of this rank's lease in the store: a rank that stops renewing it is reported lost. A rank
+    /// restarted while its previous process's lease still runs (restarted at once after a crash)
+    /// waits in [`Agent::start`] up to `lease_ttl` + 1 s for that lease to expire, then registers
+    /// under a new epoch; if the record is still held then, another live process serves this rank
+    /// and `start` fails naming it.
     pub lease_ttl: Duration,
     /// How long [`Agent::start`]'s background connect waits for the peer ranks to register.
     pub connect_timeout: Duration,
@@ -472,6 +476,12 @@ impl fmt::Debug for Agent {
 /// bounds it by its own deadline first).
 const DISCONNECT_BOUND: Duration = Duration::from_secs(120);
 
+/// How long [`Agent::start`] waits for a previous process's record of this rank to expire: its
+/// lease TTL (taken to be this rank's `lease_ttl`) and 1 s for the store's expiry.
+fn rejoin_wait(cfg: &AgentConfig) -> Duration {
+    cfg.lease_ttl + Duration::from_secs(1)
+}
+
 /// How often the progress task wakes when nothing arrives (deadlines, early-buffer ages).
 const TICK: Duration = Duration::from_millis(20);
 
@@ -547,8 +557,10 @@ impl Agent {
             spec: topo.side(role),
             label: cfg.label.clone(),
         };
-        let membership =
-            Membership::join(Arc::clone(&store), me.clone(), cfg.lease_ttl).await.map_err(|e| setup(e.to_string()))?;
+        // A rank restarted right after a crash finds its old record until the old lease expires.
+        let membership = Membership::join_waiting(Arc::clone(&store), me.clone(), cfg.lease_ttl, rejoin_wait(&cfg))
+            .await
+            .map_err(|e| setup(e.to_string()))?;
         let (watch, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| setup(e.to_string()))?;
         let epoch = membership.epoch();
         let peers: BTreeMap<RankId, Peer> = match role {
@@ -738,8 +750,15 @@ impl Agent {
             tokio::time::sleep(TICK).await;
         }
         self.inner.stop.cancel("shutdown");
+        // The tasks end at the cancel, unless one is inside a store or backend call that has not
+        // answered (an unreachable store): all of them together get at most 2 s, never past the
+        // deadline; one still running is aborted.
+        let tasks_until = tokio::time::Instant::from_std(deadline.min(Instant::now() + Duration::from_secs(2)));
         for t in self.tasks.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+            let abort = t.abort_handle();
+            if tokio::time::timeout_at(tasks_until, t).await.is_err() {
+                abort.abort();
+            }
         }
         let mut first: Option<EngineError> = None;
         if let Some(m) = self.membership.take() {

@@ -293,3 +293,37 @@ mod etcd {
         assert!(e.to_string().contains(&etcd.endpoint()), "{e}");
     }
 }
+
+/// A rank restarted right after a crash (its old lease still running) registers once that lease
+/// expired, under a higher epoch; a second live process of the rank is still refused, after the wait.
+#[tokio::test]
+async fn a_restarted_rank_waits_out_its_old_lease() {
+    let m = Arc::new(MemShared::new());
+    let s = in_process("/rejoin", &m);
+    let first = Membership::join(Arc::clone(&s), reg(Side::Prefill, 0, spec(1, 16), "first"), TTL).await.unwrap();
+    // Alive: the wait ends in the duplicate error, naming the live one.
+    let t0 = Instant::now();
+    let wait = Duration::from_millis(600);
+    let e = Membership::join_waiting(Arc::clone(&s), reg(Side::Prefill, 0, spec(1, 16), "second"), TTL, wait)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MetadataError::Duplicate { .. }) && e.to_string().contains("first"), "{e}");
+    assert!(t0.elapsed() >= wait, "gave up after {:?}, before its wait of {wait:?}", t0.elapsed());
+    // Crashed (keep-alive gone, lease still running): the restart registers once it expired.
+    let old = first.epoch();
+    drop(first);
+    let t0 = Instant::now();
+    let again = Membership::join_waiting(
+        Arc::clone(&s),
+        reg(Side::Prefill, 0, spec(1, 16), "restarted"),
+        TTL,
+        TTL + Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    let took = t0.elapsed();
+    assert!(again.epoch() > old, "epoch {} after {old}", again.epoch());
+    assert!(took <= TTL + Duration::from_secs(1), "registered after {took:?}");
+    eprintln!("restart registered {took:?} after the crash (TTL {TTL:?})");
+    again.leave().await.unwrap();
+}

@@ -342,6 +342,29 @@ impl Membership {
         Ok(Self { store, me, key, lease, epoch, ttl, keeper, health })
     }
 
+    /// [`Membership::join`], but a rank whose record is still held by a lease (a previous process of
+    /// this rank that crashed moments ago, its lease not yet expired) is tried again every 100 ms
+    /// for up to `wait`: a dead process's lease expires within its TTL, so a supervisor may restart
+    /// a crashed rank at once. A record still held after `wait` belongs to a live process of the
+    /// same rank (or to one whose TTL is longer than `wait`): [`MetadataError::Duplicate`] then.
+    /// Every other error returns at once.
+    pub async fn join_waiting(
+        store: Arc<dyn MetadataStore>,
+        me: Registration,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Self, MetadataError> {
+        let end = tokio::time::Instant::now() + wait;
+        loop {
+            match Self::join(Arc::clone(&store), me.clone(), ttl).await {
+                Err(MetadataError::Duplicate { .. }) if tokio::time::Instant::now() < end => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// The epoch: the store revision that created this rank's record.
     pub fn epoch(&self) -> u64 {
         self.epoch
