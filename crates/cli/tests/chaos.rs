@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `kill9_decode` | SIGKILL of the decode worker mid-transfer | prefill names `decode rank 0/0` lost, exits non-zero |
 //! | `kill9_prefill` | SIGKILL of the prefill worker mid-transfer | decode names `prefill rank 0/0` lost, exits non-zero, no wrong byte verified |
-//! | `kill9_prefill_later_requests` | SIGKILL of the prefill worker under an in-process decode `Agent` | a request registered after the loss fails at once (not at its 60 s deadline), naming the rank |
+//! | `kill9_prefill_later_requests` | SIGKILL of the prefill worker under an in-process decode `Agent`, then a restart | a request registered after the loss fails at once (not at its 60 s deadline), naming the rank; the restarted rank (new epoch) rejoins and serves the next request |
 //! | `sigstop_prefill`, `sigstop_decode` | SIGSTOP of one worker (sockets stay open; tcp `timeout_s=5`, ucx / fabric `timeout_ms=5000`) | the peer names it by its lease; exits once the stalled link fails; then SIGCONT and clean-up |
 //! | `bootstrap_killed` | SIGKILL of the metadata service mid-run | both workers fail naming the store, exit non-zero |
 //! | `forged_notification` | a client that read the decode's endpoint metadata sends chunk notifications on its data port (`KVXFER_SECRET` set) | refused at the handshake naming authentication, nothing applied, every request verified (skipped, saying why, on a tcp backend that does not authenticate) |
@@ -14,14 +14,20 @@
 //! | `fd_exhaustion` | up to 2,000 idle connections from 127.0.0.2 to the bootstrap and to the data port of a decode under `ulimit -n 2048` | the bootstrap refuses beyond its per-source limit naming the source; the data port (no connection limit of its own) sheds them at the handshake deadline; then the real ranks finish |
 //! | `demo_worker_killed` | SIGKILL of the decode worker under `kvxfer demo` | the demo exits non-zero naming the worker and the signal; nothing left running |
 //! | `demo_killed` | SIGKILL of `kvxfer demo` (its store outside) | each orphaned worker names its parent and exits |
-//! | `link_cut` | the veth between two network namespaces goes down mid-run (root only) | decode names the prefill lost, prefill names the store, both exit |
+//! | `link_cut` | the veth between two network namespaces goes down mid-run (root only; ucx over its tcp transport on the veth, fabric's tcp provider bound to it) | decode names the prefill lost, prefill names the store, both exit |
 //!
 //! Every wait is bounded; every process is killed (after a SIGCONT) when its guard drops, also on a
 //! panic. Each case runs under `catch_unwind`, so one failing case does not hide the others; the test
-//! fails at the end if any case failed. Filters: `KVXFER_CHAOS_CASES=kill9_decode,slowloris` runs only
-//! those; `KVXFER_CHAOS_SLOW=1` adds the slow cases (every case on ucx / fabric when built with those
-//! features). `link_cut` skips, saying why, where network namespaces cannot be made (not root).
-//! Cases on tcp: about 44 s on 2 cores.
+//! fails at the end if any case failed. Filters: `KVXFER_CHAOS_CASES=kill9_decode,slowloris` (or
+//! `case:backend`) runs only those; `KVXFER_CHAOS_SLOW=1` adds the slow cases (every case on ucx /
+//! fabric when built with those features); `KVXFER_CHAOS_BACKENDS=ucx,fabric` keeps only those
+//! backends' cases (CI's ucx / fabric step). `link_cut` skips, saying why, where network namespaces
+//! cannot be made (not root). Cases on tcp: about 44 s on 2 cores; ucx and fabric: about 150 s.
+//!
+//! On ucx and fabric, `forged_notification` and `impersonated_identity` attack with an endpoint of
+//! the same backend made in this process without the secret (their data ports speak the C
+//! library's protocol, not tcp's); `slowloris` and `fd_exhaustion` run on tcp only: the bootstrap
+//! port is the same for every backend, and ucx and fabric listen inside the C library.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -33,7 +39,7 @@ use std::time::{Duration, Instant};
 use kvxfer::engine::{identity, Agent, AgentConfig, KvMemory, Phase};
 use kvxfer::metadata::{self, MetadataAddr};
 use kvxfer_core::{Attention, KvSpec, Layout, Notification, Parallel, RankId, RequestId, SenderKey, Side, SideSpec};
-use kvxfer_core::{Secret, Topology};
+use kvxfer_core::{BackendConfig, EndpointMetadata, Secret, Topology};
 use serde_json::Value;
 
 mod support;
@@ -60,20 +66,37 @@ const SIGSTOP_EXIT_BOUND: Duration = Duration::from_secs(TCP_TIMEOUT_S + 5 + 2);
 /// the lost peer, its in-flight writes fail after `timeout_ms`; then the survivor's registration
 /// close waits up to `timeout_ms` more for the frozen peer's revoke acknowledgement (with UCX's
 /// put path a frozen peer could still write into the region when it wakes); + the lease TTL the
-/// loss is named after, + 5 s for the worker's own shutdown.
-const SIGSTOP_EXIT_BOUND_C: Duration = Duration::from_secs(2 * TCP_TIMEOUT_S + TTL.as_secs() + 5);
+/// loss is named after, + 5 s for the worker's own shutdown, + the endpoint's teardown
+/// ([`C_TEARDOWN`]).
+const SIGSTOP_EXIT_BOUND_C: Duration = Duration::from_secs(2 * TCP_TIMEOUT_S + TTL.as_secs() + 5 + C_TEARDOWN);
+/// Dropping a ucx endpoint whose peer is unreachable: its progress thread gives the last closes
+/// and transfers 2 s, then the goodbyes and endpoint flushes 2 s more (`SHUTDOWN_WAIT` in
+/// `backends/ucx/src/engine.rs`); it runs after the agent's shutdown returned. Seconds.
+const C_TEARDOWN: u64 = 4;
 /// A request registered after its sender was lost fails "at once" (issue 14): 1 s, against the
 /// request deadline of 60 s it used to wait.
 const LATE_REQUEST_BOUND: Duration = Duration::from_secs(1);
+/// ... until the rank comes back under a new epoch: a restarted prefill process serves a request
+/// registered once it runs within this (its start-up, registration and connect, a few seconds on 2
+/// loaded cores; 15 s).
+const REJOIN_BOUND: Duration = Duration::from_secs(15);
 /// The metadata service killed: every store call fails within its bound (5 s,
 /// `metadata::DEFAULT_OP_TIMEOUT`) with an error naming the store; + 1 s slack.
 const STORE_NAMED_BOUND: Duration = Duration::from_secs(6);
 /// ... and a worker whose store stays unreachable longer than the TTL aborts and exits: the store
 /// bound (5 s) + TTL (2 s) + the request's abort fence and the shutdown deadline (5 s) + 3 s slack.
 const STORE_EXIT_BOUND: Duration = Duration::from_secs(15);
+/// The same for ucx and fabric cut off from their peer and store (`link_cut`): the store bound
+/// (5 s) + TTL (2 s), then the aborted request's writes to the unreachable peer and the revoke
+/// acknowledgement it never sends each time out (`timeout_ms`, 5 s), the endpoint's teardown
+/// ([`C_TEARDOWN`]), + 3 s slack.
+const STORE_EXIT_BOUND_C: Duration = Duration::from_secs(5 + TTL.as_secs() + 2 * TCP_TIMEOUT_S + C_TEARDOWN + 3);
 /// The data port's handshake deadline for unauthenticated connections ("a few seconds", issue 14;
 /// the tcp backend's default), + 1 s slack.
 const TCP_HANDSHAKE_BOUND: Duration = Duration::from_secs(6);
+/// ucx / fabric: a connect by an endpoint without the cluster secret is refused (the accepting side's
+/// challenge-response over the backend's own messages) within the same bound.
+const ENDPOINT_AUTH_BOUND: Duration = Duration::from_secs(6);
 /// The bootstrap's `--idle-timeout-s` in the slowloris case (3 s) + 1 s slack.
 const BOOT_IDLE_S: u64 = 3;
 const BOOT_IDLE_BOUND: Duration = Duration::from_secs(BOOT_IDLE_S + 1);
@@ -310,7 +333,8 @@ fn worker(addr: &str, role: &str, o: &WorkerOpts<'_>) -> Proc {
     c.args(["worker", "--bootstrap", addr, "--role", role, "--layers", "4", "--timeout-s", "30"])
         .args(["--lease-ttl-s", &TTL.as_secs().to_string(), "--prefill-tp", "1", "--decode-tp", "1"])
         .args(["--backend", o.backend])
-        .args(backend_opts(o.backend))
+        // Inside a namespace the case names the device itself (`netns_opts`).
+        .args(if o.netns.is_none() { backend_opts(o.backend) } else { Vec::new() })
         .args(&o.extra);
     o.env.apply(&mut c);
     Proc::spawn(&format!("{role} worker"), c)
@@ -508,7 +532,8 @@ fn bootstrap_killed(backend: &str) -> CaseOut {
 }
 
 /// The decode side in this process (an engine `Agent`), a prefill worker process killed under it;
-/// a request registered after the loss must fail at once, naming the rank.
+/// a request registered after the loss must fail at once, naming the rank; once the rank is
+/// restarted (a new epoch), its requests complete again.
 fn later_requests(backend: &str) -> CaseOut {
     let (_boot, addr) = bootstrap(Env { secret: false }, &[], None);
     let o = WorkerOpts { backend, env: Env { secret: false }, extra: stream(None), netns: None, nofile: None };
@@ -579,10 +604,25 @@ fn later_requests(backend: &str) -> CaseOut {
         );
         let m = measure("later request failed", took, LATE_REQUEST_BOUND);
         let _ = rx.release();
+        // The rank comes back (a new process: a new epoch). Its first request, 0 again, completes:
+        // the loss holds only until the peer rejoins.
+        drop(p);
+        let t2 = Instant::now();
+        let _p2 = worker(&addr, "prefill", &o);
+        // An engine learns of the rejoin from `is_connected` / `wait_connected` (a request registered
+        // before it fails at once, as above).
+        agent.wait_connected(t2 + REJOIN_BOUND + Duration::from_secs(10)).await.expect("the restarted prefill rejoins");
+        let m_join = measure("rejoined", t2.elapsed(), REJOIN_BOUND);
+        let rx = agent.receiver(RequestId(0)).unwrap();
+        rx.send_metadata(&pages, None).unwrap();
+        let st = rx.wait(t2 + REJOIN_BOUND + Duration::from_secs(10)).await.expect("request after the rejoin");
+        assert_eq!(st.phase, Phase::Success, "the restarted prefill's request did not complete: {st:?}");
+        let m2 = measure("restarted rank served", t2.elapsed(), REJOIN_BOUND);
+        let _ = rx.release();
         let _ = agent.shutdown(Instant::now() + Duration::from_secs(5)).await;
         (
-            secs(LATE_REQUEST_BOUND),
-            format!("loss counted {}, {m}", secs(seen)),
+            format!("{}; rejoin {}", secs(LATE_REQUEST_BOUND), secs(REJOIN_BOUND)),
+            format!("loss counted {}, {m}, {m_join}, {m2}", secs(seen)),
             format!("reason: {}", why.chars().take(90).collect::<String>()),
         )
     })
@@ -838,7 +878,18 @@ fn hostile_run(
     extra: &[String],
     attack: impl FnOnce(&str) -> Result<CaseOut, String>,
 ) -> Result<CaseOut, String> {
-    let (_boot, addr, mut d, mut p) = running_with("tcp", env, boot_extra, extra);
+    hostile_run_on("tcp", env, boot_extra, extra, attack)
+}
+
+/// [`hostile_run`] on `backend`.
+fn hostile_run_on(
+    backend: &str,
+    env: Env,
+    boot_extra: &[&str],
+    extra: &[String],
+    attack: impl FnOnce(&str) -> Result<CaseOut, String>,
+) -> Result<CaseOut, String> {
+    let (_boot, addr, mut d, mut p) = running_with(backend, env, boot_extra, extra);
     let out = attack(&addr)?;
     let v = still_serving(&mut d, &mut p, 3);
     Ok((out.0, out.1, format!("{}; {v}", out.2)))
@@ -878,6 +929,109 @@ fn forged_notification() -> Result<CaseOut, String> {
                 answer_note(&a)
             ),
         ))
+    })
+}
+
+/// The decode rank 0/0's endpoint metadata and epoch as the store holds them, read with the secret
+/// (standing for one who saw them on the wire).
+fn read_endpoint(boot: &str) -> Result<(EndpointMetadata, u64), String> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let a = MetadataAddr::parse(&format!("bootstrap://{boot}")).unwrap();
+        let s = Secret::new(SECRET.as_bytes().to_vec()).unwrap();
+        let store = metadata::connect_with(&a, Duration::from_secs(5), Some(s)).await.map_err(|e| e.to_string())?;
+        let (e, _) = store.get("ranks/decode/0.0").await.map_err(|e| e.to_string())?;
+        let e = e.ok_or("no decode record")?;
+        let md: EndpointMetadata = serde_json::from_value(e.value["registration"]["endpoint"].clone())
+            .map_err(|err| format!("endpoint metadata: {err}"))?;
+        Ok((md, e.create_revision))
+    })
+}
+
+/// An endpoint of `backend` in this process that claims `identity`, with `secret` (None: none),
+/// connects to the decode's endpoint `md` and, if that is not refused, sends it `notes`. Returns how
+/// long until the refusal and what it said; panics if the connection was not refused naming
+/// authentication.
+fn endpoint_attack(
+    backend: &str,
+    md: &EndpointMetadata,
+    identity: u64,
+    secret: Option<&str>,
+    notes: &[Notification],
+) -> (Duration, String) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut cfg =
+            BackendConfig::new(identity).with_secret(secret.map(|s| Secret::new(s.as_bytes().to_vec()).unwrap()));
+        for kv in backend_opts(backend).chunks(2) {
+            let (k, v) = kv[1].split_once('=').unwrap();
+            cfg = cfg.with(k, v);
+        }
+        let ep = kvxfer::backends::create(backend, &cfg).expect("attacker endpoint");
+        let t0 = Instant::now();
+        let r = tokio::time::timeout(ENDPOINT_AUTH_BOUND + Duration::from_secs(10), ep.connect(md)).await;
+        let took = t0.elapsed();
+        let out = match r {
+            Err(_) => panic!("connect without the secret neither failed nor succeeded within {:?}", took),
+            Ok(Ok(peer)) => {
+                // A transport that learns of the refusal only on first use: the forged notes must fail
+                // (and the real ranks' accounting below shows none was applied); the case fails anyway.
+                let mut sent = Vec::new();
+                for n in notes {
+                    sent.push(format!("{:?}", ep.notify(peer, n).await.err()));
+                }
+                panic!("an endpoint without the cluster secret connected to the decode (notes: {sent:?})")
+            }
+            Ok(Err(e)) => {
+                let why = e.to_string();
+                let l = why.to_lowercase();
+                assert!(
+                    l.contains("authenticat") || l.contains("secret"),
+                    "connect failed, but not naming authentication: {why}"
+                );
+                (took, why)
+            }
+        };
+        drop(ep);
+        out
+    })
+}
+
+/// ucx / fabric: an endpoint without the secret, claiming prefill rank 0/0, tries to send chunk
+/// notifications (last chunk of the next requests, their generations guessed from the epoch) to the
+/// decode. The connect is refused naming authentication; the real ranks go on verifying.
+fn endpoint_forged_notification(backend: &'static str) -> Result<CaseOut, String> {
+    hostile_run_on(backend, Env { secret: true }, &[], &[], |boot| {
+        let (md, epoch) = read_endpoint(boot)?;
+        let key = SenderKey::of(RankId::new(0, 0));
+        let notes: Vec<Notification> = (0..24u64)
+            .map(|r| Notification::chunk(RequestId(r), key, 0, true).with_generation((epoch << 32) | r))
+            .collect();
+        let (took, why) = endpoint_attack(backend, &md, identity(Side::Prefill, RankId::new(0, 0)), None, &notes);
+        Ok((
+            secs(ENDPOINT_AUTH_BOUND),
+            measure("refused", took, ENDPOINT_AUTH_BOUND),
+            format!("refused: {}", short(&why)),
+        ))
+    })
+}
+
+/// ucx / fabric: endpoints claiming prefill rank 0/0 (no secret, a wrong one) connect to the decode,
+/// six times; each is refused naming authentication, the real prefill's requests go on.
+fn endpoint_impersonation(backend: &'static str) -> Result<CaseOut, String> {
+    hostile_run_on(backend, Env { secret: true }, &[], &[], |boot| {
+        let (md, _) = read_endpoint(boot)?;
+        let mut worst = Duration::ZERO;
+        let mut said = Vec::new();
+        for i in 0..6 {
+            let secret = (i % 2 == 1).then_some("a made-up cluster secret");
+            let (took, why) = endpoint_attack(backend, &md, identity(Side::Prefill, RankId::new(0, 0)), secret, &[]);
+            worst = worst.max(took);
+            said.push(short(&why));
+        }
+        said.sort();
+        said.dedup();
+        Ok((secs(ENDPOINT_AUTH_BOUND), measure("refused (worst of 6)", worst, ENDPOINT_AUTH_BOUND), said.join(" / ")))
     })
 }
 
@@ -1190,10 +1344,12 @@ impl Drop for Strays {
 
 /// `kvxfer demo` with an endless stream; returns it and its two workers (decode, prefill pids) once
 /// both run.
-fn demo(extra: &[&str]) -> (Proc, u32, u32) {
+fn demo(backend: &str, extra: &[&str]) -> (Proc, u32, u32) {
     let mut c = Command::new(EXE);
     c.args(["demo", "--format", "json", "--layers", "4", "--prefill-tp", "1", "--decode-tp", "1"])
         .args(["--lease-ttl-s", &TTL.as_secs().to_string(), "--timeout-s", "120"])
+        .args(["--backend", backend])
+        .args(backend_opts(backend))
         .args(stream(None))
         .args(extra)
         .env_remove("KVXFER_SECRET");
@@ -1218,8 +1374,8 @@ fn demo(extra: &[&str]) -> (Proc, u32, u32) {
 
 /// SIGKILL of the decode worker under `kvxfer demo`: the demo exits non-zero and names the worker
 /// and how it died (the signal); the prefill worker is stopped, nothing is left running.
-fn demo_worker_killed() -> CaseOut {
-    let (mut d, dec, pre) = demo(&[]);
+fn demo_worker_killed(backend: &str) -> CaseOut {
+    let (mut d, dec, pre) = demo(backend, &[]);
     let _strays = Strays(vec![dec, pre]);
     let st = Command::new("kill").args(["-KILL", &dec.to_string()]).status().unwrap();
     assert!(st.success());
@@ -1255,9 +1411,9 @@ fn demo_worker_killed() -> CaseOut {
 
 /// SIGKILL of `kvxfer demo` itself (its store outside, so only the parent is gone): both workers
 /// notice they were orphaned, name their parent, abort and exit within the bound.
-fn demo_killed() -> CaseOut {
+fn demo_killed(backend: &str) -> CaseOut {
     let (_boot, addr) = bootstrap(Env { secret: false }, &[], None);
-    let (mut d, dec, pre) = demo(&["--metadata", &format!("bootstrap://{addr}")]);
+    let (mut d, dec, pre) = demo(backend, &["--metadata", &format!("bootstrap://{addr}")]);
     let strays = Strays(vec![dec, pre]);
     let demo_pid = d.pid();
     let t0 = d.kill9();
@@ -1282,48 +1438,66 @@ fn demo_killed() -> CaseOut {
     (secs(EXIT_BOUND), ms.join(", "), "each worker named its parent and exited".into())
 }
 
+/// The options that put `backend` on the veth of a namespace (`addr`, its device `veth`): tcp listens
+/// on the address, ucx takes the device and only its tcp transport (shared memory would cross the
+/// namespaces and survive the cut), fabric binds its tcp provider to the address. ucx and fabric
+/// get 5 s transfer timeouts, as in the SIGSTOP cases.
+fn netns_opts(backend: &str, addr: &str, veth: &str) -> Vec<String> {
+    let opts = match backend {
+        "tcp" => vec![format!("listen={addr}:0")],
+        "ucx" => vec![format!("net_devices={veth}"), "tls=tcp".into(), format!("timeout_ms={}", TCP_TIMEOUT_S * 1000)],
+        _ => vec![format!("addr={addr}"), format!("timeout_ms={}", TCP_TIMEOUT_S * 1000)],
+    };
+    opts.into_iter().flat_map(|o| ["--backend-opt".to_owned(), o]).collect()
+}
+
 /// Bootstrap and decode in one namespace, prefill in another; the veth goes down mid-run.
-fn link_cut() -> Result<CaseOut, String> {
+fn link_cut(backend: &str) -> Result<CaseOut, String> {
     let ns =
         support::NetnsPair::create("kvc", 11).map_err(|e| format!("cannot create network namespaces here ({e})"))?;
     assert_eq!(ns.addr_a, NS_ADDR_A);
     let env = Env { secret: false };
     let (_boot, addr) = bootstrap(env, &[], Some(&ns.a));
-    let mut od = WorkerOpts { backend: "tcp", env, extra: stream(None), netns: Some(&ns.a), nofile: None };
-    od.extra.extend(["--backend-opt".into(), format!("listen={}:0", ns.addr_a)]);
+    let mut od = WorkerOpts { backend, env, extra: stream(None), netns: Some(&ns.a), nofile: None };
+    od.extra.extend(netns_opts(backend, &ns.addr_a, &ns.veth_a));
     let mut d = worker(&addr, "decode", &od);
-    let mut op = WorkerOpts { backend: "tcp", env, extra: stream(None), netns: Some(&ns.b), nofile: None };
-    op.extra.extend(["--backend-opt".into(), format!("listen={}:0", ns.addr_b)]);
+    let mut op = WorkerOpts { backend, env, extra: stream(None), netns: Some(&ns.b), nofile: None };
+    op.extra.extend(netns_opts(backend, &ns.addr_b, &ns.veth_b));
     let mut p = worker(&addr, "prefill", &op);
     assert!(d.wait_kind("done", 3, Duration::from_secs(60)), "no request completed:\n{}\n{}", d.output(), p.output());
-    let links = Command::new("ip").args(["-n", &ns.a, "-o", "link", "show", "type", "veth"]).output().unwrap();
-    let links = String::from_utf8_lossy(&links.stdout);
-    let veth = links.split(": ").nth(1).and_then(|n| n.split('@').next()).expect("veth in namespace a").to_owned();
-    let st = Command::new("ip").args(["-n", &ns.a, "link", "set", &veth, "down"]).status().unwrap();
+    let st = Command::new("ip").args(["-n", &ns.a, "link", "set", &ns.veth_a, "down"]).status().unwrap();
     assert!(st.success());
     let t0 = Instant::now();
+    // tcp: the agent's close of the lost peer's connection; ucx / fabric: their transfers to (and
+    // the revoke acknowledgement from) the unreachable peer time out first (`timeout_ms`), as
+    // after a SIGSTOP.
+    let (exit_bound, store_exit_bound) =
+        if backend == "tcp" { (EXIT_BOUND, STORE_EXIT_BOUND) } else { (SIGSTOP_EXIT_BOUND_C, STORE_EXIT_BOUND_C) };
     let named = d
         .line_where(t0, t0 + NAMED_BOUND + Duration::from_secs(10), |l| names_lost(l, "prefill"))
         .unwrap_or_else(|| panic!("decode never named prefill rank 0/0 lost:\n{}", d.output()));
     let m1 = measure("decode named prefill", named.at - t0, NAMED_BOUND);
     let (sd, at) = d
-        .wait_exit(EXIT_BOUND + Duration::from_secs(10))
+        .wait_exit(exit_bound + Duration::from_secs(10))
         .unwrap_or_else(|| panic!("decode did not exit:\n{}", d.output()));
-    let m2 = measure("decode exit", at - t0, EXIT_BOUND);
+    if at - t0 > exit_bound {
+        eprintln!("link_cut: the decode's lines, seconds after the cut:\n{}", timeline(&d, t0));
+    }
+    let m2 = measure("decode exit", at - t0, exit_bound);
     // The prefill lost its store (in the other namespace): it names it and exits.
     let named_p = p
-        .line_where(t0, t0 + STORE_EXIT_BOUND + Duration::from_secs(10), |l| {
+        .line_where(t0, t0 + store_exit_bound + Duration::from_secs(10), |l| {
             l.text.contains(&format!("bootstrap at {addr}"))
         })
         .unwrap_or_else(|| panic!("prefill never named its store:\n{}", p.output()));
     let m3 = measure("prefill named store", named_p.at - t0, STORE_NAMED_BOUND);
     let (spr, at) = p
-        .wait_exit(STORE_EXIT_BOUND + Duration::from_secs(10))
+        .wait_exit(store_exit_bound + Duration::from_secs(10))
         .unwrap_or_else(|| panic!("prefill did not exit:\n{}", p.output()));
-    if at - t0 > STORE_EXIT_BOUND {
+    if at - t0 > store_exit_bound || std::env::var("KVXFER_CHAOS_TIMELINE").is_ok() {
         eprintln!("link_cut: the prefill's lines, seconds after the cut:\n{}", timeline(&p, t0));
     }
-    let m4 = measure("prefill exit", at - t0, STORE_EXIT_BOUND);
+    let m4 = measure("prefill exit", at - t0, store_exit_bound);
     assert!(!sd.success() && !spr.success());
     let v = check_verified(&d, None);
     drop((d, p));
@@ -1331,9 +1505,9 @@ fn link_cut() -> Result<CaseOut, String> {
         format!(
             "named {}, exit {}; store {} / {}",
             secs(NAMED_BOUND),
-            secs(EXIT_BOUND),
+            secs(exit_bound),
             secs(STORE_NAMED_BOUND),
-            secs(STORE_EXIT_BOUND)
+            secs(store_exit_bound)
         ),
         format!("{m1}, {m2}, {m3}, {m4}"),
         v,
@@ -1343,6 +1517,7 @@ fn link_cut() -> Result<CaseOut, String> {
 /// A case of the matrix: name, backend, whether it is slow, and its body (Err: skipped, why).
 type Body = Box<dyn FnOnce() -> Result<CaseOut, String>>;
 
+/// The backends built in, narrowed by `KVXFER_CHAOS_BACKENDS=ucx,fabric` when set.
 fn backends() -> Vec<&'static str> {
     let mut b = vec!["tcp"];
     if cfg!(feature = "ucx") {
@@ -1350,6 +1525,13 @@ fn backends() -> Vec<&'static str> {
     }
     if cfg!(feature = "fabric") {
         b.push("fabric");
+    }
+    if let Ok(only) = std::env::var("KVXFER_CHAOS_BACKENDS") {
+        let only: Vec<&str> = only.split(',').map(str::trim).collect();
+        for o in &only {
+            assert!(b.contains(o), "KVXFER_CHAOS_BACKENDS names {o}, which this build lacks (built: {b:?})");
+        }
+        b.retain(|x| only.contains(x));
     }
     b
 }
@@ -1364,14 +1546,25 @@ fn matrix() -> Vec<(String, &'static str, bool, Body)> {
         m.push(("sigstop_prefill".into(), b, slow, Box::new(move || Ok(sigstop(b, "prefill")))));
         m.push(("sigstop_decode".into(), b, slow, Box::new(move || Ok(sigstop(b, "decode")))));
         m.push(("bootstrap_killed".into(), b, slow, Box::new(move || Ok(bootstrap_killed(b)))));
+        if b == "tcp" {
+            // Raw clients of the tcp data port's own protocol.
+            m.push(("forged_notification".into(), b, false, Box::new(forged_notification)));
+            m.push(("impersonated_identity".into(), b, false, Box::new(impersonated_identity)));
+        } else {
+            // An endpoint of the same backend without the secret, from this process.
+            m.push(("forged_notification".into(), b, slow, Box::new(move || endpoint_forged_notification(b))));
+            m.push(("impersonated_identity".into(), b, slow, Box::new(move || endpoint_impersonation(b))));
+        }
+        m.push(("demo_worker_killed".into(), b, slow, Box::new(move || Ok(demo_worker_killed(b)))));
+        m.push(("demo_killed".into(), b, slow, Box::new(move || Ok(demo_killed(b)))));
+        m.push(("link_cut".into(), b, slow, Box::new(move || link_cut(b))));
     }
-    m.push(("forged_notification".into(), "tcp", false, Box::new(forged_notification)));
-    m.push(("impersonated_identity".into(), "tcp", false, Box::new(impersonated_identity)));
-    m.push(("demo_worker_killed".into(), "tcp", false, Box::new(|| Ok(demo_worker_killed()))));
-    m.push(("demo_killed".into(), "tcp", false, Box::new(|| Ok(demo_killed()))));
-    m.push(("slowloris".into(), "tcp", false, Box::new(slowloris)));
-    m.push(("fd_exhaustion".into(), "tcp", false, Box::new(|| Ok(fd_exhaustion()))));
-    m.push(("link_cut".into(), "tcp", false, Box::new(link_cut)));
+    // The bootstrap port is the same for every backend, the data port's protocol is tcp's own (ucx
+    // and fabric listen inside the C library).
+    if backends().contains(&"tcp") {
+        m.push(("slowloris".into(), "tcp", false, Box::new(slowloris)));
+        m.push(("fd_exhaustion".into(), "tcp", false, Box::new(|| Ok(fd_exhaustion()))));
+    }
     m
 }
 

@@ -24,6 +24,10 @@ pub struct NetnsPair {
     pub addr_a: String,
     /// The address in `b`.
     pub addr_b: String,
+    /// The veth end in `a` (for backends that pick a device by name, like UCX's `net_devices`).
+    pub veth_a: String,
+    /// The veth end in `b`.
+    pub veth_b: String,
 }
 
 impl NetnsPair {
@@ -36,17 +40,19 @@ impl NetnsPair {
             b: format!("{prefix}b{tag}"),
             addr_a: format!("10.231.{subnet}.1"),
             addr_b: format!("10.231.{subnet}.2"),
+            veth_a: format!("{prefix}va{tag}"),
+            veth_b: format!("{prefix}vb{tag}"),
         };
         let (a, b) = (&pair.a, &pair.b);
         ip(&["netns", "add", a])?;
         ip(&["netns", "add", b])?;
-        let (va, vb) = (format!("{prefix}va{tag}"), format!("{prefix}vb{tag}"));
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        ip(&["link", "set", &va, "netns", a])?;
-        ip(&["link", "set", &vb, "netns", b])?;
-        ip(&["-n", a, "addr", "add", &format!("{}/24", pair.addr_a), "dev", &va])?;
-        ip(&["-n", b, "addr", "add", &format!("{}/24", pair.addr_b), "dev", &vb])?;
-        for (ns, v) in [(a, &va), (b, &vb)] {
+        let (va, vb) = (&pair.veth_a, &pair.veth_b);
+        ip(&["link", "add", va, "type", "veth", "peer", "name", vb])?;
+        ip(&["link", "set", va, "netns", a])?;
+        ip(&["link", "set", vb, "netns", b])?;
+        ip(&["-n", a, "addr", "add", &format!("{}/24", pair.addr_a), "dev", va])?;
+        ip(&["-n", b, "addr", "add", &format!("{}/24", pair.addr_b), "dev", vb])?;
+        for (ns, v) in [(a, va), (b, vb)] {
             ip(&["-n", ns, "link", "set", v, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
