@@ -167,6 +167,9 @@ struct Job {
     srcs: HashMap<RegionId, RegionRef>,
     maps: HashMap<RegionId, Rc<MemHandle>>,
     dsts: HashMap<RegionId, Rc<Remote>>,
+    /// The last (source, destination) pair `post_put` looked up: consecutive pieces mostly share
+    /// their regions, so most pieces skip both lookups. Cleared with `dsts` entries on a revoke.
+    hot: Option<(RegionId, RegionId, Rc<MemHandle>, Rc<Remote>)>,
     reqs: Vec<Request>,
     started: bool,
     posted: bool,
@@ -185,7 +188,8 @@ struct Job {
     deadline: Option<Instant>,
     /// Pieces posted since the progress loop last looked: the loop keeps going without a nap
     /// while a transfer is posting (posting alone makes `ucp_worker_progress` report nothing
-    /// when puts complete in the call, as cma's do).
+    /// when puts complete in the call, as UCX 1.13's emulated puts over shared memory do once
+    /// copied into the peer's FIFO).
     worked: bool,
 }
 
@@ -198,6 +202,7 @@ impl Job {
             srcs: HashMap::new(),
             maps: HashMap::new(),
             dsts: HashMap::new(),
+            hot: None,
             reqs: Vec::new(),
             started: false,
             posted: false,
@@ -414,9 +419,13 @@ impl Job {
 
     fn post_put(&mut self, c: &Ctx<'_>) -> Result<Posted, BackendError> {
         let s = self.segs.pop_front().expect("checked");
-        let (Some(memh), Some(dst)) = (self.maps.get(&s.src), self.dsts.get(&s.dst)) else {
-            return Ok(Posted::Done);
-        };
+        if !matches!(&self.hot, Some((src, dst, ..)) if *src == s.src && *dst == s.dst) {
+            let (Some(memh), Some(dst)) = (self.maps.get(&s.src), self.dsts.get(&s.dst)) else {
+                return Ok(Posted::Done);
+            };
+            self.hot = Some((s.src, s.dst, memh.clone(), dst.clone()));
+        }
+        let (_, _, memh, dst) = self.hot.as_ref().expect("just set");
         let Some(rkey) = &dst.rkey else { return Ok(Posted::Done) };
         // SAFETY (of the call below, see `Endpoint::put`): the job holds the source registration
         // and its RegionRef until it is final, which is after the flush posted when it seals;
@@ -479,6 +488,9 @@ struct Peer {
     /// The disconnect waiting for this peer's jobs: (reply, deadline, goodbye flush).
     closing: Option<(Reply, Instant, Option<Request>, bool)>,
     ep: Rc<Endpoint>,
+    /// How errors name this peer (`desc(pid, identity)`), made once: the progress loop polls the
+    /// peer every turn.
+    desc: String,
 }
 
 fn desc(id: PeerId, identity: u64) -> String {
@@ -493,13 +505,13 @@ impl Peer {
     }
 
     /// Advances the jobs in order; returns whether any is in flight.
-    fn poll(&mut self, pid: PeerId, am_data: bool, headers: &Headers) -> bool {
-        self.poll_jobs(pid, am_data, headers).0
+    fn poll(&mut self, am_data: bool, headers: &Headers) -> bool {
+        self.poll_jobs(am_data, headers).0
     }
 
     /// [`Peer::poll`], also returning whether any job posted pieces.
-    fn poll_jobs(&mut self, pid: PeerId, am_data: bool, headers: &Headers) -> (bool, bool) {
-        let d = desc(pid, self.identity);
+    fn poll_jobs(&mut self, am_data: bool, headers: &Headers) -> (bool, bool) {
+        let d = &self.desc;
         if let Some(reason) = self.lost.clone() {
             // Nothing can land at a lost peer any more; UCX may never complete its requests
             // (error mode none). Answer every job now; requests are freed when the job goes.
@@ -514,7 +526,7 @@ impl Peer {
         let mut may_post_am = true;
         let mut worked = false;
         for j in self.jobs.iter_mut() {
-            let c = Ctx { ep: &self.ep, desc: &d, am_data, may_start, may_post_am, headers };
+            let c = Ctx { ep: &self.ep, desc: d, am_data, may_start, may_post_am, headers };
             j.poll(&c);
             worked |= std::mem::take(&mut j.worked);
             may_start &= j.posted || j.done.is_none();
@@ -1209,6 +1221,7 @@ impl Engine {
             // in memory the peer considers closed.
             for j in p.jobs.iter_mut().filter(|j| !j.posted && j.dsts.contains_key(&id)) {
                 j.dsts.remove(&id);
+                j.hot = None;
                 j.fail(BackendError::UnknownRegion { backend: NAME, region: id, peer: Some(*pid) });
             }
             if p.lost.is_none() {
@@ -1521,6 +1534,7 @@ impl Engine {
             authed: own || self.settings.secret.is_none(),
             closing: None,
             ep,
+            desc: d,
         };
         self.peers.insert(pid, peer);
     }
@@ -1539,7 +1553,12 @@ impl Engine {
             return;
         }
         let mut j = Job::new(job, Done::State(state));
+        let mut last = None;
         for s in &segs {
+            if last == Some((s.src, s.dst)) {
+                continue;
+            }
+            last = Some((s.src, s.dst));
             if let std::collections::hash_map::Entry::Vacant(v) = j.dsts.entry(s.dst) {
                 match pe.remote.get(&s.dst) {
                     Some(r) => drop(v.insert(r.clone())),
@@ -1581,7 +1600,7 @@ impl Engine {
         let now = Instant::now();
         let bye = self.header(Kind::Goodbye, 0);
         for (pid, p) in self.peers.iter_mut() {
-            let (busy, worked) = p.poll_jobs(*pid, am_data, &self.headers);
+            let (busy, worked) = p.poll_jobs(am_data, &self.headers);
             in_flight |= busy;
             self.worked |= worked;
             if let Some((_, _, deadline)) = &p.connecting {
@@ -1602,7 +1621,7 @@ impl Engine {
             in_flight = true;
             if now >= *deadline && !p.jobs.is_empty() {
                 p.set_lost("disconnected before its transfers finished".into());
-                p.poll(*pid, am_data, &self.headers);
+                p.poll(am_data, &self.headers);
             }
             let Some((_, deadline, flush, said_bye)) = &mut p.closing else { continue };
             if p.jobs.is_empty() && !*said_bye && p.lost.is_none() {
@@ -1769,7 +1788,7 @@ impl Engine {
         drop(eps);
         for p in self.peers.values_mut() {
             p.set_lost("the endpoint shut down".into());
-            p.poll(PeerId(0), self.settings.am_data, &self.headers);
+            p.poll(self.settings.am_data, &self.headers);
             if let Some((_, reply, _)) = p.connecting.take() {
                 let _ = reply.send(Err(BackendError::Closed { backend: NAME }));
             }
