@@ -7,8 +7,9 @@
 //!   returns a [`Transfer`] at once and the thread completes its state.
 //! - [`KvTransferBackend::metadata`] publishes the worker address and, per registered region, its
 //!   address, length and packed remote key. Peers create their endpoint from the worker address, so
-//!   UCX picks the best lane both share: shared memory (posix/sysv for active messages, cma for
-//!   puts) on one host, tcp or RDMA between hosts. A connecting endpoint says hello; the peer
+//!   UCX picks the best lane both share: shared memory on one host (posix/sysv; UCX 1.13 emulates
+//!   puts into registered user memory there with active messages through the peer's FIFO, see
+//!   the crate README), tcp or RDMA between hosts. A connecting endpoint says hello; the peer
 //!   answers with a welcome listing the regions registered now (stale keys are dropped), on the
 //!   endpoint it later sends revokes on.
 //! - Put path (`data=put`): `post` checks every op, the thread posts `ucp_put_nbx` per contiguous
@@ -174,8 +175,9 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
 }
 
 /// Whether cma (`process_vm_writev` between sibling processes) is allowed: Yama's `ptrace_scope`
-/// absent or 0. Otherwise UCX has no one-sided lane on shared memory and emulates puts with
-/// active messages, so `data=auto` takes the active-message path.
+/// absent or 0. Otherwise `data=auto` takes the active-message path. (UCX 1.13 does not use cma
+/// for `ucp_put_nbx` either way: its RMA lanes need `put_short`/`put_bcopy`, which cma lacks, so
+/// puts into user memory on shared memory are emulated over posix/sysv active messages.)
 fn cma_allowed() -> bool {
     match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
         Err(_) => true,
