@@ -5,7 +5,8 @@
 //! Idle strategy: the thread spins on `ucp_worker_progress` (yielding the CPU) for [`SPIN`] after
 //! the last event; then, while anything is in flight or for [`HOT`] after the last event, it naps
 //! on the command channel for [`NAP`] between progress calls, and after that for [`COLD`]. A
-//! command always wakes it at once.
+//! command always wakes it at once. After a busy turn with transfers in flight it pauses for
+//! [`BUSY_PAUSES`] `spin_loop` hints before the next progress call.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -27,6 +28,8 @@ use crate::NAME;
 const HOT: Duration = Duration::from_millis(20);
 const SPIN: Duration = Duration::from_micros(200);
 const NAP: Duration = Duration::from_micros(50);
+/// `spin_loop` hints after a busy turn while anything is in flight (a few hundred nanoseconds).
+const BUSY_PAUSES: u32 = 8;
 const COLD: Duration = Duration::from_millis(1);
 /// How long shutdown waits for in-flight transfers and region closes, then for goodbyes.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
@@ -713,6 +716,16 @@ impl Engine {
             }
             if busy {
                 last_busy = now;
+                if in_flight {
+                    // Let the peer's UCX work through what this turn handed it before we poll
+                    // again. Without this pause, once the turn itself got cheaper (no string
+                    // built per turn), the emulated shared-memory puts got 25-30% slower on a
+                    // busy 2-core host (the sender's back-to-back turns contend with the
+                    // receiver, which does the second copy); with it, 5-8% faster than before.
+                    for _ in 0..BUSY_PAUSES {
+                        std::hint::spin_loop();
+                    }
+                }
                 continue;
             }
             let quiet = now.duration_since(last_busy);
