@@ -38,6 +38,9 @@ BACKENDS = [
 
 def run_json(cmd, env=None, timeout=900):
     """Runs `cmd` and parses its stdout as JSON (the last JSON document if there is log noise)."""
+    # UCX writes its own warnings to stdout unless told otherwise before the library loads.
+    env = dict(os.environ if env is None else env)
+    env.setdefault("UCX_LOG_FILE", "stderr")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"exit {p.returncode}: {p.stderr.strip()[-300:]} (from: {' '.join(cmd)})")
