@@ -639,7 +639,8 @@ struct Target {
     epoch: u64,
 }
 
-fn read_target(boot: &str, secret: Option<&str>) -> Result<Target, String> {
+/// The decode rank 0/0's record in the store (its value and its epoch), read with `secret`.
+fn decode_record(boot: &str, secret: Option<&str>) -> Result<(Value, u64), String> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let a = MetadataAddr::parse(&format!("bootstrap://{boot}")).unwrap();
@@ -647,21 +648,26 @@ fn read_target(boot: &str, secret: Option<&str>) -> Result<Target, String> {
         let store = metadata::connect_with(&a, Duration::from_secs(5), s).await.map_err(|e| e.to_string())?;
         let (e, _) = store.get("ranks/decode/0.0").await.map_err(|e| e.to_string())?;
         let e = e.ok_or("no decode record")?;
-        let payload: Vec<u8> = match &e.value["registration"]["endpoint"]["payload"] {
-            Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u8)).collect(),
-            Value::String(s) => s.as_bytes().to_vec(),
-            v => return Err(format!("endpoint payload {v}")),
-        };
-        let m: Value = serde_json::from_slice(&payload).map_err(|e| format!("payload: {e}"))?;
-        let addr = m["addr"].as_str().ok_or(format!("no addr in {m}"))?.parse().map_err(|e| format!("addr: {e}"))?;
-        let mut token = [0u8; 16];
-        if let Some(t) = m["token"].as_str().filter(|t| t.len() == 32) {
-            for (i, o) in token.iter_mut().enumerate() {
-                *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).unwrap_or(0);
-            }
-        }
-        Ok(Target { addr, token, epoch: e.create_revision })
+        Ok((e.value, e.create_revision))
     })
+}
+
+fn read_target(boot: &str, secret: Option<&str>) -> Result<Target, String> {
+    let (value, epoch) = decode_record(boot, secret)?;
+    let payload: Vec<u8> = match &value["registration"]["endpoint"]["payload"] {
+        Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u8)).collect(),
+        Value::String(s) => s.as_bytes().to_vec(),
+        v => return Err(format!("endpoint payload {v}")),
+    };
+    let m: Value = serde_json::from_slice(&payload).map_err(|e| format!("payload: {e}"))?;
+    let addr = m["addr"].as_str().ok_or(format!("no addr in {m}"))?.parse().map_err(|e| format!("addr: {e}"))?;
+    let mut token = [0u8; 16];
+    if let Some(t) = m["token"].as_str().filter(|t| t.len() == 32) {
+        for (i, o) in token.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).unwrap_or(0);
+        }
+    }
+    Ok(Target { addr, token, epoch })
 }
 
 /// A few pseudo-random bytes (nonces, forged proofs, link ids): not secret, only distinct.
@@ -935,17 +941,10 @@ fn forged_notification() -> Result<CaseOut, String> {
 /// The decode rank 0/0's endpoint metadata and epoch as the store holds them, read with the secret
 /// (standing for one who saw them on the wire).
 fn read_endpoint(boot: &str) -> Result<(EndpointMetadata, u64), String> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        let a = MetadataAddr::parse(&format!("bootstrap://{boot}")).unwrap();
-        let s = Secret::new(SECRET.as_bytes().to_vec()).unwrap();
-        let store = metadata::connect_with(&a, Duration::from_secs(5), Some(s)).await.map_err(|e| e.to_string())?;
-        let (e, _) = store.get("ranks/decode/0.0").await.map_err(|e| e.to_string())?;
-        let e = e.ok_or("no decode record")?;
-        let md: EndpointMetadata = serde_json::from_value(e.value["registration"]["endpoint"].clone())
-            .map_err(|err| format!("endpoint metadata: {err}"))?;
-        Ok((md, e.create_revision))
-    })
+    let (value, epoch) = decode_record(boot, Some(SECRET))?;
+    let md: EndpointMetadata = serde_json::from_value(value["registration"]["endpoint"].clone())
+        .map_err(|err| format!("endpoint metadata: {err}"))?;
+    Ok((md, epoch))
 }
 
 /// An endpoint of `backend` in this process that claims `identity`, with `secret` (None: none),
