@@ -340,11 +340,17 @@ fn worker(addr: &str, role: &str, o: &WorkerOpts<'_>) -> Proc {
     Proc::spawn(&format!("{role} worker"), c)
 }
 
-fn backend_opts(backend: &str) -> Vec<String> {
+/// The options every process of `backend` runs with over loopback (ucx: its devices on `lo`).
+fn backend_options(backend: &str) -> std::collections::BTreeMap<String, String> {
     match backend {
-        "ucx" => vec!["--backend-opt".into(), "net_devices=lo".into()],
-        _ => vec![],
+        "ucx" => [("net_devices".to_owned(), "lo".to_owned())].into(),
+        _ => Default::default(),
     }
+}
+
+/// [`backend_options`] as `kvxfer` flags.
+fn backend_opts(backend: &str) -> Vec<String> {
+    backend_options(backend).into_iter().flat_map(|(k, v)| ["--backend-opt".to_owned(), format!("{k}={v}")]).collect()
 }
 
 /// Whether a line names `who` (`"decode rank 0/0"`) as lost: a `peer_lost` progress line for that
@@ -555,11 +561,7 @@ fn later_requests(backend: &str) -> CaseOut {
         MetadataAddr::parse(&format!("bootstrap://{addr}")).unwrap(),
     );
     cfg.backend = backend.to_owned();
-    cfg.backend_options = backend_opts(backend)
-        .chunks(2)
-        .filter_map(|c| c[1].split_once('='))
-        .map(|(k, v)| (k.into(), v.into()))
-        .collect();
+    cfg.backend_options = backend_options(backend);
     cfg.lease_ttl = TTL;
     cfg.connect_timeout = Duration::from_secs(30);
     cfg.request_timeout = Duration::from_secs(60);
@@ -962,10 +964,7 @@ fn endpoint_attack(
     rt.block_on(async {
         let mut cfg =
             BackendConfig::new(identity).with_secret(secret.map(|s| Secret::new(s.as_bytes().to_vec()).unwrap()));
-        for kv in backend_opts(backend).chunks(2) {
-            let (k, v) = kv[1].split_once('=').unwrap();
-            cfg = cfg.with(k, v);
-        }
+        cfg.options = backend_options(backend);
         let ep = kvxfer::backends::create(backend, &cfg).expect("attacker endpoint");
         let t0 = Instant::now();
         let r = tokio::time::timeout(ENDPOINT_AUTH_BOUND + Duration::from_secs(10), ep.connect(md)).await;

@@ -343,11 +343,12 @@ impl Membership {
     }
 
     /// [`Membership::join`], but a rank whose record is still held by a lease (a previous process of
-    /// this rank that crashed moments ago, its lease not yet expired) is tried again every 100 ms
-    /// for up to `wait`: a dead process's lease expires within its TTL, so a supervisor may restart
-    /// a crashed rank at once. A record still held after `wait` belongs to a live process of the
-    /// same rank (or to one whose TTL is longer than `wait`): [`MetadataError::Duplicate`] then.
-    /// Every other error returns at once.
+    /// this rank that crashed moments ago, its lease not yet expired) waits, for up to `wait`, until
+    /// the record is gone (one `get` of its key every 100 ms; no lease is granted meanwhile), then
+    /// joins: a dead process's lease expires within its TTL, so a supervisor may restart a crashed
+    /// rank at once. A record still held after `wait` belongs to a live process of the same rank (or
+    /// to one whose TTL is longer than `wait`): [`MetadataError::Duplicate`] then. Every other error
+    /// returns at once.
     pub async fn join_waiting(
         store: Arc<dyn MetadataStore>,
         me: Registration,
@@ -355,10 +356,16 @@ impl Membership {
         wait: Duration,
     ) -> Result<Self, MetadataError> {
         let end = tokio::time::Instant::now() + wait;
+        let key = rank_key(me.role, me.rank);
         loop {
             match Self::join(Arc::clone(&store), me.clone(), ttl).await {
                 Err(MetadataError::Duplicate { .. }) if tokio::time::Instant::now() < end => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while tokio::time::Instant::now() < end {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        if store.get(&key).await?.0.is_none() {
+                            break;
+                        }
+                    }
                 }
                 r => return r,
             }
