@@ -209,6 +209,15 @@ pub(crate) enum Tx {
 }
 
 impl Tx {
+    /// One vectored write, retrying a full send buffer for `poll` first (plaintext; TLS writes
+    /// through rustls, which buffers).
+    pub(crate) async fn write_vectored_polling(&mut self, iov: &[IoSlice<'_>], poll: Duration) -> io::Result<usize> {
+        match self {
+            Tx::Plain(w) => crate::io::write_vectored_polling(w, iov, poll).await,
+            Tx::Tls(w) => w.write_vectored(iov).await,
+        }
+    }
+
     /// Writes all of `buf` and, with TLS, pushes it out of the session's buffer (a no-op on
     /// plaintext, whose bytes are in the socket once written).
     pub(crate) async fn send(&mut self, buf: &[u8]) -> io::Result<()> {

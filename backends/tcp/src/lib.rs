@@ -45,7 +45,8 @@
 //! (the same per source IP address, default 64; a connection beyond either is refused at once,
 //! naming the limit), `socket_buffer`
 //! (SO_SNDBUF/SO_RCVBUF in bytes, default 0: the kernel's autotuning), `poll_us` (how long a
-//! receiving stream polls its empty socket before sleeping, default 0), `tls` (`on`/`off`, default
+//! stream polls its socket before sleeping, a receiver an empty one and a sender a full send
+//! buffer, default 0), `tls` (`on`/`off`, default
 //! off), `tls_cert`, `tls_key`, `tls_ca` (PEM files; default: `KVXFER_TLS_CERT`, `KVXFER_TLS_KEY`,
 //! `KVXFER_TLS_CA`).
 //!
@@ -625,8 +626,15 @@ impl KvTransferBackend for TcpBackend {
         }
         let regions = m.regions.iter().map(|(k, v)| (RegionId(*k), *v)).collect();
         let desc = format!("{} (identity {:#x})", m.addr, peer.identity);
-        let link =
-            Link::start(streams, regions, peer.identity, Arc::clone(&self.shared.events), desc, self.opts.timeout);
+        let link = Link::start(
+            streams,
+            regions,
+            peer.identity,
+            Arc::clone(&self.shared.events),
+            desc,
+            self.opts.timeout,
+            self.opts.poll,
+        );
         Ok(self.peers.insert(link))
     }
 

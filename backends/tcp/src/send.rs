@@ -366,6 +366,7 @@ impl Link {
         events: Arc<EventQueue>,
         peer: String,
         timeout: Duration,
+        poll: Duration,
     ) -> Self {
         let state = Arc::new(LinkState {
             inner: Mutex::new(LinkInner::default()),
@@ -384,7 +385,10 @@ impl Link {
             let started = sock::on_own_thread(s, &format!("kvxfer-tcp-tx{i}"), move |s| {
                 let (r, w) = s.into_split();
                 let acks = Acks::default();
-                vec![tokio::spawn(writer(w, rx, Arc::clone(&acks), Arc::clone(&st))), tokio::spawn(reader(r, acks, st))]
+                vec![
+                    tokio::spawn(writer(w, rx, Arc::clone(&acks), Arc::clone(&st), poll)),
+                    tokio::spawn(reader(r, acks, st)),
+                ]
             });
             match started {
                 Ok(tasks) => lock(&state.tasks).extend(tasks),
@@ -517,6 +521,7 @@ async fn write_job(
     head: Vec<u8>,
     ops: Vec<SrcOp>,
     note_part: bool,
+    poll: Duration,
 ) -> std::io::Result<()> {
     let dropped = drop_frame(xfer.batch, wire::DROP_PART, 0);
     let dropped = if note_part { &dropped[..] } else { &[] };
@@ -543,13 +548,15 @@ async fn write_job(
         }
     }
     lock(acks).push_back((xfer.batch, Arc::clone(&xfer)));
-    io::write_frame(w, &head, &guards).await
+    io::write_frame(w, &head, &guards, poll).await
 }
 
-async fn writer(mut w: Tx, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>) {
+async fn writer(mut w: Tx, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>, poll: Duration) {
     while let Some(job) = jobs.recv().await {
         let r = match job {
-            Job::Write { xfer, head, ops, note_part } => write_job(&mut w, &acks, xfer, head, ops, note_part).await,
+            Job::Write { xfer, head, ops, note_part } => {
+                write_job(&mut w, &acks, xfer, head, ops, note_part, poll).await
+            }
             Job::Note { xfer, head, parts, done } => {
                 let holding = match xfer {
                     None => None,
