@@ -85,6 +85,27 @@ fn advance(pieces: &mut [&[u8]], k: &mut usize, mut n: usize) {
     }
 }
 
+/// Retries the non-blocking system call `try_io` for `poll`, yielding to the runtime every
+/// [`SPINS_PER_YIELD`] tries: `Some` with its first answer other than WouldBlock or Interrupted,
+/// `None` when `poll` ran out (the caller then sleeps on the socket's readiness).
+async fn spin<T>(poll: Duration, mut try_io: impl FnMut() -> io::Result<T>) -> Option<io::Result<T>> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        match try_io() {
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+            other => return Some(other),
+        }
+        spins += 1;
+        if spins % SPINS_PER_YIELD == 0 {
+            if start.elapsed() >= poll {
+                return None;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
 /// One vectored read of whatever the socket holds (at least one byte, or 0 at the end of the
 /// stream). With `poll` > 0, while the socket is empty it keeps trying for `poll` with plain
 /// system calls on the borrowed socket (yielding to the runtime every [`SPINS_PER_YIELD`] tries)
@@ -108,21 +129,8 @@ pub(crate) async fn read_vectored_polling(
         // Spin with plain system calls: tokio's `try_read_vectored` would answer from readiness
         // cached since the last WouldBlock, refreshed only when the runtime polls its IO driver.
         let sock = socket2::SockRef::from(r.as_ref());
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            match (&*sock).read_vectored(iov) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                other => return other,
-            }
-            spins += 1;
-            if spins % SPINS_PER_YIELD == 0 {
-                if start.elapsed() >= poll {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
+        if let Some(done) = spin(poll, || (&*sock).read_vectored(iov)).await {
+            return done;
         }
     }
     loop {
@@ -144,21 +152,8 @@ pub(crate) async fn write_vectored_polling(
 ) -> io::Result<usize> {
     if !poll.is_zero() {
         let sock = socket2::SockRef::from(w.as_ref());
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            match sock.send_vectored_with_flags(iov, libc::MSG_NOSIGNAL) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                other => return other,
-            }
-            spins += 1;
-            if spins % SPINS_PER_YIELD == 0 {
-                if start.elapsed() >= poll {
-                    break;
-                }
-                tokio::task::yield_now().await;
-            }
+        if let Some(done) = spin(poll, || sock.send_vectored_with_flags(iov, libc::MSG_NOSIGNAL)).await {
+            return done;
         }
     }
     loop {
