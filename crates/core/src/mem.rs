@@ -238,8 +238,8 @@ struct MemInner {
     ptr: NonNull<u8>,
     len: usize,
     kind: MemKind,
-    /// Whether the allocation is ours (HostBuffer) and freed on drop.
-    owned: bool,
+    /// Whose allocation it is: the engine's (borrowed), or ours (a [`HostBuffer`]'s, freed on drop).
+    owned: Alloc,
     busy: Mutex<Busy>,
     /// The buffer a labelled descriptor describes (kept alive and counted as described).
     #[allow(dead_code)] // held for its Drop and its reference count only
@@ -255,14 +255,69 @@ unsafe impl Sync for MemInner {}
 
 const ALIGN: usize = 4096;
 
+/// Size of a transparent huge page on x86-64 and arm64 with 4 KiB pages: [`HostBuffer`]s of at
+/// least this many bytes are mapped and advised as huge-page candidates.
+const HUGE: usize = 2 << 20;
+
+/// Who allocated the bytes a [`MemInner`] describes, and so how they are freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Alloc {
+    /// The engine's memory (a raw descriptor or a labelled view): never freed here.
+    Borrowed,
+    /// `std::alloc` with `(len, ALIGN)`.
+    Heap,
+    /// An anonymous private mapping of `len` bytes (Linux, large buffers).
+    #[cfg(target_os = "linux")]
+    Mapped,
+}
+
 impl Drop for MemInner {
     fn drop(&mut self) {
-        if self.owned && self.len > 0 {
+        if self.len == 0 {
+            return;
+        }
+        match self.owned {
+            Alloc::Borrowed => {}
             // SAFETY: allocated in HostBuffer::zeroed with exactly this layout; dropped once, when the
             // last descriptor and the HostBuffer are gone.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), AllocLayout::from_size_align_unchecked(self.len, ALIGN)) }
+            Alloc::Heap => unsafe {
+                std::alloc::dealloc(self.ptr.as_ptr(), AllocLayout::from_size_align_unchecked(self.len, ALIGN))
+            },
+            #[cfg(target_os = "linux")]
+            Alloc::Mapped => {
+                // SAFETY: mapped in HostBuffer::zeroed with exactly this address and length; unmapped
+                // once, when the last descriptor and the HostBuffer are gone (no view outlives them).
+                let r = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+                debug_assert_eq!(r, 0, "munmap of a HostBuffer failed");
+            }
         }
     }
+}
+
+/// `len` (> 0) zeroed bytes in an anonymous private mapping advised for transparent huge pages
+/// (`MADV_HUGEPAGE`), or `None` if the kernel refuses the mapping (the caller falls back to the
+/// heap). The pages are zero and untouched until first use, so a buffer costs nothing until it is
+/// written; the advice is best effort (a kernel with THP off keeps 4 KiB pages).
+#[cfg(target_os = "linux")]
+fn map_zeroed(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: FFI. An anonymous private mapping at an address of the kernel's choosing aliases
+    // nothing; the result is checked before use.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: FFI on the mapping just made, of exactly its length; advice changes no contents.
+    let _ = unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+    NonNull::new(p.cast())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -298,7 +353,14 @@ impl MemDesc {
     ///   keeps local accesses apart lives in the descriptor).
     pub unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, kind: MemKind) -> Self {
         Self {
-            inner: Arc::new(MemInner { ptr, len, kind, owned: false, busy: Mutex::new(Busy::default()), parent: None }),
+            inner: Arc::new(MemInner {
+                ptr,
+                len,
+                kind,
+                owned: Alloc::Borrowed,
+                busy: Mutex::new(Busy::default()),
+                parent: None,
+            }),
         }
     }
 
@@ -531,21 +593,37 @@ impl fmt::Debug for HostBuffer {
 
 impl HostBuffer {
     /// Allocates `len` zeroed bytes aligned to 4096. Panics only if the allocator fails (as `Vec` does).
+    ///
+    /// On Linux a buffer of 2 MiB or more is its own anonymous mapping, advised for transparent huge
+    /// pages (`MADV_HUGEPAGE`, which the kernel's default `madvise` mode honours), as numpy does
+    /// for large arrays and PyTorch's pinned allocator gets from the CUDA driver: copies into and
+    /// out of it then walk 2 MiB pages, not 4 KiB ones. Its pages are faulted in (zeroed) on first
+    /// touch, not here.
     pub fn zeroed(len: usize) -> Self {
-        let ptr = if len == 0 {
-            NonNull::dangling()
+        let (ptr, owned) = if len == 0 {
+            (NonNull::dangling(), Alloc::Heap)
         } else {
-            let layout = AllocLayout::from_size_align(len, ALIGN).expect("allocation size overflows isize");
-            // SAFETY: layout has non-zero size.
-            let p = unsafe { std::alloc::alloc_zeroed(layout) };
-            NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout))
+            #[cfg(target_os = "linux")]
+            let mapped = if len >= HUGE { map_zeroed(len) } else { None };
+            #[cfg(not(target_os = "linux"))]
+            let mapped: Option<NonNull<u8>> = None;
+            match mapped {
+                #[cfg(target_os = "linux")]
+                Some(p) => (p, Alloc::Mapped),
+                _ => {
+                    let layout = AllocLayout::from_size_align(len, ALIGN).expect("allocation size overflows isize");
+                    // SAFETY: layout has non-zero size.
+                    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                    (NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout)), Alloc::Heap)
+                }
+            }
         };
         Self {
             inner: Arc::new(MemInner {
                 ptr,
                 len,
                 kind: MemKind::Host,
-                owned: true,
+                owned,
                 busy: Mutex::new(Busy::default()),
                 parent: None,
             }),
@@ -582,7 +660,7 @@ impl HostBuffer {
                 ptr: self.inner.ptr,
                 len: self.inner.len,
                 kind,
-                owned: false,
+                owned: Alloc::Borrowed,
                 busy: Mutex::new(Busy::default()),
                 parent: Some(self.inner.clone()),
             }),
@@ -641,6 +719,54 @@ impl HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The VmFlags of the mapping of `/proc/self/smaps` that starts at `addr`.
+    #[cfg(target_os = "linux")]
+    fn vm_flags(addr: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut found = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-')) {
+                let start = range.split('-').next().and_then(|a| usize::from_str_radix(a, 16).ok());
+                found = start == Some(addr);
+            } else if found {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return Some(flags.trim().to_string());
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn large_buffers_are_zeroed_mappings_advised_for_huge_pages_and_small_ones_heap() {
+        for len in [HUGE - 1, HUGE, 3 * HUGE + 4096 + 1] {
+            let mut b = HostBuffer::zeroed(len);
+            assert_eq!(b.inner.ptr.as_ptr() as usize % ALIGN, 0);
+            let s = b.as_mut_slice().unwrap();
+            assert!(s.iter().all(|&x| x == 0), "{len} bytes not zeroed");
+            s[len - 1] = 9;
+            s[0] = 8;
+            #[cfg(target_os = "linux")]
+            {
+                let addr = b.inner.ptr.as_ptr() as usize;
+                if len >= HUGE {
+                    assert_eq!(b.inner.owned, Alloc::Mapped);
+                    let flags = vm_flags(addr).expect("the buffer is a mapping of its own");
+                    // A kernel built without THP refuses the advice (and has no such directory).
+                    if std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+                        assert!(flags.split(' ').any(|f| f == "hg"), "no MADV_HUGEPAGE on {len} bytes: {flags}");
+                    }
+                } else {
+                    assert_eq!(b.inner.owned, Alloc::Heap);
+                }
+            }
+            // A descriptor keeps the allocation alive after the buffer is gone.
+            let d = b.desc();
+            drop(b);
+            assert_eq!(d.read_guard(len as u64 - 1, 1).unwrap().as_slice(), &[9]);
+        }
+    }
 
     #[test]
     fn guards_check_bounds_and_exclude_each_other() {
