@@ -72,8 +72,12 @@ pub const MAX_NOTIFICATION: usize = kvxfer_core::notify::MAX_PAYLOAD + 64;
 pub const MAX_IN_FLIGHT: u64 = 16 << 20;
 
 /// Largest single `fi_writemsg`: coalesced pieces stop here, so an abort has pieces to drop and
-/// transfers to one peer interleave.
-pub const MAX_PIECE: u64 = 8 << 20;
+/// transfers to one peer interleave. 1 MiB, because that is where `tcp;ofi_rxm` over loopback is
+/// fastest (2026-12-03, 1 GiB in shuffled 1 MiB blocks, two rounds: 4.2-4.3 GB/s with 8 MiB
+/// posts, 5.1-5.2 with 2 MiB, 5.9-6.0 with 1 MiB, 4.7-5.2 with 512 KiB; 16 MiB blocks 3.5-3.6,
+/// 5.0-5.2, 5.8-5.9 and 5.2-5.3), as a plain loopback socket is with 1 MiB sends (see
+/// `benches/socket/loopback_poll.py`); shm measured the same at every size.
+pub const MAX_PIECE: u64 = 1 << 20;
 
 /// Parsed construction options (see the crate docs for the list).
 #[derive(Debug, Clone)]
