@@ -152,8 +152,9 @@ pub struct TcpOptions {
 
 /// Default of the `connections` option: one data stream per peer. On the 2-core development
 /// machine one polling stream beat two sleeping ones at every block size (see
-/// `recv::DEFAULT_POLL`), and two polling streams were slower than two sleeping ones (every core
-/// busy copying). More streams can pay across hosts, where one flow may not fill the link.
+/// `recv::DEFAULT_POLL`). Two polling streams were slower than two sleeping ones when measured on
+/// 2026-12-02, with 8 MiB frames (every core busy copying); not re-measured with 1 MiB frames.
+/// More streams can pay across hosts, where one flow may not fill the link.
 pub const DEFAULT_CONNECTIONS: u32 = 1;
 
 impl TcpOptions {
