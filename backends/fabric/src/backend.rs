@@ -425,9 +425,10 @@ impl State {
     fn pump(&mut self, inner: &Inner) -> usize {
         const WORKED: Duration = Duration::from_micros(20);
         let mut total = 0;
+        // One clock read per pump, not per poll: only a first poll that read nothing is judged by it.
+        let t = Instant::now();
         for _ in 0..16 {
             let mut out = std::mem::take(&mut self.scratch);
-            let t = Instant::now();
             let n = self.ep.poll(&mut out, 64).unwrap_or_else(|e| {
                 tracing::warn!(target: "kvxfer_fabric", "{e}");
                 0
@@ -438,7 +439,7 @@ impl State {
             self.scratch = out;
             total += n;
             if n == 0 {
-                if t.elapsed() > WORKED {
+                if total == 0 && t.elapsed() > WORKED {
                     total += 1;
                 }
                 break;
@@ -448,12 +449,14 @@ impl State {
     }
 
     /// One round of work: completions, control messages, posts, finished jobs, due acknowledgements.
-    fn advance(&mut self, inner: &Inner) -> usize {
+    /// Returns what [`State::pump`] read and the clock reading the round used.
+    fn advance(&mut self, inner: &Inner) -> (usize, Instant) {
         let n = self.pump(inner);
-        self.keep_targets_hot(Instant::now());
-        self.post_jobs();
-        self.finish_jobs();
-        n
+        let now = Instant::now();
+        self.keep_targets_hot(now);
+        self.post_jobs(now);
+        self.finish_jobs(now);
+        (n, now)
     }
 
     fn deliver(&mut self, bytes: &[u8]) {
@@ -902,12 +905,11 @@ impl State {
     /// Sends queued control messages, in order per destination; returns the destinations whose
     /// messages still wait for a slot (jobs to them wait too). A message that waited longer than
     /// `control_ttl` is dropped.
-    fn flush_control(&mut self) -> HashSet<u64> {
+    fn flush_control(&mut self, now: Instant) -> HashSet<u64> {
         let mut blocked = HashSet::new();
         if self.control.is_empty() {
             return blocked;
         }
-        let now = Instant::now();
         let mut keep = VecDeque::new();
         while let Some(c) = self.control.pop_front() {
             if blocked.contains(&c.to) {
@@ -931,10 +933,9 @@ impl State {
     }
 
     /// Posts what the jobs have ready, in job order, until the transmit queue is full.
-    fn post_jobs(&mut self) {
-        let mut blocked = self.flush_control();
+    fn post_jobs(&mut self, now: Instant) {
+        let mut blocked = self.flush_control(now);
         let mut full = false;
-        let now = Instant::now();
         let mut unsealed: HashSet<PeerId> = HashSet::new();
         let State { ep, jobs, in_flight, transfer_timeout, .. } = self;
         for (&id, job) in jobs.iter_mut() {
@@ -982,8 +983,7 @@ impl State {
     /// with a `Timeout`: the provider lost them (libfabric 1.17's shm drops a write to a closed key
     /// without an error completion). The endpoint keeps their memory descriptors until the
     /// completions come or the endpoint is closed.
-    fn finish_jobs(&mut self) {
-        let now = Instant::now();
+    fn finish_jobs(&mut self, now: Instant) {
         let grace = self.control_ttl;
         let done: Vec<u64> = self
             .jobs
@@ -1192,7 +1192,7 @@ impl Inner {
                 in_flight: 0,
             },
         );
-        st.post_jobs();
+        st.post_jobs(Instant::now());
         self.wake();
         state
     }
@@ -1322,21 +1322,22 @@ fn progress_loop(inner: Arc<Inner>) {
     let mut last_beat = Instant::now();
     let use_park = !inner.lock().ep.has_wait_fd();
     while !inner.stop.load(Ordering::Acquire) {
-        let (n, busy) = {
+        // One clock reading per round (busy rounds are back to back, and each reading costs).
+        let (n, busy, now) = {
             let mut st = inner.lock();
-            let n = st.advance(&inner);
-            if last_beat.elapsed() >= beat {
-                last_beat = Instant::now();
+            let (n, now) = st.advance(&inner);
+            if now.duration_since(last_beat) >= beat {
+                last_beat = now;
                 st.heartbeats(&inner);
                 st.check_liveness(inner.opts.peer_timeout);
             }
-            (n, st.busy())
+            (n, st.busy(), now)
         };
         if n > 0 || busy {
-            last_active = Instant::now();
+            last_active = now;
             sleep = min_sleep;
             std::thread::yield_now();
-        } else if last_active.elapsed() < HOT {
+        } else if now.duration_since(last_active) < HOT {
             std::thread::yield_now();
         } else {
             // Idle. With a wait fd, block on it (and on the wake pipe) until the provider has work, a
@@ -1468,7 +1469,7 @@ impl Drop for FabricBackend {
         }
         let end = Instant::now() + Duration::from_millis(200);
         while (!st.control.is_empty() || st.ep.tx_in_flight() > before) && Instant::now() < end {
-            st.flush_control();
+            st.flush_control(Instant::now());
             st.pump(inner);
             std::thread::yield_now();
         }
@@ -1860,7 +1861,7 @@ impl KvTransferBackend for FabricBackend {
         if !shared && !p.lost.load(Ordering::Acquire) && p.gone().is_none() {
             let mut st = self.inner.lock();
             st.queue(p.fi_addr, wire::message(Kind::Bye, self.inner.nonce, p.nonce, self.inner.identity, &[]));
-            st.flush_control();
+            st.flush_control(Instant::now());
         }
         self.inner.wake();
         Ok(())

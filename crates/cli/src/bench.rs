@@ -170,9 +170,10 @@ pub struct CaseResult {
 pub struct NativeBaseline {
     /// What ran.
     pub tool: String,
-    /// GB/s (1e9 bytes per second) the tool reported (its own figure: median and best are the same).
+    /// Median GB/s (1e9 bytes per second) over `--runs` runs of the tool (each run its own figure,
+    /// as the tool reports it), like the backend's median.
     pub median_gbps: Option<f64>,
-    /// Best GB/s.
+    /// Best GB/s of those runs.
     pub best_gbps: Option<f64>,
     /// Why it could not run.
     pub error: Option<String>,
@@ -180,27 +181,31 @@ pub struct NativeBaseline {
     pub ratio: Option<f64>,
 }
 
-/// Runs the native baseline of `args.backend` (if it has one) at message size `block`.
+/// Runs the native baseline of `args.backend` (if it has one) at message size `block`, `args.runs`
+/// times; returns what ran and the GB/s of each run.
 #[allow(unused_variables)] // without the ucx and fabric features nothing uses the arguments
-fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, Result<f64, String>)> {
+fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, Result<Vec<f64>, String>)> {
     let opt = |k: &str| args.backend_opts.iter().find(|(kk, _)| kk == k).map(|(_, v)| v.clone());
     let iters = (total / block.max(1)).clamp(16, 4096) as usize;
     match args.backend.as_str() {
         #[cfg(feature = "ucx")]
         "ucx" => {
             let tls = opt("tls").or_else(|| std::env::var("KVXFER_UCX_TLS").ok()).unwrap_or_else(|| "tcp".into());
-            let r = kvxfer::backends::ucx::perftest::run(&tls, block as usize, iters, Duration::from_secs(120));
-            Some((
-                format!("ucx_perftest -t ucp_put_bw, UCX_TLS={tls}"),
-                r.map(|r| r.bytes_per_sec / 1e9).map_err(|e| e.to_string()),
-            ))
+            let r = (0..args.runs.max(1))
+                .map(|_| {
+                    kvxfer::backends::ucx::perftest::run(&tls, block as usize, iters, Duration::from_secs(120))
+                        .map(|r| r.bytes_per_sec / 1e9)
+                        .map_err(|e| e.to_string())
+                })
+                .collect();
+            Some((format!("ucx_perftest -t ucp_put_bw, UCX_TLS={tls}"), r))
         }
         #[cfg(feature = "fabric")]
         "fabric" => {
             let prov = opt("provider").or_else(|| std::env::var("FI_PROVIDER").ok()).unwrap_or_else(|| "tcp".into());
             // The backend's window: 16 MiB of writes in flight (at least 2 writes).
             let window = (kvxfer::backends::fabric::MAX_IN_FLIGHT / block.max(1)).max(2) as usize;
-            let r = fabric_two_process(&prov, block, total, iters, window);
+            let r = fabric_two_process(&prov, block, total, iters, window, args.runs.max(1));
             Some((format!("fi_write loop, two processes, provider {prov}, {window} in flight"), r))
         }
         _ => None,
@@ -208,9 +213,17 @@ fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, 
 }
 
 /// The two-process `fi_write` baseline: a `fabric-baseline-target` process registers `total` bytes
-/// and publishes its address and key on stdout; this process writes `block`-sized writes into it.
+/// and publishes its address and key on stdout; this process writes `block`-sized writes into it,
+/// `runs` timed loops (each from a fresh endpoint, with its own warm-up). Returns each loop's GB/s.
 #[cfg(feature = "fabric")]
-fn fabric_two_process(prov: &str, block: u64, total: u64, iters: usize, window: usize) -> Result<f64, String> {
+fn fabric_two_process(
+    prov: &str,
+    block: u64,
+    total: u64,
+    iters: usize,
+    window: usize,
+    runs: u32,
+) -> Result<Vec<f64>, String> {
     use kvxfer::backends::fabric::baseline;
     let addr = (prov == "tcp").then_some("127.0.0.1");
     let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
@@ -227,13 +240,18 @@ fn fabric_two_process(prov: &str, block: u64, total: u64, iters: usize, window: 
         let mut line = String::new();
         stdout.read_line(&mut line).map_err(|e| format!("baseline target: {e}"))?;
         let target = baseline::TargetInfo::parse(line.trim()).map_err(|e| e.to_string())?;
-        let m = baseline::write_to_target(prov, addr, &target, block as usize, iters, window, Duration::from_secs(120))
-            .map_err(|e| e.to_string())?;
+        let mut gbps = Vec::new();
+        for _ in 0..runs {
+            let m =
+                baseline::write_to_target(prov, addr, &target, block as usize, iters, window, Duration::from_secs(120))
+                    .map_err(|e| e.to_string())?;
+            gbps.push(m.bytes_per_sec() / 1e9);
+        }
         writeln!(stdin, "done").map_err(|e| format!("baseline target: {e}"))?;
         let mut verdict = String::new();
         stdout.read_line(&mut verdict).map_err(|e| format!("baseline target: {e}"))?;
         match verdict.trim() {
-            "ok" => Ok(m.bytes_per_sec() / 1e9),
+            "ok" => Ok(gbps),
             v => Err(format!("baseline target: {v}")),
         }
     })();
@@ -981,14 +999,23 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         })?;
         drop(payload);
         let (b, m, s) = (rate(bytes, &mut t_backend), rate(bytes, &mut t_memcpy), rate(bytes, &mut t_socket));
-        let native =
-            wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, gbps)| NativeBaseline {
-                ratio: gbps.as_ref().ok().map(|g| b.median_gbps / g),
-                median_gbps: gbps.as_ref().ok().copied(),
-                best_gbps: gbps.as_ref().ok().copied(),
-                error: gbps.err(),
+        let native = wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, runs)| {
+            let (median, best) = match &runs {
+                Ok(g) if !g.is_empty() => {
+                    let mut g = g.clone();
+                    g.sort_by(f64::total_cmp);
+                    (Some(g[(g.len() - 1) / 2]), g.last().copied())
+                }
+                _ => (None, None),
+            };
+            NativeBaseline {
+                ratio: median.map(|g| b.median_gbps / g),
+                median_gbps: median,
+                best_gbps: best,
+                error: runs.err(),
                 tool,
-            });
+            }
+        });
         results.push(CaseResult {
             name: wl.name.clone(),
             bytes,
@@ -1033,8 +1060,9 @@ fn print_table(backend: &str, results: &[CaseResult]) {
         if let Some(n) = &r.native {
             match (&n.median_gbps, &n.error) {
                 (Some(g), _) => println!(
-                    "    native baseline: {} {g:.2} GB/s; {backend} / native = {:.2}",
+                    "    native baseline: {} {g:.2} ({:.2}) GB/s; {backend} / native = {:.2}",
                     n.tool,
+                    n.best_gbps.unwrap_or(f64::NAN),
                     n.ratio.unwrap_or(f64::NAN)
                 ),
                 (None, e) => println!("    native baseline: {} failed: {}", n.tool, e.as_deref().unwrap_or("?")),
