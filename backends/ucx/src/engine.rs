@@ -440,6 +440,10 @@ impl Job {
         r.map_err(|e| ffi(e, c.desc))
     }
 
+    /// Active-message path: posts one data message of the next pieces, copied out of the source
+    /// memory under read guards into one buffer. (A gathered send straight from the source memory,
+    /// UCP's iov datatype, measured no faster over UCX 1.13's tcp transport at 4-16 KiB pieces and
+    /// 0.4-0.6x this at 32 KiB to 1 MiB, where UCX sends the iov piecewise.)
     fn post_data(&mut self, c: &Ctx<'_>) -> Result<Posted, BackendError> {
         let mut m = wire::DataMsg::new(self.seq.expect("active-message jobs have a seq"));
         while let Some(s) = self.segs.front_mut() {
@@ -452,16 +456,12 @@ impl Job {
                 region: s.src,
                 peer: None,
             })?;
-            m.push(s.dst.0, s.dst_offset, n, |out| {
-                let g = src.desc().read_guard(s.src_offset, n as u64)?;
-                out.copy_from_slice(g.as_slice());
-                Ok::<(), kvxfer_core::MemError>(())
-            })
-            .map_err(|e| BackendError::Io {
+            let g = src.desc().read_guard(s.src_offset, n as u64).map_err(|e| BackendError::Io {
                 backend: NAME,
                 context: format!("reading {} for {}", s.src, c.desc),
                 detail: e.to_string(),
             })?;
+            m.push_bytes(s.dst.0, s.dst_offset, g.as_slice());
             s.len -= n as u64;
             s.src_offset += n as u64;
             s.dst_offset += n as u64;

@@ -148,12 +148,61 @@ impl Drop for Context {
     }
 }
 
-/// An active message as received: its header and data, copied out of UCX's buffers.
+/// An active message as received: its header (copied) and its data.
 pub(crate) struct AmMessage {
     /// The user header.
     pub header: Vec<u8>,
     /// The payload.
-    pub data: Vec<u8>,
+    pub data: AmData,
+}
+
+/// Payloads at least this large are kept in UCX's own buffer until handled (no copy out of it).
+const HOLD_MIN: usize = 64 << 10;
+
+/// The payload of a received active message: copied out of UCX's buffers (small messages), or
+/// UCX's own buffer (`UCP_AM_RECV_ATTR_FLAG_DATA`), released with `ucp_am_data_release` when this
+/// value drops; it keeps the worker alive until then.
+pub(crate) struct AmData(DataInner);
+
+enum DataInner {
+    Owned(Vec<u8>),
+    Held { ptr: *mut c_void, len: usize, worker: Rc<Worker> },
+}
+
+impl std::ops::Deref for AmData {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            DataInner::Owned(v) => v,
+            // SAFETY: UCX handed us `len` readable bytes at `ptr` and keeps them until the release
+            // in Drop (the callback returned UCS_INPROGRESS for them); the worker is alive (held).
+            DataInner::Held { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) },
+        }
+    }
+}
+
+impl Drop for AmData {
+    fn drop(&mut self) {
+        if let DataInner::Held { ptr, worker, .. } = &self.0 {
+            // SAFETY: `ptr` is data UCX let us keep (returned INPROGRESS for), released once, on
+            // the worker's own thread (AmData is !Send), while the worker is alive (held).
+            unsafe { sys::ucp_am_data_release(worker.raw, *ptr) }
+        }
+    }
+}
+
+/// What a callback queues: an [`Event`] whose held data is still a bare pointer.
+enum RawEvent {
+    Message { header: Vec<u8>, data: RawData },
+    EpError(u64, Status),
+    DroppedRndv,
+}
+
+enum RawData {
+    Owned(Vec<u8>),
+    /// UCX's buffer, kept by returning `UCS_INPROGRESS` from the callback.
+    Held(*mut c_void, usize),
 }
 
 /// What callbacks running inside `ucp_worker_progress` leave for the progress loop. They go
@@ -176,20 +225,22 @@ pub(crate) const ERR_UNREACHABLE: Status = sys::UCS_ERR_UNREACHABLE as Status;
 /// A UCP worker (`ucp_worker_h`) in single-thread mode, destroyed on drop.
 pub(crate) struct Worker {
     raw: sys::ucp_worker_h,
-    sink: Box<mpsc::Sender<Event>>,
-    inbox: mpsc::Receiver<Event>,
+    sink: Box<mpsc::Sender<RawEvent>>,
+    inbox: mpsc::Receiver<RawEvent>,
     _ctx: Rc<Context>,
 }
 
-/// Hands an event from a callback to the progress loop.
-fn deliver(sink: *const mpsc::Sender<Event>, e: Event) {
+/// Hands an event from a callback to the progress loop; false when it could not be queued.
+fn deliver(sink: *const mpsc::Sender<RawEvent>, e: RawEvent) -> bool {
     // SAFETY: `sink` is the worker's boxed sender, which outlives every callback (it is dropped after
     // ucp_worker_destroy); callbacks run on the progress thread.
     let sink = unsafe { &*sink };
     if sink.send(e).is_err() {
         // Only when the receiver is gone, i.e. while the worker itself is being destroyed.
         tracing::warn!("ucx: an event arrived while the worker was being destroyed");
+        return false;
     }
+    true
 }
 
 unsafe extern "C" fn am_recv_cb(
@@ -201,13 +252,13 @@ unsafe extern "C" fn am_recv_cb(
     param: *const sys::ucp_am_recv_param_t,
 ) -> Status {
     let r = catch_unwind(AssertUnwindSafe(|| {
-        let sink = arg as *const mpsc::Sender<Event>;
+        let sink = arg as *const mpsc::Sender<RawEvent>;
         // SAFETY: param is valid for the duration of the callback per the UCP API.
         let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
         if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             // Returning UCS_OK without receiving drops the rendezvous data; the loop logs it.
-            deliver(sink, Event::DroppedRndv);
-            return;
+            deliver(sink, RawEvent::DroppedRndv);
+            return false;
         }
         let copy = |p: *const c_void, n: usize| -> Vec<u8> {
             if p.is_null() || n == 0 {
@@ -217,12 +268,20 @@ unsafe extern "C" fn am_recv_cb(
                 unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec()
             }
         };
-        deliver(sink, Event::Message(AmMessage { header: copy(header, header_length), data: copy(data, length) }));
+        // A large payload UCX lets us keep stays in its buffer (no copy); the loop releases it.
+        let hold = attr & sys::UCP_AM_RECV_ATTR_FLAG_DATA as u64 != 0 && !data.is_null() && length >= HOLD_MIN;
+        let body = if hold { RawData::Held(data, length) } else { RawData::Owned(copy(data, length)) };
+        deliver(sink, RawEvent::Message { header: copy(header, header_length), data: body }) && hold
     }));
-    if r.is_err() {
-        tracing::error!("ucx: the active-message handler panicked; the message is lost");
+    match r {
+        // UCS_INPROGRESS keeps the data until ucp_am_data_release (when the AmData drops).
+        Ok(true) => sys::UCS_INPROGRESS as Status,
+        Ok(false) => sys::UCS_OK as Status,
+        Err(_) => {
+            tracing::error!("ucx: the active-message handler panicked; the message is lost");
+            sys::UCS_OK as Status
+        }
     }
-    sys::UCS_OK as Status
 }
 
 impl Worker {
@@ -257,8 +316,21 @@ impl Worker {
     }
 
     /// What callbacks left since the last call.
-    pub fn take_events(&self) -> Vec<Event> {
-        self.inbox.try_iter().collect()
+    pub fn take_events(self: &Rc<Self>) -> Vec<Event> {
+        self.inbox
+            .try_iter()
+            .map(|e| match e {
+                RawEvent::Message { header, data } => Event::Message(AmMessage {
+                    header,
+                    data: AmData(match data {
+                        RawData::Owned(v) => DataInner::Owned(v),
+                        RawData::Held(ptr, len) => DataInner::Held { ptr, len, worker: self.clone() },
+                    }),
+                }),
+                RawEvent::EpError(token, status) => Event::EpError(token, status),
+                RawEvent::DroppedRndv => Event::DroppedRndv,
+            })
+            .collect()
     }
 
     /// This worker's address, for peers to connect to.
@@ -274,13 +346,20 @@ impl Worker {
         Ok(v)
     }
 
-    fn error_sink(&self) -> *const mpsc::Sender<Event> {
+    fn error_sink(&self) -> *const mpsc::Sender<RawEvent> {
         &*self.sink
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // Data still queued and held in UCX's buffers goes back before the worker does.
+        for e in self.inbox.try_iter() {
+            if let RawEvent::Message { data: RawData::Held(ptr, _), .. } = e {
+                // SAFETY: data this worker let us keep, not yet wrapped (so not yet released).
+                unsafe { sys::ucp_am_data_release(self.raw, ptr) }
+            }
+        }
         // SAFETY: every endpoint holds an Rc to this worker, so none is left; destroyed once. The
         // sink box is dropped after this body, so no callback can see it freed.
         unsafe { sys::ucp_worker_destroy(self.raw) }
@@ -357,7 +436,7 @@ impl Drop for Request {
 
 struct ErrArg {
     token: u64,
-    sink: *const mpsc::Sender<Event>,
+    sink: *const mpsc::Sender<RawEvent>,
 }
 
 unsafe extern "C" fn ep_err_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: Status) {
@@ -366,7 +445,7 @@ unsafe extern "C" fn ep_err_cb(arg: *mut c_void, _ep: sys::ucp_ep_h, status: Sta
         // leaked if closing did not finish); its sink is the worker's, which outlives every
         // endpoint (they hold Rc<Worker>). Runs on the progress thread.
         let a = unsafe { &*(arg as *const ErrArg) };
-        deliver(a.sink, Event::EpError(a.token, status));
+        deliver(a.sink, RawEvent::EpError(a.token, status));
     }));
     if r.is_err() {
         tracing::error!("ucx: the endpoint error handler panicked");

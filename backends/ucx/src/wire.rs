@@ -335,6 +335,15 @@ impl DataMsg {
         Ok(())
     }
 
+    /// Appends a segment carrying `bytes` for `region` at `offset` (no more than [`Self::room`]).
+    pub fn push_bytes(&mut self, region: u32, offset: u64, bytes: &[u8]) {
+        self.buf.extend_from_slice(&region.to_le_bytes());
+        self.buf.extend_from_slice(&offset.to_le_bytes());
+        self.buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        self.buf.extend_from_slice(bytes);
+        self.count += 1;
+    }
+
     /// The encoded message.
     pub fn finish(mut self) -> Vec<u8> {
         self.buf[8..12].copy_from_slice(&self.count.to_le_bytes());

@@ -68,6 +68,7 @@ fn main() {
         "ucp_rkey_destroy",
         "ucp_put_nbx",
         "ucp_am_send_nbx",
+        "ucp_am_data_release",
         "ucp_request_check_status",
         "ucp_request_free",
         "ucp_request_cancel",
