@@ -325,9 +325,7 @@ impl DataMsg {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
     ) -> Result<(), E> {
-        self.buf.extend_from_slice(&region.to_le_bytes());
-        self.buf.extend_from_slice(&offset.to_le_bytes());
-        self.buf.extend_from_slice(&(len as u64).to_le_bytes());
+        self.head(region, offset, len);
         let at = self.buf.len();
         self.buf.resize(at + len, 0);
         fill(&mut self.buf[at..])?;
@@ -337,11 +335,15 @@ impl DataMsg {
 
     /// Appends a segment carrying `bytes` for `region` at `offset` (no more than [`Self::room`]).
     pub fn push_bytes(&mut self, region: u32, offset: u64, bytes: &[u8]) {
-        self.buf.extend_from_slice(&region.to_le_bytes());
-        self.buf.extend_from_slice(&offset.to_le_bytes());
-        self.buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        self.head(region, offset, bytes.len());
         self.buf.extend_from_slice(bytes);
         self.count += 1;
+    }
+
+    fn head(&mut self, region: u32, offset: u64, len: usize) {
+        self.buf.extend_from_slice(&region.to_le_bytes());
+        self.buf.extend_from_slice(&offset.to_le_bytes());
+        self.buf.extend_from_slice(&(len as u64).to_le_bytes());
     }
 
     /// The encoded message.
@@ -398,11 +400,7 @@ mod tests {
             Ok(())
         })
         .unwrap();
-        m.push(4, 5000, 3, |out| -> Result<(), ()> {
-            out.copy_from_slice(&[1, 2, 3]);
-            Ok(())
-        })
-        .unwrap();
+        m.push_bytes(4, 5000, &[1, 2, 3]);
         assert_eq!(m.count(), 2);
         assert!(m.room() < DATA_MSG_MAX - 100);
         let b = m.finish();
