@@ -58,6 +58,9 @@ pub(crate) struct Settings {
     pub am_data: bool,
     /// The cluster secret: every connection authenticates with it (see the crate docs).
     pub secret: Option<Secret>,
+    /// Shared-memory segment size in effect ([`crate::mmseg`]); peers on this host must match. 0:
+    /// no shared-memory transport opens.
+    pub mm_seg: u64,
 }
 
 /// Which UCX error handling mode endpoints use.
@@ -943,12 +946,16 @@ impl Engine {
     fn on_hello(&mut self, h: Header, body: &[u8]) {
         let hello = match serde_json::from_slice::<Hello>(body)
             .map_err(|e| e.to_string())
-            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc, wire::unhex(&x.challenge)?)))
+            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc, wire::unhex(&x.challenge)?, x.mm_seg)))
         {
             Ok(x) => x,
             Err(e) => return tracing::warn!(identity = h.identity, "ucx: dropping a malformed hello: {e}"),
         };
-        let (nonce, addr, proc, challenge) = hello;
+        let (nonce, addr, proc, challenge, mm_seg) = hello;
+        if proc.host == self.settings.proc.host && !crate::mmseg::compatible(self.settings.mm_seg, mm_seg) {
+            let why = crate::mmseg::mismatch(self.settings.mm_seg, mm_seg);
+            return self.refuse_hello(h, &addr, nonce, &why);
+        }
         if let Some(secret) = self.settings.secret.clone() {
             return self.on_hello_authenticated(h, nonce, &addr, proc, &challenge, &secret);
         }
@@ -1474,6 +1481,11 @@ impl Engine {
             Ok(_) => return drop(reply.send(Err(bad("empty worker address".into())))),
             Err(e) => return drop(reply.send(Err(bad(format!("worker address: {e}"))))),
         };
+        if payload.proc.host == self.settings.proc.host
+            && !crate::mmseg::compatible(self.settings.mm_seg, payload.mm_seg)
+        {
+            return drop(reply.send(Err(fail(crate::mmseg::mismatch(self.settings.mm_seg, payload.mm_seg)))));
+        }
         let token = self.token(Token::Forward(pid));
         let ep = match self.open_ep(&worker_addr, token) {
             Ok(ep) => ep,
@@ -1523,6 +1535,7 @@ impl Engine {
                 worker: wire::hex(&lock(&self.shared.worker)),
                 proc: self.settings.proc.clone(),
                 challenge: wire::hex(&challenge),
+                mm_seg: self.settings.mm_seg,
             };
             let body = serde_json::to_vec(&body).expect("a hello always encodes");
             if let Err(e) = ep.am_send(self.header(Kind::Hello, 0), body).map(|p| match p {

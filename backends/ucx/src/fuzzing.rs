@@ -203,6 +203,7 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
         worker: wire::hex(&[0x10, 0x20, 0xfe, 0x01]),
         proc: proc_id(),
         challenge: wire::hex(&[0xc1; kvxfer_core::secret::NONCE_BYTES]),
+        mm_seg: crate::mmseg::DEFAULT,
     };
     let exchange = wire::exchange(
         [0xc1; kvxfer_core::secret::NONCE_BYTES],
@@ -266,6 +267,7 @@ pub fn metadata_seeds() -> Vec<(String, Vec<u8>)> {
             RegionMeta { id: 2, addr: 0, len: 0, rkey: String::new() },
         ],
         proc: proc_id(),
+        mm_seg: crate::mmseg::DEFAULT,
     };
     let payload = serde_json::to_vec(&p).expect("encodes");
     let env = EndpointMetadata::new(NAME, 0x0001_0000_0000_0003, payload.clone());

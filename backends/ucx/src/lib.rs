@@ -77,6 +77,7 @@ mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 mod liveness;
+pub mod mmseg;
 pub mod perftest;
 mod ucp;
 mod wire;
@@ -148,6 +149,14 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         _ => ErrMode::Auto,
     };
     let effective_tls = tls.or_else(|| std::env::var("UCX_TLS").ok().filter(|t| !t.is_empty()));
+    // The segment size only where a shared-memory transport opens (UCX warns on stdout about a
+    // setting no transport takes); 0 publishes "no shared memory here".
+    let (mut mm_seg, set_mm_seg) = mmseg::resolve(&ucx, |k| std::env::var(k).ok())?;
+    if !mmseg::uses_mm(effective_tls.as_deref()) {
+        mm_seg = 0;
+    } else if set_mm_seg {
+        ucx.push(("MM_SEG_SIZE".to_owned(), mm_seg.to_string()));
+    }
     let am_data = match o.choice("data", "auto", &["auto", "put", "am"])? {
         "put" => false,
         "am" => true,
@@ -171,6 +180,7 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
         shm_only: shm_only(effective_tls.as_deref()),
         am_data,
         secret: config.secret.clone(),
+        mm_seg,
     })
 }
 
@@ -201,6 +211,8 @@ pub struct UcxBackend {
     identity: u64,
     instance: u64,
     proc: liveness::ProcId,
+    /// Shared-memory segment size in effect ([`mmseg`]).
+    mm_seg: u64,
     caps: Capabilities,
     shared: Arc<Shared>,
     peers: PeerTable<Arc<PeerShared>>,
@@ -223,7 +235,7 @@ impl UcxBackend {
     /// progress thread that owns them.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let s = settings(config)?;
-        let (identity, instance, proc) = (s.identity, s.instance, s.proc.clone());
+        let (identity, instance, proc, mm_seg) = (s.identity, s.instance, s.proc.clone(), s.mm_seg);
         let (shm, am_data) = (s.shm_only, s.am_data);
         let (tx, rx) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
@@ -248,12 +260,21 @@ impl UcxBackend {
             identity,
             instance,
             proc,
+            mm_seg,
             caps,
             shared,
             peers: PeerTable::new(NAME),
             next_job: AtomicU64::new(1),
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// The shared-memory segment size this endpoint runs with (UCX's `MM_SEG_SIZE`, see
+    /// [`mmseg`]): [`mmseg::DEFAULT`] unless the operator set one, 0 when the configured
+    /// transports include no shared memory. Peers on the same host that both use shared memory
+    /// must use the same size; `connect` refuses one that does not.
+    pub fn mm_seg_size(&self) -> u64 {
+        self.mm_seg
     }
 
     /// Notifications refused because their key was not the identity their sender's connection
@@ -371,6 +392,7 @@ impl KvTransferBackend for UcxBackend {
             worker: wire::hex(&lock(&self.shared.worker)),
             regions: lock(&self.shared.meta).values().cloned().collect(),
             proc: self.proc.clone(),
+            mm_seg: self.mm_seg,
         };
         let payload = serde_json::to_vec(&payload)
             .map_err(|e| BackendError::BadMetadata { backend: NAME, detail: format!("encoding the payload: {e}") })?;

@@ -1,7 +1,7 @@
 //! What UCX endpoints tell each other: the metadata payload and the active-message header.
 //!
 //! Metadata payload (JSON inside [`kvxfer_core::EndpointMetadata::payload`]):
-//! `{"v":1,"instance":..,"ucx":"1.13.1","worker":"<hex>","regions":[{"id":..,"addr":..,"len":..,"rkey":"<hex>"}]}`.
+//! `{"v":3,"instance":..,"ucx":"1.13.1","worker":"<hex>","regions":[{"id":..,"addr":..,"len":..,"rkey":"<hex>"}],"proc":{..},"mm_seg":32832}`.
 //! `worker` is the UCP worker address (it lists every transport the worker can be reached by, so
 //! peers on the same host pick shared memory and cma, others tcp or RDMA); `rkey` is the packed
 //! remote key of a registered region.
@@ -18,7 +18,8 @@ use serde::{Deserialize, Serialize};
 use crate::liveness::ProcId;
 
 /// Version of the JSON payload.
-pub(crate) const PAYLOAD_VERSION: u32 = 2;
+/// 3: `mm_seg` (the shared-memory segment size, which peers on one host must share).
+pub(crate) const PAYLOAD_VERSION: u32 = 3;
 
 /// One registered region as published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,6 +49,8 @@ pub(crate) struct Payload {
     pub regions: Vec<RegionMeta>,
     /// The publishing process (for liveness checks of shared-memory peers).
     pub proc: ProcId,
+    /// The publisher's shared-memory segment size ([`crate::mmseg`]); 0 without shared memory.
+    pub mm_seg: u64,
 }
 
 /// The body of a hello: how to reach (and watch) the connecting endpoint.
@@ -63,6 +66,9 @@ pub(crate) struct Hello {
     /// build without authentication.
     #[serde(default)]
     pub challenge: String,
+    /// The connector's shared-memory segment size ([`crate::mmseg`]); 0 without shared memory.
+    #[serde(default)]
+    pub mm_seg: u64,
 }
 
 /// Lower-case hex.

@@ -529,3 +529,52 @@ async fn dropping_registrations_and_the_endpoint_releases_the_memory() {
         src_reg.unwrap().close(soon()).await.unwrap();
     }
 }
+
+/// The shared-memory segment size: the backend's default unless set, refused out of range, and a
+/// same-host peer with another size is refused at connect (by the connector from the metadata,
+/// and by the acceptor from the hello), before any byte moves. Equal non-default sizes work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_segment_sizes_must_match_on_one_host() {
+    let shm = "posix,sysv,cma,self";
+    let with_seg = |identity: u64, seg: &str| {
+        let c = config(shm, identity).with("ucx.MM_SEG_SIZE", seg);
+        kvxfer_ucx::create(&c).expect("creating a UCX endpoint")
+    };
+    let a = kvxfer_ucx::UcxBackend::new(&config(shm, 1)).unwrap();
+    assert_eq!(a.mm_seg_size(), kvxfer_ucx::mmseg::DEFAULT);
+    // No shared-memory transport: nothing to match (and no UCX setting it would warn about).
+    assert_eq!(kvxfer_ucx::UcxBackend::new(&config("tcp", 1)).unwrap().mm_seg_size(), 0);
+    let e = kvxfer_ucx::create(&config(shm, 1).with("ucx.MM_SEG_SIZE", "65600")).err().unwrap();
+    assert!(matches!(e, BackendError::Config { .. }) && e.to_string().contains("16 bits"), "{e}");
+    let e = kvxfer_ucx::create(&config(shm, 1).with("ucx.SYSV_SEG_SIZE", "16k")).err().unwrap();
+    assert!(e.to_string().contains("ucx.MM_SEG_SIZE"), "{e}");
+
+    // Connector side: the metadata says the acceptor's size differs.
+    let tx = endpoint(shm, 1);
+    let rx = with_seg(2, "16k");
+    let e = tx.connect(&rx.metadata().unwrap()).await.unwrap_err();
+    assert!(matches!(e, BackendError::Connect { .. }) && e.to_string().contains("segment sizes differ"), "{e}");
+    assert!(e.to_string().contains("16384") && e.to_string().contains("32832"), "{e}");
+
+    // Acceptor side: metadata edited to match the connector, the hello gives the truth away.
+    let mut m = rx.metadata().unwrap();
+    let mut v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+    v["mm_seg"] = serde_json::json!(kvxfer_ucx::mmseg::DEFAULT);
+    m.payload = serde_json::to_vec(&v).unwrap();
+    let e = tx.connect(&m).await.unwrap_err();
+    assert!(e.to_string().contains("segment sizes differ"), "{e}");
+
+    // Equal sizes: bytes move and verify.
+    let tx = with_seg(3, "16k");
+    let data = bytes(1 << 20, 5);
+    let mut src = HostBuffer::from_slice(&data);
+    let mut dst = HostBuffer::zeroed(1 << 20);
+    let src_reg = tx.register(RegionId(1), src.desc()).await.unwrap();
+    let dst_reg = rx.register(RegionId(2), dst.desc()).await.unwrap();
+    let peer = tx.connect(&rx.metadata().unwrap()).await.unwrap();
+    let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, 1 << 20);
+    tx.post(peer, &[op], None).unwrap().wait(soon()).await.unwrap();
+    src_reg.close(soon()).await.unwrap();
+    dst_reg.close(soon()).await.unwrap();
+    assert_eq!(dst.as_mut_slice().unwrap(), &data[..]);
+}
