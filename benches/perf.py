@@ -5,7 +5,7 @@ Runs, in interleaved rounds (so a slow moment of the machine hits every column a
 
 - `kvxfer bench --block BLOCKS --total TOTAL --shuffle --format json` for tcp, ucx over tcp, ucx over
   shared memory, libfabric over `tcp;ofi_rxm` and libfabric over shm (backend, memcpy of the same
-  ops, the tuned plain socket, and the C library's own two-process tool, all from the same command);
+  ops, the polling plain socket, and the C library's own two-process tool, all from the same command);
 - NIXL over UCX tcp (`benches/nixl/nixl_bench.py`, the same workload), when `--nixl-python` names a
   Python that has `nixl-cu12` and numpy (see benches/nixl/README.md);
 - with `--sessions`, `kvxfer bench --model llama3-70b` P8->D2 and P2->D8 in NHD and HND on every
@@ -159,16 +159,19 @@ def report(raw, chosen, a):
     rounds = raw["rounds"]
     print(f"{len(rounds)} interleaved rounds, --total {a.total} --shuffle, median GB/s of the rounds' medians"
           " (range over the rounds); ratios of the medians\n")
-    print("| backend | block | kvxfer | memcpy | tuned socket | native | native tool | NIXL UCX tcp |"
-          " / memcpy | / socket | / native | / NIXL |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("core rtt: the bench's core-to-core round trip of a cache line before and after each case, ns"
+          " (per round; two-process rates measured next to a slow one, 300+ ns on the development VM,"
+          " are 2-3x lower)\n")
+    print("| backend | block | kvxfer | memcpy | polling socket | native | native tool | NIXL UCX tcp |"
+          " / memcpy | / socket | / native | / NIXL | core rtt ns |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, _, _ in chosen:
         for bi, block in enumerate(a.blocks.split(",")):
             cases = [rd["bench"].get(label) for rd in rounds]
             errs = [c["error"] for c in cases if isinstance(c, dict) and "error" in c]
             cases = [c[bi] for c in cases if isinstance(c, list) and len(c) > bi]
             if not cases:
-                print(f"| {label} | {block} | failed: {errs[0][:200] if errs else '?'} |||||||||||")
+                print(f"| {label} | {block} | failed: {errs[0][:200] if errs else '?'} ||||||||||||")
                 continue
             be = [c["backend"]["median_gbps"] for c in cases]
             mc = [c["memcpy"]["median_gbps"] for c in cases]
@@ -184,11 +187,13 @@ def report(raw, chosen, a):
                     if isinstance(n, list):
                         nx += [x["median_gbps"] for x in n if x.get("block") == parse_size(block) and x.get("verified")]
             vb, vm, vs, vn, vx = med(be), med(mc), med(so), med(nat), med(nx)
+            rtt = " ".join("/".join("-" if x is None else f"{x:.0f}" for x in (c.get("core_rtt_ns") or [None, None]))
+                           for c in cases)
             if not all(c["verified"] for c in cases):
                 vb = None
             print(f"| {label} | {block} | {fmt(vb, be)} | {fmt(vm)} | {fmt(vs)} | {fmt(vn, nat)} |"
                   f" {tool or '-'}{' (failed: ' + nerr[:80] + ')' if nerr else ''} | {fmt(vx, nx)} |"
-                  f" {fmt(ratio(vb, vm))} | {fmt(ratio(vb, vs))} | {fmt(ratio(vb, vn))} | {fmt(ratio(vb, vx))} |")
+                  f" {fmt(ratio(vb, vm))} | {fmt(ratio(vb, vs))} | {fmt(ratio(vb, vn))} | {fmt(ratio(vb, vx))} | {rtt} |")
     if any(rd["sessions"] for rd in rounds):
         print("\n| backend | case | sessions GB/s | raw GB/s | sessions / raw |")
         print("|---|---|---|---|---|")
