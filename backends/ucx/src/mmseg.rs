@@ -5,9 +5,12 @@
 //! memory is emulated with active messages of at most one segment, and each segment costs a FIFO
 //! element, a receive descriptor and an acknowledgement. UCX's default (8 KiB + 64) splits a
 //! 64 KiB put into 8 messages; [`DEFAULT`] (32 KiB + 64) into 2. Measured on the 2-core
-//! development VM (2026-12-04, `kvxfer bench --total 1G --shuffle`, runs where a core-to-core
-//! round trip measured 50-90 ns before and after): 64 KiB blocks 0.53-0.61 of memcpy with 8 KiB
-//! segments, 0.76-0.84 with 32 KiB and 48 KiB; 1 MiB blocks 0.58-0.73 against 0.78-1.05.
+//! development VM (2026-12-04), six interleaved rounds of `kvxfer bench --backend ucx
+//! --backend-opt tls=posix,sysv,cma,self --block 4K,64K,1M --total 1G --shuffle --runs 5`, this
+//! default against `UCX_MM_SEG_SIZE=8256` on both sides, ucx / memcpy, median (range): 4 KiB 0.73
+//! (0.64-0.80) against 0.70 (0.42-0.79); 64 KiB 0.74 (0.40-0.78) against 0.62 (0.27-0.70); 1 MiB
+//! 0.87 (0.76-1.06) against 0.68 (0.55-0.73). Single runs swing 2-3x on that VM with its
+//! core-to-core round trip (see `kvxfer bench`).
 //!
 //! Why it must match: UCX's sender writes up to its own segment size into a receive descriptor
 //! the peer allocated with the peer's size, so a sender with the larger size overruns the peer's

@@ -1009,6 +1009,10 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
     }
 
     let mut results = Vec::new();
+    // The plain socket's source: one buffer for every case (patterned: untouched memory would read
+    // the zero page), allocated like the backend's.
+    let mut payload = HostBuffer::zeroed(workloads.iter().map(|w| w.bytes()).max().unwrap_or(0) as usize);
+    fill_pattern(payload.as_mut_slice().map_err(|e| e.to_string())?, args.seed);
     for wl in &workloads {
         let bytes = wl.bytes();
         let deadline = || Instant::now() + Duration::from_secs(300);
@@ -1094,17 +1098,14 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
             session = Some(rate(bytes, &mut t_session));
         }
         // Plain socket: the same number of bytes, one busy-polling stream (1 MiB writes and reads).
-        let mut payload = HostBuffer::zeroed(bytes as usize);
-        fill_pattern(payload.as_mut_slice().map_err(|e| e.to_string())?, args.seed);
         let mut t_socket = timed(args.runs, || {
-            let src = payload.as_slice().map_err(|e| e.to_string())?;
+            let src = &payload.as_slice().map_err(|e| e.to_string())?[..bytes as usize];
             let io = |e: std::io::Error| format!("plain socket: {e}");
             spin_write_all(&mut plain, &bytes.to_le_bytes()).map_err(io)?;
             spin_write_all(&mut plain, src).map_err(io)?;
             let mut ack = [0u8];
             spin_read_exact(&mut plain, &mut ack).map_err(io)
         })?;
-        drop(payload);
         let rtt_after = core_round_trip_ns();
         let (b, m, s) = (rate(bytes, &mut t_backend), rate(bytes, &mut t_memcpy), rate(bytes, &mut t_socket));
         let native = wl.block.and_then(|block| native_baseline(args, block, bytes)).map(|(tool, runs)| {
