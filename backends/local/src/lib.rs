@@ -16,6 +16,12 @@
 //! that does not is refused at the receiving endpoint: not delivered, counted
 //! ([`LocalBackend::forged_notifications`]), the sender reported lost there (`PeerLost`), and the
 //! sender refused from then on. Without a secret the backend trusts every endpoint of the process.
+//!
+//! **Cutting a peer off** ([`KvTransferBackend::cut_off`]): an endpoint keeps the ids of the
+//! endpoints it cut off behind a read-write lock. Every copy step into an endpoint's memory, and
+//! every delivery of a notification, holds that lock for reading and checks the set first; the
+//! cut-off takes it for writing, so it returns only after the copy step under way (at most 1 MiB)
+//! ended, and no later step, notification or connect of the cut-off endpoint gets through.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,7 +31,7 @@ use std::time::Duration;
 use kvxfer_core::backend::EndpointMetadata;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
-    AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration,
+    AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, CutOff,
     KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret, Transfer, TransferState,
     TransferStatus, WriteOp,
 };
@@ -84,6 +90,9 @@ struct Endpoint {
     secret: Option<Secret>,
     /// Endpoints (by id) refused after a forged notification.
     refused: Mutex<Vec<u64>>,
+    /// Endpoints (by id) this one cut off: no copy into our memory, notification or connect of
+    /// theirs gets through. Readers hold it across each copy step into our memory.
+    cut: std::sync::RwLock<std::collections::HashSet<u64>>,
     /// Forged notifications refused.
     forged: AtomicU64,
 }
@@ -92,6 +101,10 @@ impl Endpoint {
     /// Delivers `n` from `from` (what the receiving side of a connection does): with a secret, a
     /// notification not keyed with the sender's identity is refused and the sender cut off.
     fn deliver(&self, from: &Endpoint, n: Notification) -> Result<(), BackendError> {
+        let cut = self.cut.read().unwrap_or_else(|p| p.into_inner());
+        if cut.contains(&from.id) {
+            return Err(cut_off_error(self, from));
+        }
         if self.secret.is_some() {
             if lock(&self.refused).contains(&from.id) {
                 return Err(BackendError::Protocol {
@@ -126,6 +139,14 @@ impl Endpoint {
     }
 }
 
+fn cut_off_error(by: &Endpoint, of: &Endpoint) -> BackendError {
+    BackendError::PeerLost {
+        backend: NAME,
+        peer: format!("local endpoint {} (identity {:#x})", by.id, by.identity),
+        detail: format!("it cut off endpoint {} (identity {:#x})", of.id, of.identity),
+    }
+}
+
 struct Peer {
     ep: Weak<Endpoint>,
     /// Transfers to this peer that may not be final yet.
@@ -156,6 +177,7 @@ impl LocalBackend {
             linked: Mutex::new(Vec::new()),
             secret,
             refused: Mutex::new(Vec::new()),
+            cut: std::sync::RwLock::new(std::collections::HashSet::new()),
             forged: AtomicU64::new(0),
         });
         lock(endpoints()).insert(ep.id, Arc::downgrade(&ep));
@@ -264,7 +286,24 @@ async fn run(
             return;
         }
         let r = &ops[seg.op];
-        if let Err(e) = copy_step(r.src.desc(), seg.src_offset, r.dst.desc(), seg.dst_offset, seg.len) {
+        let Some(dst_ep) = to.upgrade() else {
+            state.fail(BackendError::PeerLost {
+                backend: NAME,
+                peer: "local peer".into(),
+                detail: "dropped during the transfer".into(),
+            });
+            return;
+        };
+        let step = {
+            // Held across the step: a cut-off of this endpoint by the destination waits for it.
+            let cut = dst_ep.cut.read().unwrap_or_else(|p| p.into_inner());
+            if cut.contains(&from.id) {
+                Err(cut_off_error(&dst_ep, &from))
+            } else {
+                copy_step(r.src.desc(), seg.src_offset, r.dst.desc(), seg.dst_offset, seg.len)
+            }
+        };
+        if let Err(e) = step {
             state.fail(e);
             return;
         }
@@ -299,6 +338,28 @@ async fn run(
         }
     }
     state.complete();
+}
+
+/// Aborts every transfer to a removed peer and waits for each fence (a copy task ends within one
+/// step once asked to). Returns how many were still in flight.
+async fn abort_all(p: &Peer, peer: PeerId) -> Result<usize, BackendError> {
+    let pending: Vec<_> = lock(&p.inflight).drain(..).collect();
+    let mut n = 0;
+    for s in pending {
+        if !s.status().is_final() {
+            n += 1;
+            let t = Transfer::new(s, Arc::new(Abort), 0);
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            if let Ok(TransferStatus::InFlight) | Err(_) = t.abort(deadline).await {
+                return Err(BackendError::Timeout {
+                    backend: NAME,
+                    what: format!("fencing transfers to {peer}"),
+                    after: Duration::from_secs(30),
+                });
+            }
+        }
+    }
+    Ok(n)
 }
 
 #[async_trait::async_trait]
@@ -345,6 +406,19 @@ impl KvTransferBackend for LocalBackend {
                 backend: NAME,
                 peer: format!("local endpoint {}", p.endpoint),
                 detail: format!("{why}; configure the same cluster secret (KVXFER_SECRET) on every rank"),
+            });
+        }
+        let cut_here = self.ep.cut.read().unwrap_or_else(|p| p.into_inner()).contains(&other.id);
+        let cut_there = other.cut.read().unwrap_or_else(|p| p.into_inner()).contains(&self.ep.id);
+        if cut_here || cut_there {
+            let (by, of) = if cut_here { (&self.ep, &other) } else { (&other, &self.ep) };
+            return Err(BackendError::Connect {
+                backend: NAME,
+                peer: format!("local endpoint {}", p.endpoint),
+                detail: format!(
+                    "endpoint {} cut off endpoint {}; a new endpoint (a restarted rank) may connect",
+                    by.id, of.id
+                ),
             });
         }
         if other.token != p.token {
@@ -404,23 +478,21 @@ impl KvTransferBackend for LocalBackend {
         Ok(self.ep.events.recv(max_wait).await)
     }
 
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let p = self.peers.remove(peer)?;
+        tracing::debug!(target: "kvxfer_local", %peer, %reason, "cutting off");
+        // Our copy tasks into the peer: aborted, and waited for (a task stops at its next step, so
+        // once its state is final it reads none of our memory).
+        let failed = abort_all(&p, peer).await?;
+        if let Some(other) = p.ep.upgrade() {
+            // Waits for a copy step of the peer into our memory under way, then refuses every later one.
+            self.ep.cut.write().unwrap_or_else(|p| p.into_inner()).insert(other.id);
+        }
+        Ok(CutOff { closed: 1, failed_transfers: failed, how: "peer endpoint refused under the copy lock" })
+    }
+
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         let p = self.peers.remove(peer)?;
-        let pending: Vec<_> = lock(&p.inflight).drain(..).collect();
-        for s in pending {
-            // A copy task ends within one step once asked to; nothing here can wait long.
-            if !s.status().is_final() {
-                let t = Transfer::new(s, Arc::new(Abort), 0);
-                let deadline = std::time::Instant::now() + Duration::from_secs(30);
-                if let Ok(TransferStatus::InFlight) | Err(_) = t.abort(deadline).await {
-                    return Err(BackendError::Timeout {
-                        backend: NAME,
-                        what: format!("fencing transfers to {peer}"),
-                        after: Duration::from_secs(30),
-                    });
-                }
-            }
-        }
-        Ok(())
+        abort_all(&p, peer).await.map(|_| ())
     }
 }

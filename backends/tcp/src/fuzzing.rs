@@ -35,7 +35,7 @@ fn with_receiver<T>(f: impl FnOnce(&Shared) -> T) -> T {
                 let mut buf = HostBuffer::zeroed(len);
                 regions.insert(RegionId(id), buf.desc()).expect("fresh region");
             }
-            Shared::new(1, [0; wire::TOKEN_LEN], regions, Arc::new(EventQueue::new()), Duration::from_secs(1))
+            Shared::new(1, [0; wire::TOKEN_LEN], 2, regions, Arc::new(EventQueue::new()), Duration::from_secs(1))
         });
         f(shared)
     })
@@ -180,6 +180,7 @@ fn seed_hello(kind: StreamKind, index: u8, streams: u32, signed: bool) -> [u8; w
         identity: 42,
         streams,
         nonce: [0xc3; wire::NONCE_BYTES],
+        instance: 0x5eed,
         proof: None,
     };
     if signed { h.sign(&fuzz_secret(), &seed_challenge()) } else { h }.encode()
@@ -298,6 +299,7 @@ pub fn metadata_seeds() -> Vec<(String, Vec<u8>)> {
         token: crate::hex(&[0x5a; wire::TOKEN_LEN]),
         regions: vec![(1, 1 << 20), (7, 4096)],
         tls: false,
+        instance: 0x5eed,
     };
     let payload = serde_json::to_vec(&m).expect("serializes");
     let env = EndpointMetadata::new(NAME, 0x0001_0000_0000_0002, payload.clone());

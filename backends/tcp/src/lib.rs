@@ -34,6 +34,13 @@
 //!   panics.
 //! - **Peer loss** fails the link's transfers (error naming the peer and the cause) and reports
 //!   [`BackendEvent::PeerLost`] with the peer's identity on both sides.
+//! - **Cutting a peer off** ([`KvTransferBackend::cut_off`]): every endpoint draws a random
+//!   instance at creation, publishes it in its metadata and carries it in every HELLO. A cut-off
+//!   fails the outgoing link to the peer, bans the peer's (identity, instance) under the lock that
+//!   admits incoming streams, stops every incoming stream of that instance and resolves once each
+//!   one left its frame loop: a stream checks the stop signal before it admits each frame, so
+//!   after the call returns nothing that instance sent or sends is placed or delivered, and none of
+//!   its later connections passes the handshake. A restarted process is a new instance.
 //!
 //! The wire protocol is in [`wire`] and the crate README. Options (`BackendConfig::options`, with
 //! environment fallbacks `KVXFER_TCP_<OPTION>`): `listen` (default `127.0.0.1:0`), `advertise`
@@ -78,7 +85,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::toolkit::{EventQueue, Options, PeerTable, RegionTable};
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
+    BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion, CutOff,
     EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration,
     Transfer, TransferState, TransferStatus, WriteOp,
 };
@@ -271,6 +278,8 @@ pub struct TcpMetadata {
     /// endpoint, whose metadata is then what it was before TLS existed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub tls: bool,
+    /// The endpoint's instance (random, drawn at creation; protocol 4).
+    pub instance: u64,
 }
 
 impl TcpMetadata {
@@ -390,6 +399,7 @@ impl TcpBackend {
             Shared::new(
                 config.identity,
                 random_bytes()?,
+                u64::from_le_bytes(random_bytes()?),
                 RegionTable::new(NAME, CAPABILITIES.limits.max_regions),
                 Arc::new(EventQueue::new()),
                 opts.timeout,
@@ -411,6 +421,13 @@ impl TcpBackend {
     /// The `host:port` peers connect to.
     pub fn address(&self) -> &str {
         &self.advertised
+    }
+
+    /// This endpoint's instance: drawn at creation, published in the metadata and carried in every
+    /// HELLO, so that a peer that cut this endpoint off refuses it while a restarted process (a new
+    /// endpoint) is admitted.
+    pub fn instance(&self) -> u64 {
+        self.shared.instance
     }
 
     /// Whether this endpoint has a cluster secret (authenticates every stream and binds
@@ -584,6 +601,7 @@ impl KvTransferBackend for TcpBackend {
             token: hex(&self.shared.token),
             regions: self.shared.regions.snapshot().into_iter().map(|(k, v)| (k.0, v)).collect(),
             tls: self.shared.tls.is_some(),
+            instance: self.shared.instance,
         };
         Ok(EndpointMetadata::new(NAME, self.shared.identity, serde_json::to_vec(&m).expect("metadata serializes")))
     }
@@ -609,6 +627,13 @@ impl KvTransferBackend for TcpBackend {
             }
             _ => {}
         }
+        if self.shared.is_cut_off(peer.identity, m.instance) {
+            return Err(refuse(format!(
+                "this endpoint cut off identity {:#x} instance {:#x} (it gave up on that peer); connect to the \
+                 metadata of its restarted process",
+                peer.identity, m.instance
+            )));
+        }
         let link_id = u64::from_le_bytes(random_bytes()?);
         let n = self.opts.connections as usize;
         let mut streams = Vec::with_capacity(n + 1);
@@ -627,6 +652,7 @@ impl KvTransferBackend for TcpBackend {
                 identity: self.shared.identity,
                 streams: n as u32,
                 nonce,
+                instance: self.shared.instance,
                 proof: None,
             };
             streams.push(self.open_stream(&m, peer.identity, hello).await?);
@@ -636,7 +662,7 @@ impl KvTransferBackend for TcpBackend {
         let link = Link::start(
             streams,
             regions,
-            peer.identity,
+            (peer.identity, m.instance),
             Arc::clone(&self.shared.events),
             desc,
             self.opts.timeout,
@@ -714,21 +740,40 @@ impl KvTransferBackend for TcpBackend {
         Ok(self.shared.events.recv(max_wait).await)
     }
 
-    async fn disconnect_lost(&self, peer: PeerId, reason: &str) -> Result<(), BackendError> {
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
         let link = self.peers.remove(peer)?;
+        let (identity, instance) = link.peer;
         // No BYE, no wait for acknowledgements: the writer tasks stop (a write blocked on a full
         // socket is dropped with them) and every transfer fails.
         let live = link.state.closing();
         link.state.fail(BackendError::PeerLost {
             backend: NAME,
             peer: format!("{peer}"),
-            detail: format!("closed as lost: {reason}"),
+            detail: format!("cut off: {reason}"),
         });
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + self.opts.timeout.min(Duration::from_secs(30));
+        let streams =
+            self.shared.cut_off(identity, instance, deadline).await.map_err(|open| BackendError::Timeout {
+                backend: NAME,
+                what: format!("stopping {open} incoming stream(s) of the cut-off {peer} (identity {identity:#x})"),
+                after: self.opts.timeout.min(Duration::from_secs(30)),
+            })?;
         for x in &live {
             x.state.settled(deadline).await;
         }
-        Ok(())
+        let failed = live.iter().filter(|x| matches!(x.state.status(), TransferStatus::Failed(_))).count();
+        if live.iter().any(|x| !x.state.status().is_final()) {
+            return Err(BackendError::Timeout {
+                backend: NAME,
+                what: format!("failing the transfers to the cut-off {peer}"),
+                after: self.opts.timeout.min(Duration::from_secs(30)),
+            });
+        }
+        Ok(CutOff {
+            closed: streams + link.streams() + 1,
+            failed_transfers: failed,
+            how: "outgoing link failed; incoming streams of the instance stopped; instance refused",
+        })
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {

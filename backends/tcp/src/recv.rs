@@ -13,12 +13,19 @@
 //! in progress, a frame that names a removed region is refused, and two frames (on two streams, of
 //! one peer or two) can never write one byte at the same time: the second one's guard is refused and
 //! it is answered as a protocol error, nothing written.
+//!
+//! Cutting a peer off ([`Shared::cut_off`], SEMANTICS §6 "known dead"): the peer instance (identity
+//! and the instance its HELLO carries) is banned under the same lock that admits streams into their
+//! link's books, every stream of its links is told to stop, and the call resolves once each of them
+//! left its frame loop. A stream checks the signal before it admits each WRITE or NOTE, so at most
+//! the frame it was already placing completes; after that nothing it reads is placed or delivered,
+//! and no later stream of that instance passes its handshake.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::toolkit::{EventQueue, RegionRef, RegionTable};
 use kvxfer_core::{BackendEvent, Notification, Secret};
@@ -48,6 +55,8 @@ struct Batch {
 /// Per incoming link: batches whose notification waits for data parts on other streams.
 struct InLink {
     identity: u64,
+    /// The client endpoint's instance (its HELLO's).
+    instance: u64,
     batches: HashMap<u64, Batch>,
     lost: bool,
     open: u32,
@@ -96,19 +105,32 @@ pub(crate) struct Shared {
     /// TLS (`tls=on`): every stream, incoming and outgoing, runs TLS with this setup before the
     /// handshake.
     pub tls: Option<kvxfer_tls::Tls>,
-    links: Mutex<HashMap<u64, InLink>>,
+    /// This endpoint's instance (random per endpoint; carried in its metadata and HELLOs).
+    pub instance: u64,
+    links: Mutex<Books>,
+    /// Notified whenever an incoming stream leaves its link's books.
+    closed: tokio::sync::Notify,
     tasks: Mutex<Vec<AbortHandle>>,
+}
+
+/// Incoming links, and the peer instances cut off (identity, instance), which no stream may join.
+#[derive(Default)]
+struct Books {
+    links: HashMap<u64, InLink>,
+    banned: std::collections::HashSet<(u64, u64)>,
 }
 
 impl Shared {
     pub fn new(
         identity: u64,
         token: [u8; wire::TOKEN_LEN],
+        instance: u64,
         regions: RegionTable,
         events: Arc<EventQueue>,
         timeout: Duration,
     ) -> Self {
         Self {
+            instance,
             identity,
             token,
             regions,
@@ -125,7 +147,8 @@ impl Shared {
                 "handshake_timeout_s",
             ),
             tls: None,
-            links: Mutex::new(HashMap::new()),
+            links: Mutex::new(Books::default()),
+            closed: tokio::sync::Notify::new(),
             tasks: Mutex::new(Vec::new()),
         }
     }
@@ -157,7 +180,7 @@ impl Shared {
 
     /// The link is lost: reported once, and every stream of it closes.
     fn lost(&self, link: u64, reason: String) {
-        if let Some(l) = lock(&self.links).get_mut(&link) {
+        if let Some(l) = lock(&self.links).links.get_mut(&link) {
             if !l.lost {
                 l.lost = true;
                 // Reported to the caller as an event (the engine names it in every request it fails).
@@ -168,11 +191,14 @@ impl Shared {
         }
     }
 
-    /// Why a stream with this HELLO may not join its link: a link id another identity uses, or a
-    /// link that was already lost.
+    /// Why a stream with this HELLO may not join its link: its instance was cut off, a link id
+    /// another identity uses, or a link that was already lost.
     fn join_refusal(&self, hello: &Hello) -> Option<String> {
-        let links = lock(&self.links);
-        let l = links.get(&hello.link)?;
+        let books = lock(&self.links);
+        if books.banned.contains(&(hello.identity, hello.instance)) {
+            return Some(cut_off_refusal(hello));
+        }
+        let l = books.links.get(&hello.link)?;
         if l.identity != hello.identity {
             return Some(format!(
                 "link {:#x} belongs to identity {:#x}, not {:#x}; each connect draws its own link id",
@@ -185,15 +211,19 @@ impl Shared {
     /// Adds an accepted stream to its link's books (refused as [`Self::join_refusal`] says).
     /// Returns the link's kill signal.
     fn join(&self, hello: &Hello) -> Result<watch::Receiver<bool>, String> {
-        let mut links = lock(&self.links);
-        let l = links.entry(hello.link).or_insert_with(|| InLink {
+        let mut books = lock(&self.links);
+        if books.banned.contains(&(hello.identity, hello.instance)) {
+            return Err(cut_off_refusal(hello));
+        }
+        let l = books.links.entry(hello.link).or_insert_with(|| InLink {
             identity: hello.identity,
+            instance: hello.instance,
             batches: HashMap::new(),
             lost: false,
             open: 0,
             kill: watch::Sender::new(false),
         });
-        if l.identity != hello.identity {
+        if l.identity != hello.identity || l.instance != hello.instance {
             return Err(format!(
                 "link {:#x} belongs to identity {:#x}, not {:#x}; each connect draws its own link id",
                 hello.link, l.identity, hello.identity
@@ -207,13 +237,57 @@ impl Shared {
     }
 
     fn stream_closed(&self, link: u64) {
-        let mut links = lock(&self.links);
-        if let Some(l) = links.get_mut(&link) {
-            l.open = l.open.saturating_sub(1);
-            if l.open == 0 {
-                links.remove(&link);
+        {
+            let mut books = lock(&self.links);
+            if let Some(l) = books.links.get_mut(&link) {
+                l.open = l.open.saturating_sub(1);
+                if l.open == 0 {
+                    books.links.remove(&link);
+                }
             }
         }
+        self.closed.notify_waiters();
+    }
+
+    /// Cuts the peer instance (`identity`, `instance`) off: banned (no stream of it passes its
+    /// handshake any more), every stream of its links told to stop (no loss is reported: the
+    /// caller gave up on it already). Resolves with the number of streams stopped once every one
+    /// of them left its frame loop (nothing it reads is placed any more), or `Err` with the number
+    /// still running at `deadline`.
+    pub async fn cut_off(&self, identity: u64, instance: u64, deadline: Instant) -> Result<usize, usize> {
+        let stopped = {
+            let mut books = lock(&self.links);
+            books.banned.insert((identity, instance));
+            let mut n = 0;
+            for l in books.links.values_mut().filter(|l| l.identity == identity && l.instance == instance) {
+                l.lost = true;
+                l.kill.send_replace(true);
+                n += l.open as usize;
+            }
+            n
+        };
+        loop {
+            let closed = self.closed.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            let open: usize = lock(&self.links)
+                .links
+                .values()
+                .filter(|l| l.identity == identity && l.instance == instance)
+                .map(|l| l.open as usize)
+                .sum();
+            if open == 0 {
+                return Ok(stopped);
+            }
+            if tokio::time::timeout_at(deadline.into(), closed).await.is_err() {
+                return Err(open);
+            }
+        }
+    }
+
+    /// Whether the peer instance was cut off.
+    pub fn is_cut_off(&self, identity: u64, instance: u64) -> bool {
+        lock(&self.links).banned.contains(&(identity, instance))
     }
 
     /// Updates a batch's books with `f` and delivers its notification once complete.
@@ -223,8 +297,8 @@ impl Shared {
         batch: u64,
         f: impl FnOnce(&mut Batch) -> Result<(), WireError>,
     ) -> Result<(), WireError> {
-        let mut links = lock(&self.links);
-        let l = links.get_mut(&link).ok_or_else(|| WireError("link state missing".into()))?;
+        let mut books = lock(&self.links);
+        let l = books.links.get_mut(&link).ok_or_else(|| WireError("link state missing".into()))?;
         if !l.batches.contains_key(&batch) && l.batches.len() >= MAX_PENDING_BATCHES {
             return Err(WireError(format!("more than {MAX_PENDING_BATCHES} batches wait for their notification")));
         }
@@ -318,6 +392,14 @@ fn refuse_at_limit(shared: &Shared, stream: TcpStream, addr: SocketAddr, why: Li
     if let Ok(mut s) = stream.into_std() {
         let _ = std::io::Write::write(&mut s, &answer);
     }
+}
+
+fn cut_off_refusal(hello: &Hello) -> String {
+    format!(
+        "this endpoint cut off identity {:#x} instance {:#x} (it gave up on that peer); a restarted process is \
+         a new instance and may connect",
+        hello.identity, hello.instance
+    )
 }
 
 fn tokens_equal(a: &[u8; wire::TOKEN_LEN], b: &[u8; wire::TOKEN_LEN]) -> bool {
@@ -458,13 +540,14 @@ async fn handshake(shared: &Shared, s: &mut Conn) -> Result<(Hello, watch::Recei
 async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello, mut kill: watch::Receiver<bool>) {
     let (mut r, mut w) = stream.into_split();
     let peer = format!("{addr} (identity {:#x}, stream {})", hello.identity, hello.index);
+    let stop = kill.clone();
     let killed = async {
         if kill.wait_for(|k| *k).await.is_err() {
             std::future::pending::<()>().await;
         }
     };
     let ending = tokio::select! {
-        r = serve_frames(&shared, &hello, &mut r, &mut w) => r,
+        r = serve_frames(&shared, &hello, &mut r, &mut w, &stop) => r,
         () = killed => Err(Ending::Killed),
     };
     match ending {
@@ -481,8 +564,9 @@ async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello
             shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
+    // Out of the books first: nothing of this stream is placed any more (a cut-off waits for it).
     shared.stream_closed(hello.link);
+    let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
 }
 
 enum Ending {
@@ -555,7 +639,13 @@ pub(crate) fn admit_write(
     Ok((refs, guards))
 }
 
-async fn serve_frames(shared: &Shared, hello: &Hello, r: &mut Rx, w: &mut Tx) -> Result<(), Ending> {
+async fn serve_frames(
+    shared: &Shared,
+    hello: &Hello,
+    r: &mut Rx,
+    w: &mut Tx,
+    stop: &watch::Receiver<bool>,
+) -> Result<(), Ending> {
     let (t, poll) = (shared.timeout, shared.poll);
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
@@ -571,11 +661,19 @@ async fn serve_frames(shared: &Shared, hello: &Hello, r: &mut Rx, w: &mut Tx) ->
                 .await?;
         }
         let h = Header::decode(&hb)?;
+        // A frame read in one poll with the link's stop signal already set (the peer was cut off,
+        // or another stream of its link failed) is neither placed nor delivered.
+        if *stop.borrow() {
+            return Err(Ending::Killed);
+        }
         match h.ty {
             FrameType::Write => {
                 let mut descs = vec![0u8; h.n as usize * wire::OP_LEN];
                 within(t, "reading op descriptors", io::read_exact_polling(r, &mut descs, poll)).await?;
                 let ops = descs.chunks_exact(wire::OP_LEN).map(OpDesc::decode).collect::<Result<Vec<_>, _>>()?;
+                if *stop.borrow() {
+                    return Err(Ending::Killed);
+                }
                 let (refs, mut guards) = admit_write(shared, &ops, h.payload)?;
                 within(t, "reading a WRITE payload", io::read_payload(r, &mut guards, poll)).await?;
                 drop((guards, refs));
@@ -588,6 +686,9 @@ async fn serve_frames(shared: &Shared, hello: &Hello, r: &mut Rx, w: &mut Tx) ->
                 let mut body = vec![0u8; h.n as usize];
                 within(t, "reading a NOTE", io::read_exact_polling(r, &mut body, poll)).await?;
                 let n = Notification::decode(&body).map_err(|e| WireError(format!("bad notification: {e}")))?;
+                if *stop.borrow() {
+                    return Err(Ending::Killed);
+                }
                 // The binding rule: a stream that proved an identity carries only its notifications.
                 if shared.secret.is_some() && !n.is_from(hello.identity) {
                     shared.forged.fetch_add(1, Ordering::Relaxed);

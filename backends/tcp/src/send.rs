@@ -357,6 +357,8 @@ struct Stream {
 /// An outgoing connection to one peer.
 pub(crate) struct Link {
     pub regions: std::collections::HashMap<RegionId, u64>,
+    /// The peer endpoint: identity and instance (from its metadata).
+    pub peer: (u64, u64),
     data: Vec<Stream>,
     control: Stream,
     pub state: Arc<LinkState>,
@@ -368,7 +370,7 @@ impl Link {
     pub fn start(
         streams: Vec<Conn>,
         regions: std::collections::HashMap<RegionId, u64>,
-        identity: u64,
+        peer_endpoint: (u64, u64),
         events: Arc<EventQueue>,
         peer: String,
         timeout: Duration,
@@ -377,7 +379,7 @@ impl Link {
         let state = Arc::new(LinkState {
             inner: Mutex::new(LinkInner::default()),
             tasks: Mutex::new(Vec::new()),
-            identity,
+            identity: peer_endpoint.0,
             events,
             peer,
             timeout,
@@ -403,7 +405,14 @@ impl Link {
             out.push(Stream { tx });
         }
         let control = out.pop().expect("control stream");
-        Self { regions, data: out, control, state, next_batch: std::sync::atomic::AtomicU64::new(1) }
+        Self {
+            regions,
+            peer: peer_endpoint,
+            data: out,
+            control,
+            state,
+            next_batch: std::sync::atomic::AtomicU64::new(1),
+        }
     }
 
     pub fn streams(&self) -> usize {

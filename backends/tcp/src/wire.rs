@@ -8,24 +8,26 @@
 //! ```text
 //! CHALLENGE (server -> client, first bytes of every stream), 48 bytes:
 //!   0  [4]  magic "KVXT"
-//!   4  u16  protocol version (3)
+//!   4  u16  protocol version (4)
 //!   6  u8   flags: bit 0 SECRET (the server has a cluster secret: it requires a proof, and proves it too)
 //!   7  u8   reserved, 0
 //!   8  u64  server identity
 //!   16 [32] server nonce (fresh per stream)
-//! HELLO (client -> server, the answer to the CHALLENGE), 112 bytes:
+//! HELLO (client -> server, the answer to the CHALLENGE), 120 bytes:
 //!   0  [4]  magic "KVXT"
-//!   4  u16  protocol version (3)
+//!   4  u16  protocol version (4)
 //!   6  u8   stream kind: 0 data, 1 control
 //!   7  u8   stream index within the link
 //!   8  [16] access token (from the server's endpoint metadata)
 //!   24 u64  link id (random, groups the streams of one connect call)
 //!   32 u64  client identity
 //!   40 u32  data streams in the link
-//!   44 u8   flags: bit 0 PROOF (bytes 80..112 carry the client's proof; otherwise they are 0)
+//!   44 u8   flags: bit 0 PROOF (bytes 88..120 carry the client's proof; otherwise they are 0)
 //!   45 [3]  reserved, 0
 //!   48 [32] client nonce (fresh per stream)
-//!   80 [32] client proof: HMAC-SHA256(secret, "kvxfer-tcp/3 client\0" || CHALLENGE || HELLO[0..80])
+//!   80 u64  client instance (drawn once per endpoint: a server that cut this instance off refuses
+//!           it; a restarted process is another instance)
+//!   88 [32] client proof: HMAC-SHA256(secret, "kvxfer-tcp/3 client\0" || CHALLENGE || HELLO[0..88])
 //! HELLO reply (server -> client), 52 bytes + reason:
 //!   0  [4]  magic "KVXT"
 //!   4  u16  protocol version
@@ -63,14 +65,15 @@ pub use kvxfer_core::secret::{NONCE_BYTES, PROOF_BYTES};
 
 /// Handshake magic.
 pub const HELLO_MAGIC: [u8; 4] = *b"KVXT";
-/// Protocol version this build speaks (3: the challenge-response handshake).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Protocol version this build speaks (3: the challenge-response handshake; 4: the client's instance
+/// in the HELLO, so that a peer cut off stays cut off).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of a CHALLENGE.
 pub const CHALLENGE_LEN: usize = 48;
 /// Bytes of a HELLO.
-pub const HELLO_LEN: usize = 112;
+pub const HELLO_LEN: usize = 120;
 /// Bytes of a HELLO the client proof covers (everything before the proof).
-pub const HELLO_SIGNED_LEN: usize = 80;
+pub const HELLO_SIGNED_LEN: usize = 88;
 /// Bytes of a HELLO reply before its reason.
 pub const HELLO_REPLY_LEN: usize = 52;
 /// Bytes of a HELLO reply the server proof covers (everything before the proof).
@@ -237,6 +240,8 @@ pub struct Hello {
     pub streams: u32,
     /// Client nonce (the server's proof covers it).
     pub nonce: [u8; NONCE_BYTES],
+    /// The client endpoint's instance (see [`crate::TcpBackend::instance`]).
+    pub instance: u64,
     /// The client's proof of the cluster secret ([`Hello::sign`]), if it has one.
     pub proof: Option<[u8; PROOF_BYTES]>,
 }
@@ -257,9 +262,10 @@ impl Hello {
         b[32..40].copy_from_slice(&self.identity.to_le_bytes());
         b[40..44].copy_from_slice(&self.streams.to_le_bytes());
         b[48..80].copy_from_slice(&self.nonce);
+        b[80..88].copy_from_slice(&self.instance.to_le_bytes());
         if let Some(p) = &self.proof {
             b[44] = FLAG_PROOF;
-            b[80..112].copy_from_slice(p);
+            b[88..120].copy_from_slice(p);
         }
         b
     }
@@ -283,9 +289,9 @@ impl Hello {
         }
         let proof = if b[44] & FLAG_PROOF != 0 {
             let mut p = [0u8; PROOF_BYTES];
-            p.copy_from_slice(&b[80..112]);
+            p.copy_from_slice(&b[88..120]);
             Some(p)
-        } else if b[80..112] != [0; PROOF_BYTES] {
+        } else if b[88..120] != [0; PROOF_BYTES] {
             bail!("a handshake without the PROOF flag carries proof bytes");
         } else {
             None
@@ -298,7 +304,17 @@ impl Hello {
         token.copy_from_slice(&b[8..24]);
         let mut nonce = [0u8; NONCE_BYTES];
         nonce.copy_from_slice(&b[48..80]);
-        Ok(Self { kind, index: b[7], token, link: u64_at(b, 24), identity: u64_at(b, 32), streams, nonce, proof })
+        Ok(Self {
+            kind,
+            index: b[7],
+            token,
+            link: u64_at(b, 24),
+            identity: u64_at(b, 32),
+            streams,
+            nonce,
+            instance: u64_at(b, 80),
+            proof,
+        })
     }
 
     /// The same HELLO with the client's proof of `secret` over `challenge` (the server's CHALLENGE as
@@ -796,6 +812,7 @@ mod tests {
             identity: 6,
             streams: 2,
             nonce: [9; NONCE_BYTES],
+            instance: 11,
             proof: None,
         }
     }
@@ -816,6 +833,9 @@ mod tests {
         let mut b = h.encode();
         b[100] = 1;
         assert!(Hello::decode(&b).unwrap_err().0.contains("proof"), "proof bytes without the flag");
+        let mut b = h.encode();
+        b[80] = 12;
+        assert_eq!(Hello::decode(&b).unwrap().instance, 12, "the instance travels");
         let r = encode_hello_reply(3, Some("bad token"));
         assert_eq!(r.len(), HELLO_REPLY_LEN + "bad token".len());
         let head = decode_hello_reply(r[..HELLO_REPLY_LEN].try_into().unwrap()).unwrap();
@@ -848,6 +868,7 @@ mod tests {
             Hello { index: 3, ..wire },
             Hello { kind: StreamKind::Data, ..wire },
             Hello { nonce: [8; NONCE_BYTES], ..wire },
+            Hello { instance: 12, ..wire },
             Hello { token: [0; 16], ..wire },
         ]
         .iter()

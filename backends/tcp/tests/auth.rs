@@ -161,6 +161,7 @@ async fn a_server_that_cannot_prove_the_secret_is_refused() {
         token: "00".repeat(wire::TOKEN_LEN),
         regions: vec![],
         tls: false,
+        instance: 9,
     };
     let meta = EndpointMetadata::new(kvxfer_tcp::NAME, 9, serde_json::to_vec(&m).unwrap());
     let e = a.connect(&meta).await.expect_err("a server without the secret's proof was accepted").to_string();
@@ -272,6 +273,7 @@ async fn a_partial_frame_header_is_dropped_within_timeout_s() {
         identity: 0xbad,
         streams: 1,
         nonce: [5; wire::NONCE_BYTES],
+        instance: 0xbad,
         proof: None,
     };
     s.write_all(&h.encode()).await.unwrap();

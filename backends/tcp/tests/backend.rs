@@ -277,6 +277,7 @@ async fn raw(meta: &EndpointMetadata, token: [u8; 16]) -> (TcpStream, bool) {
         identity: 0xbad,
         streams: 1,
         nonce: [1; wire::NONCE_BYTES],
+        instance: 0xbad,
         proof: None,
     };
     s.write_all(&h.encode()).await.unwrap();

@@ -688,18 +688,19 @@ fn noise(n: usize) -> Vec<u8> {
 }
 
 /// A raw client of the tcp data port, speaking whichever handshake the listener speaks: protocol 2
-/// (the client's HELLO first, 48 bytes; no authentication) or protocol 3 (the listener's CHALLENGE
-/// first, then a 112-byte HELLO that carries an HMAC proof of the cluster secret when there is one).
+/// (the client's HELLO first, 48 bytes; no authentication) or protocol 4 (the listener's CHALLENGE
+/// first, then a 120-byte HELLO with the client's instance and, when there is a secret, an HMAC
+/// proof of it; protocol 3 was the same without the instance).
 /// The attacker has the endpoint's metadata (address, token) but not the secret.
 struct Raw {
     s: TcpStream,
-    /// 2 or 3.
+    /// 2 or 4.
     version: u16,
-    /// Protocol 3: whether the listener's CHALLENGE says it has a cluster secret.
+    /// Protocol 4: whether the listener's CHALLENGE says it has a cluster secret.
     secret_required: bool,
 }
 
-/// The listener's first words: a protocol-3 CHALLENGE within 500 ms, or nothing (protocol 2).
+/// The listener's first words: a protocol-4 CHALLENGE within 500 ms, or nothing (protocol 2).
 fn raw_connect(addr: SocketAddr) -> Raw {
     let mut s = TcpStream::connect(addr).expect("connect to the data port");
     let mut c = Vec::new();
@@ -713,16 +714,16 @@ fn raw_connect(addr: SocketAddr) -> Raw {
             Err(_) => break,
         }
     }
-    let v3 = c.len() == 48 && &c[..4] == b"KVXT" && c[4..6] == 3u16.to_le_bytes();
-    assert!(c.is_empty() || v3, "the data port opened with {} bytes that are no protocol-3 challenge", c.len());
-    Raw { s, version: if v3 { 3 } else { 2 }, secret_required: v3 && c[6] & 1 != 0 }
+    let v4 = c.len() == 48 && &c[..4] == b"KVXT" && c[4..6] == 4u16.to_le_bytes();
+    assert!(c.is_empty() || v4, "the data port opened with {} bytes that are no protocol-4 challenge", c.len());
+    Raw { s, version: if v4 { 4 } else { 2 }, secret_required: v4 && c[6] & 1 != 0 }
 }
 
 impl Raw {
-    /// The HELLO a client that read the metadata sends. `proof`: protocol 3 only, a proof it made up
+    /// The HELLO a client that read the metadata sends. `proof`: protocol 4 only, a proof it made up
     /// (flag set, 32 bytes of noise): it has no secret.
     fn hello(&self, token: &[u8; 16], kind: u8, identity: u64, proof: bool) -> Vec<u8> {
-        let mut h = Vec::with_capacity(112);
+        let mut h = Vec::with_capacity(120);
         h.extend_from_slice(b"KVXT");
         h.extend_from_slice(&self.version.to_le_bytes());
         h.push(kind);
@@ -738,13 +739,14 @@ impl Raw {
         h.push(u8::from(proof));
         h.extend_from_slice(&[0, 0, 0]);
         h.extend(noise(32));
+        h.extend_from_slice(&0x0bad_1d00_u64.to_le_bytes());
         h.extend(if proof { noise(32) } else { vec![0; 32] });
         h
     }
 
     /// Bytes of the listener's reply before its reason.
     fn reply_len(&self) -> usize {
-        if self.version == 3 {
+        if self.version == 4 {
             52
         } else {
             20
@@ -1179,7 +1181,7 @@ fn connect_from(rt: &tokio::runtime::Runtime, src: &str, dst: SocketAddr) -> std
 }
 
 /// Opens idle connections to `dst` until one is refused (a reason, or closed at once); returns the
-/// held ones and the refusal (index, what it said). A protocol-3 CHALLENGE (what the tcp data port
+/// held ones and the refusal (index, what it said). A protocol-4 CHALLENGE (what the tcp data port
 /// says first on every stream) is no refusal.
 fn flood(rt: &tokio::runtime::Runtime, dst: SocketAddr) -> (Vec<TcpStream>, Option<(usize, String)>) {
     let mut held: Vec<TcpStream> = Vec::new();
@@ -1251,7 +1253,7 @@ fn fd_exhaustion() -> CaseOut {
     let (_boot, addr) = bootstrap(env, &[], None);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let n = 24;
-    // timeout_s: the handshake deadline of protocol 2 (protocol 3 has handshake_timeout_s, 5 s).
+    // timeout_s: the handshake deadline of protocol 2 (protocol 4 has handshake_timeout_s, 5 s).
     let mut extra = stream(Some(n));
     extra.extend(["--backend-opt".into(), format!("timeout_s={TCP_TIMEOUT_S}")]);
     let o = WorkerOpts { backend: "tcp", env, extra, netns: None, nofile: Some(DECODE_NOFILE) };

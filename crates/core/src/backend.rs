@@ -896,16 +896,48 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// the peer is final.
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError>;
 
-    /// Closes the connection to a peer the caller declared lost (its lease expired, or this rank
-    /// lost its metadata store): nothing more is sent and nothing is waited for from the peer;
-    /// transfers in flight to it fail as soon as no local send still reads their source memory, so
-    /// their fences resolve without the transport's own deadline. The id becomes unknown; it
-    /// resolves once every transfer to the peer is final. The default is [`Self::disconnect`]
-    /// (bounded by the backend's deadline); a backend that can drop a connection at once overrides it.
-    async fn disconnect_lost(&self, peer: PeerId, reason: &str) -> Result<(), BackendError> {
-        let _ = reason;
-        self.disconnect(peer).await
+    /// Cuts off the peer instance that `peer` is connected to (SEMANTICS §6, "known dead"): the
+    /// only way a rank that gave up on a peer (its lease expired, the metadata store is
+    /// unreachable, a liveness timeout, an abort) learns that the peer can no longer write into its
+    /// memory. A stopped process resumes and a partition heals, so giving up is not proof that the
+    /// peer stopped: this call makes it so.
+    ///
+    /// What it does, in one step that cannot be undone:
+    /// - closes this connection and every connection the same peer instance opened to this
+    ///   endpoint (both directions; nothing more is sent, nothing is waited for from the peer);
+    /// - refuses, for this endpoint's lifetime, every later connection, handshake, frame, message
+    ///   or write of that instance; the remote keys it holds become useless (revoked, or their
+    ///   writes dropped by the receiving side);
+    /// - fails every transfer to it (their states become final as soon as no local send still
+    ///   reads their source memory).
+    ///
+    /// `Ok` is the confirmation: from its return on, no byte the cut-off instance sent or will send
+    /// can land in this endpoint's registered memory, and no transfer to it reads local memory.
+    /// [`CutOff`] says how the backend made it so. `peer` becomes unknown.
+    ///
+    /// Other instances of the same identity are untouched: a restarted process (a new endpoint,
+    /// published under a new epoch) connects, and is connected to, as a new peer. An instance is
+    /// one endpoint object: the backend tells instances apart by a value each endpoint draws at
+    /// creation and carries in its metadata and handshakes.
+    ///
+    /// An error means the cut-off is not confirmed: the caller must treat the memory the peer could
+    /// write as quarantined (never reused) until a later call succeeds. The default refuses
+    /// ([`BackendError::Unsupported`]), which quarantines; every kvxfer backend overrides it.
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let _ = (peer, reason);
+        Err(BackendError::Unsupported { backend: self.name(), what: "cutting a peer off".into() })
     }
+}
+
+/// How a backend confirmed a [`KvTransferBackend::cut_off`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CutOff {
+    /// Connections (streams, endpoints, queue pairs) closed by the call.
+    pub closed: usize,
+    /// Transfers to the peer that were still in flight and were failed.
+    pub failed_transfers: usize,
+    /// The mechanism, in words, for logs ("connections closed, instance refused").
+    pub how: &'static str,
 }
 
 /// Builds a backend endpoint.

@@ -31,7 +31,7 @@ pub mod tracker;
 
 pub use backend::{
     AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture, Capabilities,
-    CloseRegistration, Completion, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, PeerId, RegionId,
+    CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, PeerId, RegionId,
     Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
@@ -43,7 +43,7 @@ pub use model::{
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
 pub use secret::{Secret, SecretError, SECRET_ENV};
-pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Status, TrackerConfig, TrackerStats};
+pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Status, TrackerConfig, TrackerStats};
 
 /// Re-exported so backend crates submit descriptors without naming `inventory` themselves.
 pub use inventory;

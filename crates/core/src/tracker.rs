@@ -17,9 +17,17 @@
 //! - a failed request is not yet safe: its destination pages may be reused only once every sender
 //!   has fenced ([`CompletionTracker::fence`]): it finished all its chunks, reported failure (a sender
 //!   fails a request only after its own transfers settled), answered an abort with `Fenced`, or was
-//!   lost (its connection closed);
+//!   given up on **and cut off**;
+//! - giving up on a sender ([`CompletionTracker::sender_lost`]: its lease expired, the store is
+//!   unreachable, the transport reported it gone) fails the requests that wait on it but fences
+//!   nothing: a stopped process resumes, a partition heals. The driver cuts the sender off
+//!   (`KvTransferBackend::cut_off`) and reports the confirmation
+//!   ([`CompletionTracker::sender_cut_off`]); only then are those requests' pages reusable. A cut-off
+//!   that could not be confirmed quarantines them ([`CompletionTracker::sender_quarantined`],
+//!   [`Fence::Quarantined`]) until a later cut-off of the same loss succeeds;
 //! - a lost sender stays lost until [`CompletionTracker::sender_back`]: requests expected meanwhile that
-//!   need it fail at once.
+//!   need it fail at once (and are fenced for it at once: the driver hands no request off to a lost
+//!   sender, so it holds none of their pages).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
@@ -203,6 +211,18 @@ struct KeyState {
     expected: Option<u32>,
     state: bool,
     fenced: bool,
+    /// The sender was given up on while it could still write this request's pages: fenced only
+    /// once the cut-off of that loss is confirmed.
+    cut: Option<Cut>,
+}
+
+/// A cut-off a request's key waits on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Cut {
+    /// Loss `id`: the cut-off is under way.
+    Waiting(u64),
+    /// Loss `id`: the cut-off could not be confirmed (why).
+    Quarantined(u64, String),
 }
 
 impl KeyState {
@@ -253,6 +273,37 @@ impl Req {
     fn unfenced(&self) -> Vec<SenderKey> {
         self.keys.iter().filter(|(_, s)| !s.fenced && !s.chunks_complete()).map(|(k, _)| *k).collect()
     }
+
+    /// Senders given up on whose cut-off could not be confirmed, with why.
+    fn quarantined(&self) -> Vec<(SenderKey, String)> {
+        self.keys
+            .iter()
+            .filter(|(_, s)| !s.fenced && !s.chunks_complete())
+            .filter_map(|(k, s)| match &s.cut {
+                Some(Cut::Quarantined(_, why)) => Some((*k, why.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// A sender given up on ([`CompletionTracker::sender_lost`]), until it is back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LostSender {
+    reason: String,
+    /// The loss's id: what [`CompletionTracker::sender_cut_off`] confirms.
+    loss: u64,
+}
+
+/// What [`CompletionTracker::sender_lost`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loss {
+    /// This loss's id: pass it to [`CompletionTracker::sender_cut_off`] (or
+    /// [`CompletionTracker::sender_quarantined`]) once the driver's cut-off of the sender instance
+    /// it gave up on is confirmed (or could not be). A sender already lost keeps its id.
+    pub id: u64,
+    /// Requests this loss failed, sorted.
+    pub failed: Vec<RequestId>,
 }
 
 /// Where a request's fence stands (SEMANTICS §6).
@@ -261,8 +312,12 @@ pub enum Fence {
     /// Still pending: senders may write.
     Open,
     /// The request has an outcome; these senders have not yet confirmed that none of their writes
-    /// can land (empty: the pages may be reused).
+    /// can land, or (for a sender given up on) their cut-off is under way. Never empty.
     Closing(Vec<SenderKey>),
+    /// The request has an outcome; these senders were given up on and cutting them off could not
+    /// be confirmed (why): they may still write into the pages, which must not be reused. It
+    /// becomes [`Fence::Closed`] only if a later cut-off of the same loss is confirmed.
+    Quarantined(Vec<(SenderKey, String)>),
     /// No write of the request can land any more: its destination pages may be reused.
     Closed,
 }
@@ -280,8 +335,10 @@ pub struct CompletionTracker {
     release_seq: u64,
     /// Notifications for (room, generation) pairs not tracked yet, oldest first, with arrival times.
     early: VecDeque<(Notification, Instant)>,
-    /// Senders known lost, with the reason, until they come back.
-    lost: BTreeMap<SenderKey, String>,
+    /// Senders given up on, until they come back.
+    lost: BTreeMap<SenderKey, LostSender>,
+    /// The last loss id handed out.
+    loss_seq: u64,
     stats: TrackerStats,
 }
 
@@ -332,17 +389,18 @@ impl CompletionTracker {
             self.stats.early_applied += 1;
             self.handle(&n, now);
         }
-        // A sender known lost is fenced (its connection is closed); one the request still waits on
-        // fails it at once. Checked after the early notifications: what a sender delivered before it
-        // was lost counts, exactly as for a request tracked when the loss happened (`sender_lost`).
+        // A sender known lost holds none of this request's pages (the driver hands nothing off to a
+        // lost sender), so it is fenced for it; one the request still waits on fails it at once.
+        // Checked after the early notifications: what a sender delivered before it was lost counts,
+        // exactly as for a request tracked when the loss happened (`sender_lost`).
         if let Some(req) = self.reqs.get_mut(&request) {
             let state_required = req.state_required;
             let mut down = None;
             for (k, s) in req.keys.iter_mut() {
-                let Some(reason) = self.lost.get(k) else { continue };
+                let Some(lost) = self.lost.get(k) else { continue };
                 s.fenced = true;
                 if down.is_none() && (!s.chunks_complete() || (state_required && !s.state)) {
-                    down = Some((*k, reason.clone()));
+                    down = Some((*k, lost.reason.clone()));
                 }
             }
             if let (None, Some((key, reason))) = (&req.outcome, down) {
@@ -470,27 +528,73 @@ impl CompletionTracker {
         }
     }
 
-    /// The transport lost sender `key`: fails every pending request that still waits on it, counts
-    /// it as fenced everywhere (its connection is closed), and fails requests expected later that need
-    /// it until [`Self::sender_back`]. Returns the requests it failed.
-    pub fn sender_lost(&mut self, key: SenderKey, reason: &str) -> Vec<RequestId> {
-        self.lost.insert(key, reason.to_owned());
+    /// The driver gave up on sender `key` (its lease expired, the store is unreachable, the
+    /// transport reported it gone): fails every pending request that still waits on it, and fails
+    /// requests expected later that need it until [`Self::sender_back`]. It fences nothing: every
+    /// request the sender could still write (it has not fenced and not finished its chunks) waits
+    /// for the cut-off of this loss ([`Self::sender_cut_off`] with the returned id) before its
+    /// pages are reusable. Giving up on a sender already given up on changes nothing and returns
+    /// the same id.
+    pub fn sender_lost(&mut self, key: SenderKey, reason: &str) -> Loss {
+        let id = match self.lost.get(&key) {
+            Some(l) => l.loss,
+            None => {
+                self.loss_seq += 1;
+                self.lost.insert(key, LostSender { reason: reason.to_owned(), loss: self.loss_seq });
+                self.loss_seq
+            }
+        };
         let mut failed = Vec::new();
-        for (id, req) in &mut self.reqs {
+        for (rid, req) in &mut self.reqs {
             let Some(s) = req.keys.get_mut(&key) else { continue };
             let waiting = !s.chunks_complete() || (req.state_required && !s.state);
-            s.fenced = true;
+            if !s.fenced && !s.chunks_complete() && s.cut.is_none() {
+                s.cut = Some(Cut::Waiting(id));
+            }
             if req.outcome.is_none() && waiting {
                 req.outcome = Some(Status::Failed(Failure::PeerLost { key, reason: reason.to_owned() }));
-                failed.push(*id);
+                failed.push(*rid);
             }
         }
         failed.sort();
-        failed
+        Loss { id, failed }
     }
 
-    /// Sender `key` is back (registered again under a new epoch): requests expected from now on may
-    /// use it.
+    /// The cut-off of loss `loss` of sender `key` is confirmed: the sender instance given up on can
+    /// no longer write into this rank's memory. Every request that waited on it is fenced for
+    /// `key`. Returns those requests, sorted. An unknown loss changes nothing.
+    pub fn sender_cut_off(&mut self, key: SenderKey, loss: u64) -> Vec<RequestId> {
+        let mut fenced = Vec::new();
+        for (rid, req) in &mut self.reqs {
+            let Some(s) = req.keys.get_mut(&key) else { continue };
+            if matches!(&s.cut, Some(Cut::Waiting(l) | Cut::Quarantined(l, _)) if *l == loss) {
+                s.cut = None;
+                s.fenced = true;
+                fenced.push(*rid);
+            }
+        }
+        fenced.sort();
+        fenced
+    }
+
+    /// The cut-off of loss `loss` of sender `key` could not be confirmed (`why`): the requests that
+    /// wait on it are quarantined ([`Fence::Quarantined`]) until a later [`Self::sender_cut_off`] of
+    /// the same loss. Returns them, sorted.
+    pub fn sender_quarantined(&mut self, key: SenderKey, loss: u64, why: &str) -> Vec<RequestId> {
+        let mut out = Vec::new();
+        for (rid, req) in &mut self.reqs {
+            let Some(s) = req.keys.get_mut(&key) else { continue };
+            if matches!(&s.cut, Some(Cut::Waiting(l) | Cut::Quarantined(l, _)) if *l == loss) {
+                s.cut = Some(Cut::Quarantined(loss, why.to_owned()));
+                out.push(*rid);
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Sender `key` is back (registered again under a new epoch, a new instance): requests expected
+    /// from now on may use it. Requests that wait on the cut-off of its earlier instance still do.
     pub fn sender_back(&mut self, key: SenderKey) {
         self.lost.remove(&key);
     }
@@ -498,6 +602,11 @@ impl CompletionTracker {
     /// Senders known lost.
     pub fn lost_senders(&self) -> Vec<SenderKey> {
         self.lost.keys().copied().collect()
+    }
+
+    /// The id of the current loss of sender `key`, while it is lost.
+    pub fn loss_of(&self, key: SenderKey) -> Option<u64> {
+        self.lost.get(&key).map(|l| l.loss)
     }
 
     /// Fails a pending request (receiver-side abort). No effect on a request with an outcome. The
@@ -529,9 +638,10 @@ impl CompletionTracker {
         Some(match &req.outcome {
             None => Fence::Open,
             Some(Status::Done) => Fence::Closed,
-            Some(_) => match req.unfenced() {
-                v if v.is_empty() => Fence::Closed,
-                v => Fence::Closing(v),
+            Some(_) => match (req.quarantined(), req.unfenced()) {
+                (q, _) if !q.is_empty() => Fence::Quarantined(q),
+                (_, v) if v.is_empty() => Fence::Closed,
+                (_, v) => Fence::Closing(v),
             },
         })
     }

@@ -175,7 +175,7 @@ fn lost_sender_fails_only_requests_waiting_on_it() {
     t.expect(RequestId(2), spec(&[key(1, 0)], t0), t0).unwrap();
     t.expect(RequestId(3), spec(&[key(0, 0), key(1, 0)], t0), t0).unwrap();
     t.handle(&Notification::chunk(RequestId(3), key(0, 0), 0, true), t0);
-    assert_eq!(t.sender_lost(key(0, 0), "connection reset"), vec![RequestId(1)]);
+    assert_eq!(t.sender_lost(key(0, 0), "connection reset").failed, vec![RequestId(1)]);
     assert_eq!(t.status(RequestId(2), t0), Some(Status::Pending));
     assert_eq!(t.status(RequestId(3), t0), Some(Status::Pending));
     assert_eq!(

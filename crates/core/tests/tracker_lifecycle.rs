@@ -11,14 +11,17 @@
 //! after the outcome changes nothing but a fence. After every event the tracker's answer to it, `status`, `fence`, `generation`,
 //! `is_released`, `early_len`, `next_deadline`, `lost_senders`, `len` and every counter of `stats`
 //! must equal the model's. Sequences are enumerated depth first; a letter that cannot apply (a copy
-//! when nothing was sent yet, `sender_back` of a sender that is not lost) is skipped.
+//! when nothing was sent yet, `sender_back` of a sender that is not lost, a cut-off of a key never
+//! lost) is skipped. Giving up on a sender fences nothing (issue 32): a request it could still write
+//! waits for the cut-off of that very loss, and a cut-off that failed quarantines it.
 //!
 //! The alphabet ([`Ev`]), for one room whose generation 1 was released before the sequence starts and
 //! whose current generation is `cur` (2 at first, +1 at every release):
 //! chunk c ∈ {0, 1} with or without `last` from each key, aux, a Failure and a Fenced from a key, a
 //! chunk from a key outside the expected set, a copy of the latest notification (whatever its
 //! generation), a late chunk of the released generation `cur - 1`, a chunk of the future generation
-//! `cur + 1`, receiver abort, sender_lost(key), sender_back(key), release, expect (generation `cur`;
+//! `cur + 1`, receiver abort, sender_lost(key), the cut-off of the key's latest loss confirmed
+//! (`sender_cut_off`) or not (`sender_quarantined`), sender_back(key), release, expect (generation `cur`;
 //! notifications before it are early), time past the deadline, time past `early_ttl` (the driver's
 //! timer: each advance is followed by `poll_deadlines`).
 //!
@@ -27,15 +30,15 @@
 //!
 //! | test | topology | letters | length | sequences |
 //! |---|---|---|---|---|
-//! | `exhaustive_one_key_full_alphabet` | 1 key | all 17 | ≤ 5 | 1,043,844 |
-//! | `exhaustive_one_key_with_aux_full_alphabet` | 1 key, aux | all 18 | ≤ 5 | 1,416,240 |
-//! | `exhaustive_two_keys_full_alphabet` | 2 keys | all 24 | ≤ 4 | 234,665 |
-//! | `exhaustive_two_keys_with_aux_full_alphabet` | 2 keys, aux | all 25 | ≤ 4 | 280,405 |
+//! | `exhaustive_one_key_full_alphabet` | 1 key | all 19 | ≤ 5 | 1,136,416 |
+//! | `exhaustive_one_key_with_aux_full_alphabet` | 1 key, aux | all 20 | ≤ 5 | 1,526,776 |
+//! | `exhaustive_two_keys_full_alphabet` | 2 keys | all 28 | ≤ 4 | 246,937 |
+//! | `exhaustive_two_keys_with_aux_full_alphabet` | 2 keys, aux | all 29 | ≤ 4 | 293,793 |
 //! | `exhaustive_one_key_lifecycle_to_six` | 1 key, aux | 10 (generations, early, loss) | ≤ 6 | 926,836 |
-//! | `exhaustive_two_keys_fence_to_six` | 2 keys | 10 (failure, fence, loss) | ≤ 6 | 691,025 |
+//! | `exhaustive_two_keys_fence_to_six` | 2 keys | 12 (failure, fence, loss, cut-off, quarantine) | ≤ 6 | 1,016,089 |
 //! | `exhaustive_two_keys_early_to_six` | 2 keys, aux | 10 (early, generations, completion) | ≤ 6 | 952,537 |
 //!
-//! 5,545,552 sequences in all (the counts are asserted), about 12 s of CPU in the test profile, split
+//! 6,099,384 sequences in all (the counts are asserted), about 16 s of CPU in the test profile, split
 //! over seven tests that run in parallel. Early notifications expire lazily in the tracker (at
 //! `poll_deadlines`, `expect` and the next early notification); the time letters poll, as a driver's
 //! timer does, and `defect_3_early_notifications_expire_after_early_ttl_and_beyond_early_max` covers
@@ -49,7 +52,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{
-    CompletionTracker, ExpectSpec, Failure, Fence, Handled, Notification, NotificationBody, RequestId, SenderKey,
+    CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Notification, NotificationBody, RequestId, SenderKey,
     Status, TrackerConfig, TrackerError, TrackerStats,
 };
 
@@ -63,6 +66,7 @@ const EARLY_MAX: usize = 3;
 /// Index of the key outside the expected set.
 const ALIEN: usize = 2;
 const FAIL_REASON: &str = "write failed";
+const CUT_FAILED: &str = "cut-off not confirmed";
 
 fn key(i: usize) -> SenderKey {
     // Index order is key order (the tracker names keys in key order).
@@ -126,8 +130,12 @@ enum Ev {
     Future,
     /// Receiver abort.
     Abort,
-    /// The transport lost a sender.
+    /// The driver gave up on a sender (lease expired, transport lost it).
     Lost(usize),
+    /// The driver's cut-off of the sender's latest loss is confirmed.
+    CutOff(usize),
+    /// The driver's cut-off of the sender's latest loss could not be confirmed.
+    Quarantine(usize),
     /// The sender is back.
     Back(usize),
     /// Release the room's tracked generation.
@@ -154,7 +162,7 @@ fn full_alphabet(n: usize, aux: bool) -> Vec<Ev> {
         a.push(Ev::Aux(0));
     }
     for k in 0..n {
-        a.extend([Ev::Fail(k), Ev::Fenced(k), Ev::Lost(k), Ev::Back(k)]);
+        a.extend([Ev::Fail(k), Ev::Fenced(k), Ev::Lost(k), Ev::CutOff(k), Ev::Quarantine(k), Ev::Back(k)]);
     }
     if n == 1 {
         a.push(Ev::Alien);
@@ -190,8 +198,11 @@ struct MReq {
     /// Chunks announced as last per key, by any copy (bit c: chunk c).
     lasts: [u32; 2],
     aux: bool,
-    /// Keys that confirmed none of their writes can land any more (Failure, Fenced, lost).
+    /// Keys that confirmed none of their writes can land any more (Failure, Fenced, cut off).
     fenced: [bool; 2],
+    /// Keys given up on while they could still write: the loss whose cut-off they wait on, and
+    /// whether that cut-off could not be confirmed (quarantined).
+    cut: [Option<(u64, bool)>; 2],
     out: Option<Out>,
 }
 
@@ -211,6 +222,9 @@ struct Model {
     cur: u64,
     released: BTreeSet<u64>,
     lost: BTreeSet<usize>,
+    /// Each key's latest loss id (kept after it is back: a cut-off may confirm it later).
+    last_loss: [Option<u64>; 2],
+    loss_seq: u64,
     req: Option<MReq>,
     early: VecDeque<(Msg, Duration)>,
     st: TrackerStats,
@@ -226,6 +240,8 @@ impl Model {
             cur: 2,
             released: BTreeSet::from([1]),
             lost: BTreeSet::new(),
+            last_loss: [None; 2],
+            loss_seq: 0,
             req: None,
             early: VecDeque::new(),
             st: TrackerStats::default(),
@@ -337,6 +353,7 @@ impl Model {
             lasts: [0; 2],
             aux: false,
             fenced: [false; 2],
+            cut: [None; 2],
             out: None,
         });
         self.expire_early();
@@ -347,7 +364,8 @@ impl Model {
             self.st.early_applied += 1;
             self.handle(*m);
         }
-        // A sender still lost that the request still needs fails it at once; a lost sender is fenced.
+        // A sender still lost that the request still needs fails it at once; a lost sender holds
+        // none of its pages (nothing is handed off to it), so it is fenced.
         let r = self.req.as_mut().unwrap();
         for k in 0..self.n {
             if self.lost.contains(&k) {
@@ -360,15 +378,47 @@ impl Model {
         Ok(mine.len())
     }
 
-    fn lost(&mut self, k: usize) -> Vec<RequestId> {
-        self.lost.insert(k);
-        let Some(r) = self.req.as_mut() else { return vec![] };
-        r.fenced[k] = true;
+    /// Giving up fences nothing: a request the sender could still write waits for the cut-off.
+    fn lost(&mut self, k: usize) -> Loss {
+        if self.lost.insert(k) {
+            self.loss_seq += 1;
+            self.last_loss[k] = Some(self.loss_seq);
+        }
+        let id = self.last_loss[k].unwrap();
+        let Some(r) = self.req.as_mut() else { return Loss { id, failed: vec![] } };
+        if !r.fenced[k] && !r.complete(k) && r.cut[k].is_none() {
+            r.cut[k] = Some((id, false));
+        }
         if r.out.is_none() && !r.complete(k) {
             r.out = Some(Out::PeerLost(k));
-            return vec![R];
+            return Loss { id, failed: vec![R] };
         }
-        vec![]
+        Loss { id, failed: vec![] }
+    }
+
+    /// The cut-off of `k`'s latest loss: requests waiting on that loss are fenced for `k`.
+    fn cut_off(&mut self, k: usize) -> Vec<RequestId> {
+        let id = self.last_loss[k];
+        match self.req.as_mut() {
+            Some(r) if r.cut[k].is_some_and(|(l, _)| Some(l) == id) => {
+                r.cut[k] = None;
+                r.fenced[k] = true;
+                vec![R]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// The cut-off of `k`'s latest loss failed: requests waiting on it are quarantined.
+    fn quarantine(&mut self, k: usize) -> Vec<RequestId> {
+        let id = self.last_loss[k];
+        match self.req.as_mut() {
+            Some(r) if r.cut[k].is_some_and(|(l, _)| Some(l) == id) => {
+                r.cut[k] = Some((id.unwrap(), true));
+                vec![R]
+            }
+            _ => vec![],
+        }
     }
 
     fn release(&mut self) -> Option<Option<Out>> {
@@ -399,11 +449,18 @@ impl Model {
             Some(Out::Done) => Fence::Closed,
             Some(_) => {
                 // A sender that delivered all its chunks has nothing in flight.
-                let open: Vec<SenderKey> = (0..self.n).filter(|k| !r.fenced[*k] && !r.complete(*k)).map(key).collect();
-                if open.is_empty() {
+                let open: Vec<usize> = (0..self.n).filter(|k| !r.fenced[*k] && !r.complete(*k)).collect();
+                let quarantined: Vec<(SenderKey, String)> = open
+                    .iter()
+                    .filter(|k| r.cut[**k].is_some_and(|(_, q)| q))
+                    .map(|k| (key(*k), CUT_FAILED.to_owned()))
+                    .collect();
+                if !quarantined.is_empty() {
+                    Fence::Quarantined(quarantined)
+                } else if open.is_empty() {
                     Fence::Closed
                 } else {
-                    Fence::Closing(open)
+                    Fence::Closing(open.into_iter().map(key).collect())
                 }
             }
         })
@@ -460,6 +517,7 @@ enum Seen {
     SenderDown,
     Open,
     Closing,
+    Quarantined,
     Closed,
     /// `expect` applied early notifications.
     Applied,
@@ -469,7 +527,7 @@ enum Seen {
     AlreadyTracked,
 }
 
-const ALL_SEEN: [Seen; 22] = [
+const ALL_SEEN: [Seen; 23] = [
     Seen::Progress,
     Seen::Completed,
     Seen::Duplicate,
@@ -488,6 +546,7 @@ const ALL_SEEN: [Seen; 22] = [
     Seen::SenderDown,
     Seen::Open,
     Seen::Closing,
+    Seen::Quarantined,
     Seen::Closed,
     Seen::Applied,
     Seen::Expired,
@@ -495,7 +554,7 @@ const ALL_SEEN: [Seen; 22] = [
 ];
 
 /// What the two-key full alphabets reach: everything but a key outside the set (a one-key letter).
-const BUT_ALIEN: [Seen; 21] = [
+const BUT_ALIEN: [Seen; 22] = [
     Seen::Progress,
     Seen::Completed,
     Seen::Duplicate,
@@ -513,6 +572,7 @@ const BUT_ALIEN: [Seen; 21] = [
     Seen::SenderDown,
     Seen::Open,
     Seen::Closing,
+    Seen::Quarantined,
     Seen::Closed,
     Seen::Applied,
     Seen::Expired,
@@ -541,7 +601,7 @@ const LIFECYCLE: [Seen; 19] = [
     Seen::AlreadyTracked,
 ];
 
-const FENCE: [Seen; 19] = [
+const FENCE: [Seen; 20] = [
     Seen::Progress,
     Seen::Completed,
     Seen::Duplicate,
@@ -557,6 +617,7 @@ const FENCE: [Seen; 19] = [
     Seen::SenderDown,
     Seen::Open,
     Seen::Closing,
+    Seen::Quarantined,
     Seen::Closed,
     Seen::Applied,
     Seen::Expired,
@@ -614,6 +675,7 @@ impl Run {
         match ev {
             Ev::Dup => self.m.latest.is_some(),
             Ev::Back(k) => self.m.lost.contains(&k),
+            Ev::CutOff(k) | Ev::Quarantine(k) => self.m.last_loss[k].is_some(),
             _ => true,
         }
     }
@@ -656,6 +718,18 @@ impl Run {
                 }
             }
             Ev::Lost(k) => assert_eq!(self.t.sender_lost(key(k), "connection reset"), self.m.lost(k), "sender_lost"),
+            Ev::CutOff(k) => {
+                let loss = self.m.last_loss[k].unwrap();
+                assert_eq!(self.t.sender_cut_off(key(k), loss), self.m.cut_off(k), "sender_cut_off");
+            }
+            Ev::Quarantine(k) => {
+                let loss = self.m.last_loss[k].unwrap();
+                assert_eq!(
+                    self.t.sender_quarantined(key(k), loss, CUT_FAILED),
+                    self.m.quarantine(k),
+                    "sender_quarantined"
+                );
+            }
             Ev::Back(k) => {
                 self.t.sender_back(key(k));
                 self.m.lost.remove(&k);
@@ -711,6 +785,7 @@ impl Run {
             self.seen |= bit(match f {
                 Fence::Open => Seen::Open,
                 Fence::Closing(_) => Seen::Closing,
+                Fence::Quarantined(_) => Seen::Quarantined,
                 Fence::Closed => Seen::Closed,
             });
         }
@@ -801,29 +876,29 @@ fn exhaust(n: usize, aux: bool, alphabet: &[Ev], max: usize, reach: &[Seen]) -> 
 #[test]
 fn exhaustive_one_key_full_alphabet() {
     let a = full_alphabet(1, false);
-    assert_eq!(a.len(), 17);
-    assert_eq!(exhaust(1, false, &a, 5, &ALL_SEEN), 1_043_844);
+    assert_eq!(a.len(), 19);
+    assert_eq!(exhaust(1, false, &a, 5, &ALL_SEEN), 1_136_416);
 }
 
 #[test]
 fn exhaustive_one_key_with_aux_full_alphabet() {
     let a = full_alphabet(1, true);
-    assert_eq!(a.len(), 18);
-    assert_eq!(exhaust(1, true, &a, 5, &ALL_SEEN), 1_416_240);
+    assert_eq!(a.len(), 20);
+    assert_eq!(exhaust(1, true, &a, 5, &ALL_SEEN), 1_526_776);
 }
 
 #[test]
 fn exhaustive_two_keys_full_alphabet() {
     let a = full_alphabet(2, false);
-    assert_eq!(a.len(), 24);
-    assert_eq!(exhaust(2, false, &a, 4, &BUT_ALIEN), 234_665);
+    assert_eq!(a.len(), 28);
+    assert_eq!(exhaust(2, false, &a, 4, &BUT_ALIEN), 246_937);
 }
 
 #[test]
 fn exhaustive_two_keys_with_aux_full_alphabet() {
     let a = full_alphabet(2, true);
-    assert_eq!(a.len(), 25);
-    assert_eq!(exhaust(2, true, &a, 4, &BUT_ALIEN), 280_405);
+    assert_eq!(a.len(), 29);
+    assert_eq!(exhaust(2, true, &a, 4, &BUT_ALIEN), 293_793);
 }
 
 /// Generations, early notifications and the fence of one key to six events.
@@ -854,12 +929,14 @@ fn exhaustive_two_keys_fence_to_six() {
         Ev::Fenced(1),
         Ev::Abort,
         Ev::Lost(1),
+        Ev::CutOff(1),
+        Ev::Quarantine(1),
         Ev::Back(1),
         Ev::Expect,
         Ev::Release,
         Ev::PastDeadline,
     ];
-    assert_eq!(exhaust(2, false, &a, 6, &FENCE), 691_025);
+    assert_eq!(exhaust(2, false, &a, 6, &FENCE), 1_016_089);
 }
 
 /// Early notifications, generations and completion with two keys and aux to six events.
@@ -1006,9 +1083,9 @@ fn defect_3_early_notifications_expire_after_early_ttl_and_beyond_early_max() {
 }
 
 /// The fence (SEMANTICS §6): a request failed by one sender's Failure is `Closing` over the other
-/// senders until each of them sent Fenced or is lost; then `Closed`.
+/// senders until each of them sent Fenced or was cut off; then `Closed`.
 #[test]
-fn fence_a_failed_request_closes_when_every_other_sender_fenced_or_is_lost() {
+fn fence_a_failed_request_closes_when_every_other_sender_fenced_or_is_cut_off() {
     let t0 = Instant::now();
     let keys = [key(0), key(1), key(3)];
     let mut t = CompletionTracker::new();
@@ -1022,7 +1099,11 @@ fn fence_a_failed_request_closes_when_every_other_sender_fenced_or_is_lost() {
     let fenced = Notification::new(R, keys[1], NotificationBody::Fenced).with_generation(1);
     assert_eq!(t.handle(&fenced, t0), Handled::AfterOutcome);
     assert_eq!(t.fence(R, t0), Some(Fence::Closing(vec![keys[2]])));
-    assert_eq!(t.sender_lost(keys[2], "connection closed"), Vec::<RequestId>::new());
+    let loss = t.sender_lost(keys[2], "connection closed");
+    assert_eq!(loss.failed, Vec::<RequestId>::new());
+    // Giving up is no fence (issue 32): until the cut-off is confirmed, key 2 may still write.
+    assert_eq!(t.fence(R, t0), Some(Fence::Closing(vec![keys[2]])));
+    assert_eq!(t.sender_cut_off(keys[2], loss.id), vec![R]);
     assert_eq!(t.fence(R, t0), Some(Fence::Closed));
     assert_eq!(
         t.status(R, t0),
@@ -1083,13 +1164,13 @@ fn a_lost_sender_fails_requests_expected_after_the_loss_until_it_is_back() {
     let t0 = Instant::now();
     let keys = [key(0), key(1)];
     let mut t = CompletionTracker::new();
-    assert_eq!(t.sender_lost(keys[1], "connection reset"), Vec::<RequestId>::new());
+    assert_eq!(t.sender_lost(keys[1], "connection reset").failed, Vec::<RequestId>::new());
     assert_eq!(t.lost_senders(), vec![keys[1]]);
     assert_eq!(t.expect(R, spec(&keys, 1, t0), t0), Ok(0));
     let down = Failure::SenderDown { key: keys[1], reason: "connection reset".into() };
     assert_eq!(t.status(R, t0), Some(Status::Failed(down.clone())));
     assert!(down.to_string().contains("connection reset"), "{down}");
-    // The lost sender's connection is closed: only key 0 may still write.
+    // Nothing was handed off to the lost sender: only key 0 may still write.
     assert_eq!(t.fence(R, t0), Some(Fence::Closing(vec![keys[0]])));
     assert_eq!(t.next_deadline(), None);
     // A request that does not need the lost sender is unaffected.
@@ -1131,4 +1212,52 @@ fn a_sender_lost_after_delivering_early_does_not_fail_the_request() {
     assert_eq!(t.expect(r9, spec(&keys, 1, t0), t0), Ok(1));
     assert_eq!(t.status(r9, t0), Some(Status::Failed(Failure::Notified { key: keys[0], reason: "oom".into() })));
     assert_eq!(t.fence(r9, t0), Some(Fence::Closed));
+}
+
+/// Issue 32: a sender given up on (its lease expired while it was only stopped) may resume and
+/// write. The requests it could still write fail at once but stay `Closing` until the driver's
+/// cut-off of that loss is confirmed; a cut-off that cannot be confirmed quarantines them (named),
+/// and only a later confirmation of the same loss closes them. A later loss of the sender's next
+/// instance is confirmed on its own: confirming the old loss does not fence the new one.
+#[test]
+fn issue_32_giving_up_on_a_sender_fences_nothing_until_its_cut_off_is_confirmed() {
+    let t0 = Instant::now();
+    let keys = [key(0), key(1)];
+    let mut t = CompletionTracker::new();
+    t.expect(R, spec(&keys, 1, t0), t0).unwrap();
+    t.handle(&chunk(R, 1, keys[0], 0, true), t0);
+    let first = t.sender_lost(keys[1], "lease expired");
+    assert_eq!(first.failed, vec![R]);
+    assert_eq!(
+        t.status(R, t0),
+        Some(Status::Failed(Failure::PeerLost { key: keys[1], reason: "lease expired".into() }))
+    );
+    assert_eq!(t.fence(R, t0), Some(Fence::Closing(vec![keys[1]])), "giving up is no fence");
+    assert_eq!(t.sender_lost(keys[1], "store unreachable"), Loss { id: first.id, failed: vec![] }, "idempotent");
+    // The cut-off timed out: quarantined, naming the sender and why.
+    assert_eq!(t.sender_quarantined(keys[1], first.id, "no confirmation within 10 s"), vec![R]);
+    assert_eq!(t.fence(R, t0), Some(Fence::Quarantined(vec![(keys[1], "no confirmation within 10 s".into())])));
+    // The sender comes back (a new instance) and serves a new request; it is lost again.
+    t.sender_back(keys[1]);
+    let r8 = RequestId(8);
+    t.expect(r8, spec(&keys, 1, t0), t0).unwrap();
+    let second = t.sender_lost(keys[1], "lease expired again");
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.failed, vec![r8]);
+    // Confirming the first loss fences only what waited on it.
+    assert_eq!(t.sender_cut_off(keys[1], first.id), vec![R]);
+    assert_eq!(t.fence(R, t0), Some(Fence::Closed));
+    assert_eq!(t.fence(r8, t0), Some(Fence::Closing(vec![keys[0], keys[1]])));
+    assert_eq!(t.sender_cut_off(keys[1], second.id), vec![r8]);
+    assert_eq!(t.fence(r8, t0), Some(Fence::Closing(vec![keys[0]])));
+    // A sender that finished its chunks before it was given up on writes nothing more: no wait.
+    let r9 = RequestId(9);
+    t.sender_back(keys[1]);
+    t.expect(r9, spec(&keys, 1, t0), t0).unwrap();
+    t.handle(&chunk(r9, 1, keys[1], 0, true), t0);
+    t.abort(r9, "client went away");
+    let third = t.sender_lost(keys[1], "lease expired");
+    assert_eq!(third.failed, Vec::<RequestId>::new());
+    assert_eq!(t.fence(r9, t0), Some(Fence::Closing(vec![keys[0]])));
+    assert_eq!(t.loss_of(keys[1]), Some(third.id));
 }

@@ -38,8 +38,26 @@
 //! `WaitingForInput` until the engine hands off (decode) or sends the last chunk (prefill),
 //! `Transferring` until every byte is confirmed, then `Success` or `Failed`. A failed or aborted
 //! request passes through `Aborting`: until every sender that could still write into the destination
-//! pages has confirmed it cannot any more (it finished, fenced, reported failure, or was lost),
+//! pages has confirmed it cannot any more (it finished, fenced, reported failure, or was cut off),
 //! the pages are NOT free. [`RequestStatus::pages_reusable`] says when they are.
+//!
+//! # Giving up on a peer (SEMANTICS §6, "known dead")
+//!
+//! A rank gives up on a peer when the peer's lease expires, when the transport reports it gone, when
+//! a new process registers for the peer's rank (a new epoch), or when this rank loses its own
+//! membership (the store unreachable past the lease; then it gives up on every peer and posts
+//! nothing more). Giving up is not proof that the peer stopped: a SIGSTOPped process resumes and a
+//! partition heals. So the agent first **cuts the peer off** ([`KvTransferBackend::cut_off`]:
+//! every connection to and from that peer instance closed, its later frames and connections
+//! refused, its remote keys useless) and only once the backend confirmed it does a request that the
+//! peer could still write report `pages_reusable`. Until then it is `Aborting`. A cut-off not
+//! confirmed within [`AgentConfig::cut_off_timeout`] leaves those pages **quarantined**: the request
+//! stays `Aborting` with `pages_reusable == false` and a reason that names the peer, and
+//! [`Agent::quarantined`] lists the peer; never reuse such pages (restart the process to reclaim
+//! them). The time from giving up to the confirmation is logged and kept in [`AgentStats`]. A peer
+//! that comes back under a new epoch is a new instance: it serves new requests only; a handoff
+//! carrying an older epoch than the one the membership announced is refused and counted
+//! ([`AgentStats::stale_refused`]).
 //!
 //! Reusing a room: a decode rank may hand a room off again (a new generation) once it released the
 //! earlier use. On the prefill side a sender belongs to the use whose handoffs it finds when it is
@@ -144,6 +162,10 @@ pub struct AgentConfig {
     pub window: Window,
     /// A label for this rank in peers' error messages (host, process id).
     pub label: String,
+    /// How long the agent waits for the backend to confirm that a peer it gave up on is cut off
+    /// ([`KvTransferBackend::cut_off`]); past it, the pages that peer could still write stay
+    /// quarantined (see the module docs).
+    pub cut_off_timeout: Duration,
     /// The cluster's shared secret: proved to the bootstrap service on every request, and given to
     /// the backend ([`BackendConfig::secret`]), which then admits only connections from ranks that
     /// prove it. `None` (the default of [`AgentConfig::new`]) trusts everyone who can reach the ports;
@@ -174,6 +196,7 @@ impl AgentConfig {
             early_ttl: Duration::from_secs(60),
             window: Window::default(),
             label: format!("pid {}", std::process::id()),
+            cut_off_timeout: Duration::from_secs(10),
             secret: None,
             bootstrap_tls: None,
         }
@@ -371,8 +394,20 @@ pub struct AgentStats {
     pub aborts_received: u64,
     /// Fences sent (prefill) or received (decode).
     pub fences: u64,
-    /// Peers lost.
+    /// Peers given up on (lease expired, transport lost them, replaced by a new epoch, or this
+    /// rank's own membership lost).
     pub peers_lost: u64,
+    /// Peers given up on whose cut-off the backend confirmed.
+    pub cut_offs: u64,
+    /// The longest time from giving up on a peer to the backend's confirmation that it is cut
+    /// off, in microseconds.
+    pub cut_off_max_us: u64,
+    /// Peers given up on whose cut-off could not be confirmed: the pages they could write are
+    /// quarantined ([`Agent::quarantined`]).
+    pub quarantined: u64,
+    /// Handoffs and aborts refused because they carried an older epoch of their decode rank than
+    /// the membership announced (a process that resumed after it was replaced).
+    pub stale_refused: u64,
     /// Notifications of a kind this side does not take, dropped.
     pub protocol_errors: u64,
     /// Decode tracker counters.
@@ -451,6 +486,8 @@ struct Inner {
     next_gen: AtomicU64,
     epoch: u64,
     stats: Mutex<AgentStats>,
+    /// Peers whose cut-off could not be confirmed, with why (see the module docs).
+    quarantine: Mutex<BTreeMap<RankId, String>>,
     wake: tokio::sync::Notify,
     stop: Cancel,
     handle: tokio::runtime::Handle,
@@ -471,10 +508,6 @@ impl fmt::Debug for Agent {
         write!(f, "Agent({} rank {} on {})", self.inner.cfg.role, self.inner.cfg.rank, self.inner.backend.name())
     }
 }
-
-/// Longest the agent waits for the backend to close the connection to a lost peer (each backend
-/// bounds it by its own deadline first).
-const DISCONNECT_BOUND: Duration = Duration::from_secs(120);
 
 /// How long [`Agent::start`] waits for a previous process's record of this rank to expire: its
 /// lease TTL (taken to be this rank's `lease_ttl`) and 1 s for the store's expiry.
@@ -584,6 +617,7 @@ impl Agent {
             next_gen: AtomicU64::new(1),
             epoch,
             stats: Mutex::new(AgentStats::default()),
+            quarantine: Mutex::new(BTreeMap::new()),
             wake: tokio::sync::Notify::new(),
             stop: Cancel::new(),
             handle: tokio::runtime::Handle::current(),
@@ -722,6 +756,14 @@ impl Agent {
             s.tracker = r.stats();
         }
         s
+    }
+
+    /// Peer ranks this rank gave up on whose cut-off the backend could not confirm, with why. The
+    /// pages those peers could write (the destination pages of the requests they were feeding)
+    /// are quarantined: their requests stay `Aborting` and must never be reused (restart the
+    /// process to reclaim the memory). Empty in a healthy cluster.
+    pub fn quarantined(&self) -> Vec<(RankId, String)> {
+        lock(&self.inner.quarantine).iter().map(|(r, w)| (*r, w.clone())).collect()
     }
 
     /// Requests active on this rank (created and not released).
@@ -1144,10 +1186,16 @@ impl Inner {
         if reg.role != self.other() || !lock(&self.peers).contains_key(&reg.rank) {
             return Ok(());
         }
-        if let Some(p) = lock(&self.peers).get(&reg.rank) {
-            if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() {
-                return Ok(());
-            }
+        let replaced = match lock(&self.peers).get(&reg.rank) {
+            Some(p) if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() => return Ok(()),
+            Some(p) => p.id.is_some() && p.lost.is_none() && p.epoch < epoch,
+            None => false,
+        };
+        // A new process took the rank over while the old one was never declared lost (it restarted
+        // faster than its lease expired, or two processes claimed the rank): give up on the old
+        // instance, which cuts it off, before the new one serves anything.
+        if replaced {
+            self.peer_lost(reg.rank, format!("{} rank {} was replaced under epoch {epoch}", reg.role, reg.rank));
         }
         let id =
             match (&self.sender, &self.receiver) {
@@ -1163,14 +1211,8 @@ impl Inner {
         if let Some(rx) = &self.receiver {
             rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
         }
-        let old = lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
-        // The rank came back under a new epoch: drop the old connection (its requests already
-        // failed when the rank was lost).
-        if let Some(old_id) = old.and_then(|p| p.id).filter(|o| Some(*o) != id) {
-            if let Err(e) = self.backend.disconnect(old_id).await {
-                tracing::debug!(rank = %self.cfg.rank, peer = %reg.rank, error = %e, "dropping the old connection");
-            }
-        }
+        // The old instance (if any) was given up on and is being cut off by `peer_lost`.
+        lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
         Ok(())
     }
 
@@ -1238,8 +1280,9 @@ impl Inner {
         }
     }
 
-    /// A peer rank is gone: every request that needs it fails (decode: and counts it fenced; its
-    /// connection is closed).
+    /// This rank gives up on a peer rank: every request that needs it fails at once, then the
+    /// peer instance is cut off ([`Self::cut_off`]); on the decode side the pages it could still
+    /// write become reusable only once the backend confirmed the cut-off.
     fn peer_lost(self: &Arc<Self>, r: RankId, why: String) {
         let id = {
             let mut peers = lock(&self.peers);
@@ -1250,6 +1293,7 @@ impl Inner {
             p.lost = Some(why.clone());
             p.id.take()
         };
+        let given_up = Instant::now();
         lock(&self.stats).peers_lost += 1;
         self.connected.store(false, Ordering::Release);
         let active = match self.cfg.role {
@@ -1262,36 +1306,77 @@ impl Inner {
         } else {
             tracing::info!(rank = %self.cfg.rank, peer = %r, "lost {} rank {r}: {why}", self.other());
         }
-        match self.cfg.role {
+        let loss = match self.cfg.role {
             Side::Decode => {
-                if let Some(rx) = &self.receiver {
-                    rx.with_tracker(|t| t.sender_lost(SenderKey::of(r), &why));
-                }
+                self.receiver.as_ref().map(|rx| rx.with_tracker(|t| t.sender_lost(SenderKey::of(r), &why)).id)
             }
             Side::Prefill => {
+                // Stop posting at once: every open send to it fails (its transfers are failed by the
+                // cut-off below, which makes their source pages reusable).
                 self.abort_open_sends(&format!("lost decode rank {r}: {why}"));
+                None
             }
-        }
-        // Close the connection: a rank declared lost (its lease expired, or its transport failed)
-        // may still be alive but frozen (SIGSTOP, a cut link), so writes to it never complete and
-        // the aborted requests' fences would wait for the transport to give up by itself. The
-        // backend's disconnect fails what is in flight within its own deadline (tcp `timeout_s`,
-        // ucx / fabric `timeout_ms`), so those fences resolve then. The rank reconnects under a new
-        // epoch (`connect_peer`).
-        if let Some(id) = id {
-            let this = Arc::clone(self);
-            let why = why.clone();
-            self.handle.spawn(async move {
-                match tokio::time::timeout(DISCONNECT_BOUND, this.backend.disconnect_lost(id, &why)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::debug!(rank = %this.cfg.rank, peer = %r, error = %e, "closing a lost peer"),
-                    Err(_) => tracing::warn!(
-                        rank = %this.cfg.rank, peer = %r,
-                        "closing the connection to lost rank {r} took more than {DISCONNECT_BOUND:?}"
-                    ),
+        };
+        let this = Arc::clone(self);
+        self.handle.spawn(async move { this.cut_off(r, id, loss, why, given_up).await });
+        self.wake.notify_waiters();
+    }
+
+    /// Cuts off the instance of peer rank `r` that `id` is connected to, and reports the outcome
+    /// to the decode tracker (`loss`): confirmed, the requests it could write are fenced for it;
+    /// not confirmed within [`AgentConfig::cut_off_timeout`], they stay quarantined. A peer that
+    /// was never connected (`id` is `None`) was handed nothing and holds nothing of this rank's.
+    async fn cut_off(
+        self: Arc<Self>,
+        r: RankId,
+        id: Option<PeerId>,
+        loss: Option<u64>,
+        why: String,
+        given_up: Instant,
+    ) {
+        let bound = self.cfg.cut_off_timeout;
+        let outcome = match id {
+            None => Ok("never connected: it was handed nothing".to_owned()),
+            Some(id) => match tokio::time::timeout(bound, self.backend.cut_off(id, &why)).await {
+                Ok(Ok(c)) => Ok(format!(
+                    "{}; {} connection(s) closed, {} transfer(s) failed",
+                    c.how, c.closed, c.failed_transfers
+                )),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("the {} backend did not confirm within {bound:?}", self.backend.name())),
+            },
+        };
+        let took = given_up.elapsed();
+        let key = SenderKey::of(r);
+        match outcome {
+            Ok(how) => {
+                if let (Some(rx), Some(loss)) = (&self.receiver, loss) {
+                    rx.with_tracker(|t| t.sender_cut_off(key, loss));
                 }
-                this.wake.notify_waiters();
-            });
+                {
+                    let mut st = lock(&self.stats);
+                    st.cut_offs += 1;
+                    st.cut_off_max_us = st.cut_off_max_us.max(took.as_micros() as u64);
+                }
+                lock(&self.quarantine).remove(&r);
+                tracing::info!(
+                    rank = %self.cfg.rank, peer = %r, took_us = took.as_micros() as u64,
+                    "cut off {} rank {r} {:.1} ms after giving up on it ({how})", self.other(), took.as_secs_f64() * 1e3
+                );
+            }
+            Err(e) => {
+                let what = format!(
+                    "{} rank {r} was given up on ({why}) but cutting it off failed: {e}; the pages it could write \
+                     are quarantined",
+                    self.other()
+                );
+                if let (Some(rx), Some(loss)) = (&self.receiver, loss) {
+                    rx.with_tracker(|t| t.sender_quarantined(key, loss, &what));
+                }
+                lock(&self.stats).quarantined += 1;
+                lock(&self.quarantine).insert(r, what.clone());
+                tracing::error!(rank = %self.cfg.rank, peer = %r, "{what}");
+            }
         }
         self.wake.notify_waiters();
     }
@@ -1338,6 +1423,19 @@ impl Inner {
                 },
                 Side::Prefill => {
                     let d = rank_of_key(n.sender);
+                    // A decode rank's generations carry its membership epoch (`send_metadata`): one
+                    // older than the epoch the membership announced for that rank comes from a
+                    // process that was replaced (it resumed after a stop): refused.
+                    let known = lock(&self.peers).get(&d).map_or(0, |p| p.epoch);
+                    if n.generation >> 32 < known {
+                        lock(&self.stats).stale_refused += 1;
+                        tracing::warn!(
+                            rank = %self.cfg.rank, from = %d, request = %n.request,
+                            "refused {n} of decode rank {d}: it carries epoch {}, the rank is at epoch {known}",
+                            n.generation >> 32
+                        );
+                        return;
+                    }
                     match &n.body {
                         NotificationBody::Handoff { .. } => self.on_handoff(d, n),
                         NotificationBody::Abort(reason) => self.on_abort(d, &n, reason.clone()),
@@ -1553,6 +1651,10 @@ impl Inner {
                 let reason = format!("{f} (decode rank {})", self.cfg.rank);
                 match rx.fence(room) {
                     Some(Fence::Closed) => (Phase::Failed, Some(reason), true),
+                    Some(Fence::Quarantined(q)) => {
+                        let who: Vec<String> = q.into_iter().map(|(_, why)| why).collect();
+                        (Phase::Aborting, Some(format!("{reason}; QUARANTINED: {}", who.join("; "))), false)
+                    }
                     _ => (Phase::Aborting, Some(reason), false),
                 }
             }
