@@ -591,3 +591,136 @@ async fn a_rank_that_loses_its_own_membership_fails_its_requests() {
         assert!(t1.elapsed() < Duration::from_secs(5), "shutdown took {:?}", t1.elapsed());
     }
 }
+
+/// Issue 32: the decode rank gives up on a prefill rank that is still alive (its record in the
+/// store vanished, as when its lease expired while it was stopped); the prefill rank resumes and
+/// sends the request's pages. The decode rank cut it off before it reported the pages reusable, so
+/// after the engine reused them (wrote them back) not one byte of the late sender lands. Run on the
+/// tcp backend (across sockets) and the local one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_given_up_on_while_alive_lands_nothing_after_the_fence() {
+    for backend in ["tcp", "local"] {
+        let t = topo(1, 1, 2);
+        let c = cluster_on(t, NotifyStyle::Attached, backend).await;
+        let room = RequestId(32);
+        let dst: Vec<u32> = (0..32).collect();
+        let rx = c.decode[0].receiver(room).unwrap();
+        rx.send_metadata(&dst, None).unwrap();
+        let tx = c.prefill[0].sender(room).unwrap();
+        tx.init(32).unwrap();
+        until("the handoff", || tx.status().phase == Phase::WaitingForInput).await;
+        // The prefill rank's record vanishes from the store; the process itself goes on.
+        let addr = MetadataAddr::parse(&c._server.addr().to_string()).unwrap();
+        let store = kvxfer::metadata::connect(&addr, Duration::from_secs(5)).await.unwrap();
+        let key = kvxfer::metadata::members::rank_key(Side::Prefill, RankId::new(0, 0));
+        assert!(store.delete(&key).await.unwrap(), "{backend}: the record existed");
+        let s = rx.wait(soon()).await.unwrap();
+        assert_eq!(s.phase, Phase::Failed, "{backend}: {s:?}");
+        assert!(s.pages_reusable, "{backend}: cut off, so fenced: {s:?}");
+        let st = c.decode[0].stats();
+        assert_eq!((st.cut_offs, st.quarantined), (1, 0), "{backend}: {st:?}");
+        assert!(c.decode[0].quarantined().is_empty());
+        // The engine reuses the pages at once; the prefill rank, unaware, sends them all.
+        reset_pages(&c, &t, &dst);
+        let src: Vec<u32> = (32..64).collect();
+        let _ = tx.send(&src);
+        let ts = tx.wait(soon()).await.unwrap();
+        assert_eq!(ts.phase, Phase::Failed, "{backend}: the cut-off sender cannot succeed: {ts:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(all_sentinel(&c, &t, &dst), "{backend}: a byte of the cut-off sender landed in reused pages");
+        tx.release().unwrap();
+        rx.release().unwrap();
+        for a in c.prefill.into_iter().chain(c.decode) {
+            let _ = a.shutdown(soon()).await;
+        }
+    }
+}
+
+/// A backend whose cut-off is never confirmed: the local backend without `cut_off` (the trait's
+/// default refuses).
+struct NoCut(std::sync::Arc<dyn kvxfer_core::KvTransferBackend>);
+
+#[async_trait::async_trait]
+impl kvxfer_core::KvTransferBackend for NoCut {
+    fn name(&self) -> &'static str {
+        "nocut"
+    }
+    fn capabilities(&self) -> kvxfer_core::Capabilities {
+        self.0.capabilities()
+    }
+    async fn register(
+        &self,
+        id: kvxfer_core::RegionId,
+        mem: kvxfer_core::MemDesc,
+    ) -> Result<kvxfer_core::Registration, kvxfer_core::BackendError> {
+        self.0.register(id, mem).await
+    }
+    fn metadata(&self) -> Result<kvxfer_core::EndpointMetadata, kvxfer_core::BackendError> {
+        self.0.metadata()
+    }
+    async fn connect(
+        &self,
+        peer: &kvxfer_core::EndpointMetadata,
+    ) -> Result<kvxfer_core::PeerId, kvxfer_core::BackendError> {
+        self.0.connect(peer).await
+    }
+    fn post(
+        &self,
+        peer: kvxfer_core::PeerId,
+        ops: &[kvxfer_core::WriteOp],
+        notify: Option<&kvxfer_core::Notification>,
+    ) -> Result<kvxfer_core::Transfer, kvxfer_core::BackendError> {
+        self.0.post(peer, ops, notify)
+    }
+    async fn notify(
+        &self,
+        peer: kvxfer_core::PeerId,
+        n: &kvxfer_core::Notification,
+    ) -> Result<(), kvxfer_core::BackendError> {
+        self.0.notify(peer, n).await
+    }
+    async fn recv(&self, max_wait: Duration) -> Result<Vec<kvxfer_core::BackendEvent>, kvxfer_core::BackendError> {
+        self.0.recv(max_wait).await
+    }
+    async fn disconnect(&self, peer: kvxfer_core::PeerId) -> Result<(), kvxfer_core::BackendError> {
+        self.0.disconnect(peer).await
+    }
+}
+
+fn nocut(
+    cfg: &kvxfer_core::BackendConfig,
+) -> Result<std::sync::Arc<dyn kvxfer_core::KvTransferBackend>, kvxfer_core::BackendError> {
+    Ok(std::sync::Arc::new(NoCut(kvxfer_local::create(cfg)?)))
+}
+
+kvxfer_core::register_backend!("nocut", "test: local without cut_off", kvxfer_local::CAPABILITIES, nocut);
+
+/// Issue 32: when the backend cannot confirm the cut-off, the pages the given-up peer could write
+/// stay quarantined: the request stays `Aborting`, never `pages_reusable`, its reason and
+/// `Agent::quarantined` name the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_that_cannot_be_confirmed_quarantines_the_pages() {
+    let t = topo(1, 1, 1);
+    let c = cluster_on(t, NotifyStyle::Attached, "nocut").await;
+    let rx = c.decode[0].receiver(RequestId(5)).unwrap();
+    rx.send_metadata(&[0, 1], None).unwrap();
+    let addr = MetadataAddr::parse(&c._server.addr().to_string()).unwrap();
+    let store = kvxfer::metadata::connect(&addr, Duration::from_secs(5)).await.unwrap();
+    store.delete(&kvxfer::metadata::members::rank_key(Side::Prefill, RankId::new(0, 0))).await.unwrap();
+    until("the quarantine", || !c.decode[0].quarantined().is_empty()).await;
+    let s = rx.status();
+    assert_eq!(s.phase, Phase::Aborting, "{s:?}");
+    assert!(!s.pages_reusable, "{s:?}");
+    let why = s.reason.unwrap();
+    assert!(why.contains("QUARANTINED") && why.contains("prefill rank 0/0"), "{why}");
+    let q = c.decode[0].quarantined();
+    assert_eq!(q[0].0, RankId::new(0, 0));
+    assert!(q[0].1.contains("not supported"), "{q:?}");
+    assert_eq!(c.decode[0].stats().quarantined, 1);
+    // Still quarantined later: nothing but a confirmed cut-off releases the pages.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!rx.status().pages_reusable);
+    for a in c.prefill.into_iter().chain(c.decode) {
+        let _ = a.shutdown(soon()).await;
+    }
+}
