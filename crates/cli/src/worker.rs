@@ -129,6 +129,12 @@ pub struct WorkerArgs {
     /// passes its own id, so no worker outlives a demo that was killed.
     #[arg(long)]
     pub parent_pid: Option<u32>,
+    /// Decode: seconds to wait, once the requests ended (finished or failed), before the final
+    /// check of the whole pool. A fault test sets it so that a peer this rank gave up on, which may
+    /// well resume (a stopped process, a healed partition), has time to write; the check then finds
+    /// any byte that got past the fence.
+    #[arg(long, default_value_t = 0.0, value_parser = crate::model::parse_seconds_or_zero)]
+    pub linger_s: f64,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -353,6 +359,8 @@ struct Ctx {
     rank: RankId,
     pages: u32,
     inject: bool,
+    /// `--linger-s`.
+    linger: Duration,
     started: Instant,
     report: Arc<Report>,
     summary: Mutex<WorkerSummary>,
@@ -418,6 +426,7 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
         rank,
         pages,
         inject: args.inject_wrong_byte,
+        linger: Duration::from_secs_f64(args.linger_s),
         started: Instant::now(),
         report: Arc::clone(&report),
         summary: Mutex::new(summary),
@@ -459,12 +468,21 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
     }
     lock(&ctx.summary).seconds = ctx.started.elapsed().as_secs_f64();
     if side == Side::Decode {
+        if ctx.linger > Duration::ZERO {
+            progress(json!({"kind": "linger", "seconds": ctx.linger.as_secs_f64()}));
+            tokio::time::sleep(ctx.linger).await;
+        }
         let all: Vec<u32> = (0..ctx.pages).collect();
         let c = Arc::clone(ctx);
         let stray = tokio::task::spawn_blocking(move || sentinel_errors(&c, &all, "bytes changed outside any request"))
             .await
             .map_err(|e| format!("final check panicked: {e}"))?;
         lock(&ctx.summary).errors.extend(stray);
+        progress(json!({"kind": "pool_checked", "pages": ctx.pages}));
+        // Pages a peer given up on may still write (its cut-off was not confirmed) are named.
+        for (r, why) in ctx.agent.quarantined() {
+            lock(&ctx.summary).errors.push(format!("quarantined pages: prefill rank {r}: {why}"));
+        }
     }
     if !lock(&ctx.summary).errors.is_empty() || ctx.stopped() {
         return Ok(());

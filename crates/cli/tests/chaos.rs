@@ -1514,6 +1514,198 @@ fn link_cut(backend: &str) -> Result<CaseOut, String> {
     ))
 }
 
+// ---- presumed dead (issue 32) -----------------------------------------------------------------
+
+/// What resumes after the survivor gave up on it (SEMANTICS §6: giving up is no proof of death).
+#[derive(Clone, Copy, Debug)]
+enum Presumed {
+    /// SIGSTOP of the prefill worker until the decode gave up on it, then SIGCONT.
+    StopPrefill,
+    /// The same for the decode worker (the prefill gives up; the decode resumes, finds its own
+    /// lease gone and gives up on its peers).
+    StopDecode,
+    /// SIGKILL of the metadata service: both ranks lose their own membership while their peer is
+    /// alive and connected.
+    StoreKilled,
+    /// The veth between the decode's and the prefill's namespaces down until the decode gave up,
+    /// then up again.
+    LinkHealed,
+}
+
+/// How long the decode waits, once its requests ended, before checking its whole pool: the
+/// resumed peer's queued writes reach it well within this.
+const LINGER_S: u64 = 6;
+/// From the fault to the decode's exit: its give-up (store bound 5 s + TTL), the cut-off, its
+/// requests' ends, the linger, the shutdown (5 s) and scheduling on 2 shared cores.
+const PRESUMED_EXIT_BOUND: Duration = Duration::from_secs(5 + 2 + 10 + LINGER_S + 5 + 7);
+
+/// The cut-off time the decode logged ("cut off prefill rank 0/0 X ms after giving up"), in ms.
+fn cut_off_ms(p: &Proc) -> Option<f64> {
+    p.lines.lock().unwrap().iter().find_map(|l| {
+        let i = l.text.find("cut off prefill rank 0/0 ")?;
+        let rest = &l.text[i + "cut off prefill rank 0/0 ".len()..];
+        rest.split(' ').next()?.parse().ok()
+    })
+}
+
+/// One run of a presumed-dead fault: returns the decode's cut-off time (ms) and a note.
+fn presumed_dead_once(backend: &str, fault: Presumed) -> Result<(f64, String), String> {
+    let env = Env { secret: false };
+    let mut extra = stream(None);
+    extra.extend(["--linger-s".to_owned(), LINGER_S.to_string()]);
+    if backend != "tcp" {
+        extra.extend(["--backend-opt".to_owned(), format!("timeout_ms={}", TCP_TIMEOUT_S * 1000)]);
+    }
+    let ns = match fault {
+        Presumed::LinkHealed => Some(
+            support::NetnsPair::create("kvp", 12)
+                .map_err(|e| format!("cannot create network namespaces here ({e})"))?,
+        ),
+        _ => None,
+    };
+    let (mut boot, _addr, mut d, mut p) = match &ns {
+        None => {
+            let (boot, addr) = bootstrap(env, &[], None);
+            let o = WorkerOpts { backend, env, extra: extra.clone(), netns: None, nofile: None };
+            let d = worker(&addr, "decode", &o);
+            let p = worker(&addr, "prefill", &o);
+            (boot, addr, d, p)
+        }
+        Some(ns) => {
+            let (boot, addr) = bootstrap_at(env, &ns.a, &ns.addr_a);
+            let mut od = WorkerOpts { backend, env, extra: extra.clone(), netns: Some(&ns.a), nofile: None };
+            od.extra.extend(netns_opts(backend, &ns.addr_a, &ns.veth_a));
+            let d = worker(&addr, "decode", &od);
+            let mut op = WorkerOpts { backend, env, extra: extra.clone(), netns: Some(&ns.b), nofile: None };
+            op.extra.extend(netns_opts(backend, &ns.addr_b, &ns.veth_b));
+            let p = worker(&addr, "prefill", &op);
+            (boot, addr, d, p)
+        }
+    };
+    if !d.wait_kind("done", 3, Duration::from_secs(60)) {
+        return Err(format!("no request completed:\n{}\n{}", d.output(), p.output()));
+    }
+    let t0 = Instant::now();
+    let give_up_bound = t0 + STORE_EXIT_BOUND + Duration::from_secs(10);
+    match fault {
+        Presumed::StopPrefill => {
+            p.signal("STOP");
+            d.line_where(t0, give_up_bound, |l| names_lost(l, "prefill"))
+                .ok_or_else(|| format!("the decode never gave up on the stopped prefill:\n{}", d.output()))?;
+            p.signal("CONT");
+        }
+        Presumed::StopDecode => {
+            d.signal("STOP");
+            p.line_where(t0, give_up_bound, |l| names_lost(l, "decode"))
+                .ok_or_else(|| format!("the prefill never gave up on the stopped decode:\n{}", p.output()))?;
+            d.signal("CONT");
+        }
+        Presumed::StoreKilled => {
+            boot.kill9();
+        }
+        Presumed::LinkHealed => {
+            let ns = ns.as_ref().unwrap();
+            let link = |state: &str| {
+                Command::new("ip").args(["-n", &ns.a, "link", "set", &ns.veth_a, state]).status().map(|s| s.success())
+            };
+            if !link("down").unwrap_or(false) {
+                return Err("could not take the veth down".into());
+            }
+            let named = d.line_where(t0, give_up_bound, |l| names_lost(l, "prefill"));
+            let up = link("up").unwrap_or(false);
+            named.ok_or_else(|| format!("the decode never gave up on the cut-off prefill:\n{}", d.output()))?;
+            if !up {
+                return Err("could not bring the veth up again".into());
+            }
+        }
+    }
+    let (st, _) = d
+        .wait_exit(PRESUMED_EXIT_BOUND)
+        .ok_or_else(|| format!("the decode did not exit within {PRESUMED_EXIT_BOUND:?}:\n{}", timeline(&d, t0)))?;
+    let took = t0.elapsed();
+    let out = d.output();
+    if !out.contains("\"kind\":\"pool_checked\"") {
+        return Err(format!("the decode never checked its pool ({st}):\n{out}"));
+    }
+    let s = d.summary().ok_or_else(|| format!("the decode printed no summary:\n{out}"))?;
+    let errors: Vec<String> =
+        s["errors"].as_array().into_iter().flatten().filter_map(|e| e.as_str().map(String::from)).collect();
+    for bad in
+        ["changed outside any request", "cannot read page", "after the fence", "verification failed", "quarantined"]
+    {
+        if let Some(e) = errors.iter().find(|e| e.contains(bad)) {
+            return Err(format!("STRAY: {e}\n{}", timeline(&d, t0)));
+        }
+    }
+    if st.success() || errors.is_empty() {
+        return Err(format!("an endless stream cannot end well after its peer was given up on ({st}): {s}"));
+    }
+    for e in &errors {
+        if !(e.contains("rank 0/0") || e.contains("bootstrap at") || e.contains("lost")) {
+            return Err(format!("a failure that names no peer and no store: {e}"));
+        }
+    }
+    let ms =
+        cut_off_ms(&d).ok_or_else(|| format!("the decode logged no confirmed cut-off of prefill rank 0/0:\n{out}"))?;
+    // The other side: a resumed or surviving prefill leaves by itself, or is killed.
+    let prefill = match p.wait_exit(Duration::from_secs(15)) {
+        Some((s, _)) => format!("prefill {s}"),
+        None => {
+            p.kill9();
+            "prefill still running after 15 s: killed".into()
+        }
+    };
+    drop(boot);
+    Ok((ms, format!("decode {st} after {}, {} errors named, pool clean; {prefill}", secs(took), errors.len())))
+}
+
+/// `KVXFER_CHAOS_RUNS` runs (default 1) of one presumed-dead fault; every run must end with a
+/// clean decode pool. Reports the runs and the cut-off times.
+fn presumed_dead(backend: &str, fault: Presumed) -> Result<CaseOut, String> {
+    let runs: usize = std::env::var("KVXFER_CHAOS_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let mut ms = Vec::new();
+    let mut last = String::new();
+    for i in 0..runs {
+        match presumed_dead_once(backend, fault) {
+            Ok((m, note)) => {
+                eprintln!(
+                    "chaos: presumed_dead {fault:?} on {backend}, run {}/{runs}: cut-off {m:.1} ms; {note}",
+                    i + 1
+                );
+                ms.push(m);
+                last = note;
+            }
+            Err(e) if e.starts_with("cannot create network namespaces") => return Err(e),
+            Err(e) => panic!("{fault:?} on {backend}, run {} of {runs}: {e}", i + 1),
+        }
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok((
+        format!("stray bytes 0 in {runs} run(s); exit {}", secs(PRESUMED_EXIT_BOUND)),
+        format!(
+            "{runs} run(s), 0 stray; give-up to cut-off {:.1} ms median, {:.1} ms max",
+            ms[ms.len() / 2],
+            ms[ms.len() - 1]
+        ),
+        last,
+    ))
+}
+
+/// A bootstrap service inside namespace `ns`, listening on `addr`.
+fn bootstrap_at(env: Env, ns: &str, addr: &str) -> (Proc, String) {
+    let mut c = in_ns(Some(ns));
+    c.args(["bootstrap", "--listen", &format!("{addr}:0"), "--for-s", "300"]);
+    env.apply(&mut c);
+    let p = Proc::spawn("bootstrap", c);
+    let l = p
+        .line_where(Instant::now() - Duration::from_secs(60), Instant::now() + Duration::from_secs(20), |l| {
+            !l.err && l.text.rsplit(' ').next().is_some_and(|a| a.parse::<SocketAddr>().is_ok())
+        })
+        .unwrap_or_else(|| panic!("bootstrap printed no address: {}", p.output()));
+    let addr = l.text.rsplit(' ').next().unwrap().to_owned();
+    (p, addr)
+}
+
 /// A case of the matrix: name, backend, whether it is slow, and its body (Err: skipped, why).
 type Body = Box<dyn FnOnce() -> Result<CaseOut, String>>;
 
@@ -1558,6 +1750,14 @@ fn matrix() -> Vec<(String, &'static str, bool, Body)> {
         m.push(("demo_worker_killed".into(), b, slow, Box::new(move || Ok(demo_worker_killed(b)))));
         m.push(("demo_killed".into(), b, slow, Box::new(move || Ok(demo_killed(b)))));
         m.push(("link_cut".into(), b, slow, Box::new(move || link_cut(b))));
+        for (name, fault) in [
+            ("presumed_dead_stop_prefill", Presumed::StopPrefill),
+            ("presumed_dead_stop_decode", Presumed::StopDecode),
+            ("presumed_dead_store_killed", Presumed::StoreKilled),
+            ("presumed_dead_link_healed", Presumed::LinkHealed),
+        ] {
+            m.push((name.into(), b, slow, Box::new(move || presumed_dead(b, fault))));
+        }
     }
     // The bootstrap port is the same for every backend, the data port's protocol is tcp's own (ucx
     // and fabric listen inside the C library).

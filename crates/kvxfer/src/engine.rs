@@ -1318,7 +1318,7 @@ impl Inner {
             }
         };
         let this = Arc::clone(self);
-        self.handle.spawn(async move { this.cut_off(r, id, loss, why, given_up).await });
+        self.handle.spawn(async move { this.cut_off(r, id, loss, why, given_up, active > 0).await });
         self.wake.notify_waiters();
     }
 
@@ -1326,6 +1326,8 @@ impl Inner {
     /// to the decode tracker (`loss`): confirmed, the requests it could write are fenced for it;
     /// not confirmed within [`AgentConfig::cut_off_timeout`], they stay quarantined. A peer that
     /// was never connected (`id` is `None`) was handed nothing and holds nothing of this rank's.
+    /// `loud`: requests needed the peer, so the confirmation is a warning too, beside the loss (an
+    /// operator sees when the pages became reusable).
     async fn cut_off(
         self: Arc<Self>,
         r: RankId,
@@ -1333,6 +1335,7 @@ impl Inner {
         loss: Option<u64>,
         why: String,
         given_up: Instant,
+        loud: bool,
     ) {
         let bound = self.cfg.cut_off_timeout;
         let outcome = match id {
@@ -1359,10 +1362,12 @@ impl Inner {
                     st.cut_off_max_us = st.cut_off_max_us.max(took.as_micros() as u64);
                 }
                 lock(&self.quarantine).remove(&r);
-                tracing::info!(
-                    rank = %self.cfg.rank, peer = %r, took_us = took.as_micros() as u64,
-                    "cut off {} rank {r} {:.1} ms after giving up on it ({how})", self.other(), took.as_secs_f64() * 1e3
-                );
+                let (ms, other) = (took.as_secs_f64() * 1e3, self.other());
+                if loud {
+                    tracing::warn!(rank = %self.cfg.rank, peer = %r, "cut off {other} rank {r} {ms:.1} ms after giving up on it ({how})");
+                } else {
+                    tracing::info!(rank = %self.cfg.rank, peer = %r, "cut off {other} rank {r} {ms:.1} ms after giving up on it ({how})");
+                }
             }
             Err(e) => {
                 let what = format!(
