@@ -302,25 +302,64 @@ mod etcd {
         assert!(e.contains("already holds 1 rank records") && e.contains(&etcd.endpoint()), "{e}");
     }
 
+    /// The backends this build has (ucx and fabric with their features).
+    fn backends() -> Vec<&'static str> {
+        let mut b = vec!["tcp"];
+        if cfg!(feature = "ucx") {
+            b.push("ucx");
+        }
+        if cfg!(feature = "fabric") {
+            b.push("fabric");
+        }
+        b
+    }
+
+    /// etcd stopped mid-run (issue 32: a rank that loses its store gives up on peers that are alive
+    /// and connected): both workers fail naming the store, and the decode, which waits
+    /// (`--linger-s`) before checking its whole pool, finds no byte outside a live request.
+    /// `KVXFER_CHAOS_RUNS` repeats it (default 1) on every backend of the build.
     #[test]
-    fn etcd_stopped_mid_run_workers_finish_or_fail_naming_the_store() {
-        let Some(Store::Etcd(mut etcd, addr)) = Store::etcd("stop") else { return };
-        let mut d = Reap(worker(&addr, "decode", &STREAM, None).spawn().unwrap());
-        let mut p = Reap(worker(&addr, "prefill", &STREAM, None).spawn().unwrap());
-        let rx = lines(&mut d.0);
-        assert_eq!(wait_lines(&rx, "\"kind\":\"done\"", 3, Duration::from_secs(60)).len(), 3, "no requests completed");
-        etcd.stop();
-        let t0 = Instant::now();
-        let sd = wait_exit(&mut d.0, Duration::from_secs(45));
-        let sp = wait_exit(&mut p.0, Duration::from_secs(45));
-        let took = t0.elapsed();
-        let (ed, ep) = (stderr_of(&mut d.0), stderr_of(&mut p.0));
-        eprintln!("etcd stopped: workers exited after {took:?}\ndecode: {ed}\nprefill: {ep}");
-        // An endless stream cannot finish without its store: both fail, naming it.
-        assert!(!sd.success() && !sp.success());
-        let name = format!("etcd at {}", etcd.endpoint());
-        assert!(ed.contains(&name), "decode: {ed}");
-        assert!(ep.contains(&name), "prefill: {ep}");
+    fn etcd_stopped_mid_run_workers_fail_naming_the_store_and_nothing_lands_after_the_fence() {
+        let runs: usize = std::env::var("KVXFER_CHAOS_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+        for backend in backends() {
+            for run in 1..=runs {
+                let Some(Store::Etcd(mut etcd, addr)) = Store::etcd("stop") else { return };
+                let mut flags: Vec<&str> = STREAM.to_vec();
+                flags.extend(["--backend", backend, "--linger-s", "4"]);
+                if backend == "ucx" {
+                    flags.extend(["--backend-opt", "net_devices=lo"]);
+                }
+                if backend != "tcp" {
+                    flags.extend(["--backend-opt", "timeout_ms=5000"]);
+                }
+                let mut d = Reap(worker(&addr, "decode", &flags, None).spawn().unwrap());
+                let mut p = Reap(worker(&addr, "prefill", &flags, None).spawn().unwrap());
+                let rx = lines(&mut d.0);
+                let done = wait_lines(&rx, "\"kind\":\"done\"", 3, Duration::from_secs(60));
+                assert_eq!(done.len(), 3, "{backend}: no requests completed");
+                etcd.stop();
+                let t0 = Instant::now();
+                let sd = wait_exit(&mut d.0, Duration::from_secs(45));
+                let sp = wait_exit(&mut p.0, Duration::from_secs(45));
+                let took = t0.elapsed();
+                let (ed, ep) = (stderr_of(&mut d.0), stderr_of(&mut p.0));
+                std::thread::sleep(Duration::from_millis(300));
+                let out: Vec<String> = rx.try_iter().collect();
+                eprintln!("etcd stopped ({backend}, run {run}/{runs}): workers exited after {took:?}\ndecode: {ed}");
+                // An endless stream cannot finish without its store: both fail, naming it.
+                assert!(!sd.success() && !sp.success(), "{backend}");
+                let name = format!("etcd at {}", etcd.endpoint());
+                assert!(ed.contains(&name), "{backend} decode: {ed}");
+                assert!(ep.contains(&name), "{backend} prefill: {ep}");
+                // The decode checked its whole pool after lingering; nothing got past the fence.
+                assert!(out.iter().any(|l| l.contains("\"kind\":\"pool_checked\"")), "{backend}: {out:?}");
+                let summary = out.iter().rev().find(|l| l.contains("\"kind\":\"summary\"")).expect("a summary");
+                for bad in ["changed outside any request", "cannot read page", "after the fence", "quarantined"] {
+                    assert!(!summary.contains(bad), "{backend} run {run}: STRAY ({bad}): {summary}");
+                }
+                assert!(ed.contains("cut off prefill rank 0/0"), "{backend}: no confirmed cut-off: {ed}");
+            }
+        }
     }
 
     #[test]
