@@ -724,3 +724,36 @@ async fn a_cut_off_that_cannot_be_confirmed_quarantines_the_pages() {
         let _ = a.shutdown(soon()).await;
     }
 }
+
+/// Issue 32, the prefill side: a prefill rank gives up on a decode rank that is still alive (its
+/// record vanished from the store) and cuts it off; the decode rank, unaware, hands a new request
+/// off under its old instance. The handoff never reaches the prefill rank (nothing kept, no sender
+/// ready), and the decode rank's request fails naming the prefill rank instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_given_up_on_while_alive_cannot_hand_off_afterwards() {
+    for backend in ["tcp", "local"] {
+        let t = topo(1, 1, 1);
+        let c = cluster_on(t, NotifyStyle::Attached, backend).await;
+        let addr = MetadataAddr::parse(&c._server.addr().to_string()).unwrap();
+        let store = kvxfer::metadata::connect(&addr, Duration::from_secs(5)).await.unwrap();
+        store.delete(&kvxfer::metadata::members::rank_key(Side::Decode, RankId::new(0, 0))).await.unwrap();
+        until("the prefill rank to cut the decode rank off", || c.prefill[0].stats().cut_offs == 1).await;
+        // The prefill rank's sender exists (and failed: its decode rank is lost) before the handoff,
+        // so a handoff that got through would be answered with that failure.
+        let tx = c.prefill[0].sender(RequestId(77)).unwrap();
+        let rx = c.decode[0].receiver(RequestId(77)).unwrap();
+        let _ = rx.send_metadata(&[0, 1], None);
+        let s = rx.wait(soon()).await.unwrap();
+        assert_eq!(s.phase, Phase::Failed, "{backend}: {s:?}");
+        let why = s.reason.as_deref().unwrap_or("");
+        assert!(why.contains("prefill rank 0/0") && why.contains("lost"), "{backend}: {s:?}");
+        assert!(!why.contains("reported failure"), "{backend}: the handoff reached the prefill rank: {s:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let st = c.prefill[0].stats();
+        assert_eq!(st.early_handoffs_kept, 0, "{backend}: the cut-off instance's handoff arrived: {st:?}");
+        assert_ne!(tx.status().phase, Phase::WaitingForInput, "{backend}: {:?}", tx.status());
+        for a in c.prefill.into_iter().chain(c.decode) {
+            let _ = a.shutdown(soon()).await;
+        }
+    }
+}
