@@ -555,13 +555,15 @@ async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello
         Err(Ending::Lost(reason)) => shared.lost(hello.link, format!("{peer}: {reason}")),
         Err(Ending::Protocol(e)) => {
             tracing::warn!(%peer, error = %e, "tcp: protocol violation; closing the stream");
+            // The loss is reported (with this cause) before the peer is told: the peer closes its
+            // streams on the ERROR, and their ends must not be what names the loss.
+            shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
             let msg = wire::truncate(&e.0, wire::MAX_MESSAGE as usize);
             let mut h = Header::new(FrameType::Error, 0);
             h.n = msg.len() as u32;
             let mut buf = h.encode().to_vec();
             buf.extend_from_slice(msg.as_bytes());
             let _ = tokio::time::timeout(Duration::from_secs(1), w.send(&buf)).await;
-            shared.lost(hello.link, format!("{peer}: protocol error: {e}"));
         }
     }
     // Out of the books first: nothing of this stream is placed any more (a cut-off waits for it).
