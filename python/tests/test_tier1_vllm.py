@@ -1,0 +1,170 @@
+"""Tier 1: KvxferConnector inside vLLM 0.33.0's own scheduler and worker-side connector driver.
+
+See ``vllm_harness.py`` for what runs (vLLM's ``Scheduler``, ``allocate_kv_cache``, ``ActiveKVConnector``,
+``maybe_transfer_kv_layer``, ``KVOutputAggregator``; one spawned process per TP rank) and for the pinned
+stand-ins. Every decode byte of a loaded request is compared with the prefill's own tensors (snapshots
+of the prefill's blocks, mapped head by head); every other decode block keeps its sentinel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (tier 1: python/tier1.sh)")
+
+import kvxfer  # noqa: E402
+import vllm_harness as H  # noqa: E402
+
+LIMIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return {
+        "llama2": H.write_model(str(d / "llama2"), kv_heads=2),
+        "llama4": H.write_model(str(d / "llama4"), kv_heads=4),
+        "mla": H.write_model(str(d / "mla"), mla=True),
+    }
+
+
+def test_pinned_engine_functions_are_the_ones_the_harness_mirrors():
+    got = H.source_hashes()
+    changed = {k: v for k, v in got.items() if H.PINNED.get(k) not in (None, v)}
+    assert not changed, f"vLLM changed these functions the tier 1 harness mirrors or relies on: {changed}"
+    assert all(H.PINNED[k] is not None for k in got), got
+
+
+def _requests(n_tokens: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(1, 999, n_tokens)]
+
+
+class Pair:
+    """A prefill and a decode instance around one bootstrap server."""
+
+    def __init__(self, model: str, ptp: int, dtp: int, **kw):
+        self.server = kvxfer.BootstrapServer(host="127.0.0.1", port=0)
+        self.p = self.d = None
+        try:
+            base = dict(model=model, bootstrap=self.server.address, prefill_tp=ptp, decode_tp=dtp)
+            self.p = H.Instance(H.InstanceSpec(role="kv_producer", tp=ptp, **base, **kw.get("p", {})))
+            self.d = H.Instance(H.InstanceSpec(role="kv_consumer", tp=dtp, **base, **kw.get("d", {})), sentinel=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for inst in (self.d, self.p):
+            if inst is not None:
+                inst.close()
+        self.server.close()
+
+
+def prefill_snapshot(pair: Pair, rid: str):
+    blocks = list(pair.p.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+    return blocks, pair.p.ask("snapshot", blocks)
+
+
+def expected_decode(pair: Pair, psnaps: list, dtp: int, ptp: int, kv_heads: int, mla: bool):
+    """Per decode rank: the bytes it must hold, from the prefill ranks' snapshots, head by head."""
+    out = []
+    for d in range(dtp):
+        if mla:
+            out.append(psnaps[0])
+            continue
+        dh = H.heads_of(dtp, d, kv_heads)
+        parts = []
+        for h in dh:
+            for p in range(ptp):
+                ph = H.heads_of(ptp, p, kv_heads)
+                if h in ph:
+                    parts.append(psnaps[p][:, :, ph.index(h) : ph.index(h) + 1])
+                    break
+        out.append(np.concatenate(parts, axis=2))
+    return out
+
+
+def run_until(pair: Pair, done, what: str, limit: float = LIMIT_S):
+    deadline = time.monotonic() + limit
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for inst in (pair.p, pair.d):
+            inst.step()
+
+
+def finished(inst, kind: str, rid: str) -> bool:
+    for _, out, _ in inst.outputs:
+        kv = getattr(out, "kv_connector_output", None) if out is not None else None
+        if kv is not None and rid in (getattr(kv, kind) or ()):
+            return True
+    return False
+
+
+def check_untouched(pair: Pair, named: set[int]):
+    """Every decode block no loaded request names still holds the sentinel, on every rank."""
+    others = [b for b in range(1, pair.d.vc.cache_config.num_gpu_blocks) if b not in named]
+    for r, snap in enumerate(pair.d.ask("snapshot", others)):
+        bad = [others[i] for i in range(len(others)) if not (snap[:, i].view(np.int8) == H.SENTINEL).all()]
+        assert not bad, f"decode rank {r}: blocks {bad} were written, but no loaded request names them"
+
+
+def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt_len: int, room: int,
+             max_batched_hint: str = ""):
+    prompt = _requests(prompt_len, room)
+    pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": room}, max_tokens=1))
+    pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": room}, max_tokens=3))
+    snaps: dict = {}
+
+    def prefill_done():
+        # Snapshot the prefill's blocks once its prompt is computed (they are held until the send is final).
+        if "p" not in snaps:
+            req = pair.p.scheduler.requests.get("p-1")
+            if req is not None and req.is_finished():
+                snaps["p"] = prefill_snapshot(pair, "p-1")
+        return "p" in snaps
+
+    def loaded():
+        prefill_done()
+        if "d" not in snaps and finished(pair.d, "finished_recving", "d-1"):
+            blocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids("d-1")[0])[: -(-prompt_len // H.BLOCK)]
+            snaps["d"] = (blocks, pair.d.ask("snapshot", blocks))
+        return "d" in snaps and "p" in snaps
+
+    run_until(pair, loaded, "the decode to load and the prefill to finish")
+    run_until(pair, lambda: finished(pair.p, "finished_sending", "p-1") and "p-1" not in pair.p.scheduler.requests,
+              "the prefill to free its blocks")
+    pblocks, psnaps = snaps["p"]
+    dblocks, dsnaps = snaps["d"]
+    assert len(pblocks) >= len(dblocks) == -(-prompt_len // H.BLOCK)
+    psnaps = [s[:, : len(dblocks)] for s in psnaps]
+    want = expected_decode(pair, psnaps, dtp, ptp, kv_heads, mla)
+    for r in range(dtp):
+        assert dsnaps[r].shape == want[r].shape, (dsnaps[r].shape, want[r].shape)
+        if not np.array_equal(dsnaps[r], want[r]):
+            bad = np.argwhere(dsnaps[r] != want[r])[0]
+            pytest.fail(f"decode rank {r}: (layer, block, head, slot, elem) {tuple(bad)} differs from the prefill")
+    # The prefill computed what the pattern says (so the comparison is not of two blank caches).
+    ref = pair.p.ask("expected", pblocks[: len(dblocks)], prompt, prompt_len)
+    for p in range(ptp):
+        assert np.array_equal(psnaps[p][..., :, :], np.where(ref[p] != 0, ref[p], psnaps[p])), f"prefill rank {p}"
+        assert np.count_nonzero(ref[p]) > 0
+    check_untouched(pair, set(dblocks))
+    # The decode then runs the request to its end (its own KV writes after the load).
+    run_until(pair, lambda: "d-1" not in pair.d.scheduler.requests, "the decode to finish the request")
+    return dsnaps
+
+
+@pytest.mark.parametrize("ptp,dtp,model,heads", [
+    pytest.param(1, 1, "llama2", 2, id="tp1-1"),
+])
+def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
+    pair = Pair(models[model], ptp, dtp)
+    try:
+        assert pair.p.layout == "LBHNC", pair.p.layout  # the connector's preference, taken by vLLM
+        transfer(pair, ptp=ptp, dtp=dtp, kv_heads=heads, mla=model == "mla", prompt_len=9 * H.BLOCK + 3, room=5150)
+    finally:
+        pair.close()
