@@ -238,6 +238,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._step_layers: dict[str, set[int]] = {}
         self._pending: list[tuple[Any, str, list[int], int]] = []  # (event, req_id, pages, layer)
         self._finished_seen: set[str] = set()
+        self.stats = {"layer_pushes": 0, "whole_chunks": 0, "loads": 0, "releases": 0, "failed_sends": 0}
         if role == KVConnectorRole.SCHEDULER and self.side == "prefill" and self.extra.get("serve_bootstrap"):
             host, _, port = str(self.extra["bootstrap"]).rpartition(":")
             self._server = kvxfer.BootstrapServer(host="0.0.0.0" if self.extra.get("bind_all", True) else host,
@@ -398,6 +399,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 s.abort("the prefill request was aborted or did not finish its prefill")
 
     def _fail_send(self, req_id: str, why: str) -> None:
+        self.stats["failed_sends"] += 1
         self._send_failed.setdefault(req_id, why)
         self._deferred.pop(req_id, None)
         s = self._send.get(req_id)
@@ -408,6 +410,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def _send_whole(self, req_id: str, pages: list[int]) -> None:
         try:
             self._send[req_id].send(pages)
+            self.stats["whole_chunks"] += 1
         except kvxfer.KvxferError as e:  # a failed request: poll reports it; never raise into vLLM's step
             self._fail_send(req_id, str(e))
 
@@ -437,6 +440,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 continue
             try:
                 self._send[req_id].send_layers(pages, layer, layer + 1)
+                self.stats["layer_pushes"] += 1
                 self._step_layers.setdefault(req_id, set()).add(layer)
             except kvxfer.KvxferError as e:
                 self._fail_send(req_id, str(e))
@@ -515,16 +519,24 @@ class KvxferConnector(KVConnectorBase_V1):
                 logger.warning("kvxfer: handing off %s failed: %s", req_id, e)
                 r.abort(str(e))
             self._recv[req_id] = (r, blocks)
+            self.stats["loads"] += 1
         for req_id, room in meta.abort_recv.items():
             entry = self._recv.get(req_id)
             if entry is not None:
                 entry[0].abort("the decode request was aborted")
         for req_id, room in meta.release.items():
-            # The decode will not load this request: tell the prefill at once, so it frees its blocks.
+            # The decode will not load this request: tell the prefill at once, so it frees its blocks. An
+            # empty page list names no block (no write can land anywhere; the prefill's sends are refused),
+            # and the abort that follows it reaches the prefill (an abort before any handoff stays local).
             r = self.agent.receiver(room)
+            try:
+                r.send_metadata([])
+            except kvxfer.KvxferError as e:
+                logger.warning("kvxfer: releasing room %d: %s", room, e)
             r.abort("the decode computes this request itself (a local prefix-cache hit, or aborted before it "
                     "was allocated)")
             self._releasing.append(r)
+            self.stats["releases"] += 1
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._finished_seen |= set(finished_req_ids)

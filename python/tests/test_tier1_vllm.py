@@ -26,7 +26,7 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
     return {
         "llama2": H.write_model(str(d / "llama2"), kv_heads=2),
-        "llama4": H.write_model(str(d / "llama4"), kv_heads=4),
+        "llama1": H.write_model(str(d / "llama1"), kv_heads=1),
         "mla": H.write_model(str(d / "mla"), mla=True),
     }
 
@@ -88,11 +88,11 @@ def expected_decode(pair: Pair, psnaps: list, dtp: int, ptp: int, kv_heads: int,
     return out
 
 
-def run_until(pair: Pair, done, what: str, limit: float = LIMIT_S):
+def run_until(pair: Pair, done, what: str, limit: float = LIMIT_S, only=None):
     deadline = time.monotonic() + limit
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        for inst in (pair.p, pair.d):
+        for inst in only or (pair.p, pair.d):
             inst.step()
 
 
@@ -113,11 +113,21 @@ def check_untouched(pair: Pair, named: set[int]):
 
 
 def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt_len: int, room: int,
-             max_batched_hint: str = ""):
+             decode_first: bool = False, preempt_after: int | None = None):
     prompt = _requests(prompt_len, room)
-    pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": room}, max_tokens=1))
     pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": room}, max_tokens=3))
+    if decode_first:  # the decode hands off before the prefill computes anything: every chunk goes layer-wise
+        run_until(pair, lambda: bool(pair.d.ask("stats")[0]["loads"]), "the decode's handoff", only=[pair.d])
+    pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": room}, max_tokens=1))
     snaps: dict = {}
+    if preempt_after is not None:
+        for _ in range(preempt_after):
+            pair.p.step()
+            pair.d.step()
+        assert "p-1" in [r.request_id for r in pair.p.scheduler.running]
+        assert pair.p.scheduler.requests["p-1"].num_computed_tokens < prompt_len
+        assert pair.p.scheduler.reset_prefix_cache(reset_running_requests=True)
+        assert pair.p.scheduler.requests["p-1"].num_preemptions == 1
 
     def prefill_done():
         # Snapshot the prefill's blocks once its prompt is computed (they are held until the send is final).
@@ -160,11 +170,92 @@ def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt
 
 @pytest.mark.parametrize("ptp,dtp,model,heads", [
     pytest.param(1, 1, "llama2", 2, id="tp1-1"),
+    pytest.param(2, 1, "llama2", 2, id="tp2-1"),
+    pytest.param(1, 2, "llama2", 2, id="tp1-2"),
+    pytest.param(1, 2, "llama1", 1, id="gqa-decode-tp-above-heads"),
+    pytest.param(1, 2, "mla", 1, id="mla-deepseek"),
 ])
 def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
     pair = Pair(models[model], ptp, dtp)
     try:
-        assert pair.p.layout == "LBHNC", pair.p.layout  # the connector's preference, taken by vLLM
+        # vLLM took the connector's layout preference (MLA: no preference, vLLM's CPU default).
+        assert pair.p.layout == "LBHNC" and pair.d.layout == "LBHNC", (pair.p.layout, pair.d.layout)
+        info = pair.d.info[0]
+        assert len(info["shape"]) == 4  # vLLM 0.33's [B, H, N, C] views
         transfer(pair, ptp=ptp, dtp=dtp, kv_heads=heads, mla=model == "mla", prompt_len=9 * H.BLOCK + 3, room=5150)
+        stats = pair.p.ask("stats")
+        # The first chunk was computed before the decode's block list existed (sent whole, later); the
+        # rest went layer by layer from save_kv_layer, during the forward.
+        assert all(s["whole_chunks"] >= 1 and s["layer_pushes"] >= 1 and not s["failed_sends"] for s in stats), stats
+    finally:
+        pair.close()
+
+
+def test_vllm_layerwise_push_and_prefill_preemption(models):
+    """The decode hands off first, so every chunk goes layer-wise from save_kv_layer; the prefill is
+    preempted after its first chunk (vLLM's reset_prefix_cache(reset_running_requests=True)), resumes in
+    new blocks, and the decode still gets every byte."""
+    pair = Pair(models["llama2"], 1, 1)
+    try:
+        transfer(pair, ptp=1, dtp=1, kv_heads=2, mla=False, prompt_len=9 * H.BLOCK + 3, room=777,
+                 decode_first=True, preempt_after=1)
+        s = pair.p.ask("stats")[0]
+        assert s["whole_chunks"] == 0 and s["layer_pushes"] >= 3 * 3 and not s["failed_sends"], s
+    finally:
+        pair.close()
+
+
+def test_vllm_decode_prefix_hit_releases_the_prefill_at_once(models):
+    """A decode with a local prefix-cache hit computes its tail itself and frees the prefill right away
+    (before: the prefill held its blocks until its timeout)."""
+    pair = Pair(models["llama2"], 1, 1, d={"prefix_caching": True}, p={"timeout_s": 60.0})
+    try:
+        prompt = _requests(6 * H.BLOCK, 42)
+        hasher = pair.d.block_hasher()
+        pair.d.add(H.make_request("local", prompt[: 4 * H.BLOCK], {}, max_tokens=1, hasher=hasher))
+        run_until(pair, lambda: "local" not in pair.d.scheduler.requests, "the local request", only=[pair.d])
+        pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": 99}, max_tokens=1))
+        pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": 99}, max_tokens=2,
+                                  hasher=hasher))
+        t0 = time.monotonic()
+        run_until(pair, lambda: "p-1" not in pair.p.scheduler.requests and "d-1" not in pair.d.scheduler.requests,
+                  "both requests to finish")
+        took = time.monotonic() - t0
+        assert took < 10.0, f"the prefill held its blocks {took:.1f} s (its timeout is 60 s)"
+        assert pair.d.ask("stats")[0]["releases"] == 1
+        d_req_hits = [o for _, _, o in pair.d.outputs]
+        assert d_req_hits  # the decode ran the request's tail itself
+    finally:
+        pair.close()
+
+
+def test_vllm_decode_abort_mid_transfer_is_fenced(models):
+    """The decode aborts while the prefill is still pushing: vLLM frees the request's blocks only after
+    kvxfer's fence; the blocks are then rewritten, the prefill keeps computing (its pushes fail, nothing
+    raises into its step), and no byte of the aborted request lands in them afterwards."""
+    from vllm.v1.request import RequestStatus
+
+    pair = Pair(models["llama2"], 1, 1, p={"max_batched": 16})
+    try:
+        prompt = _requests(12 * H.BLOCK, 5)
+        pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": 31}, max_tokens=2))
+        run_until(pair, lambda: bool(pair.d.ask("stats")[0]["loads"]), "the decode's handoff", only=[pair.d])
+        dblocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids("d-1")[0])
+        pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": 31}, max_tokens=1))
+        for _ in range(3):  # three of twelve chunks pushed
+            pair.p.step()
+        pair.d.scheduler.finish_requests("d-1", RequestStatus.FINISHED_ABORTED)
+        assert "d-1" in pair.d.scheduler.requests  # blocks held: the load has not reported finished yet
+        run_until(pair, lambda: "d-1" not in pair.d.scheduler.requests, "the decode to free the aborted request")
+        kv = [o.kv_connector_output for _, o, _ in pair.d.outputs if o is not None and o.kv_connector_output]
+        assert any("d-1" in (k.failed_recving or ()) for k in kv)
+        # The freed blocks are rewritten (a new request's forward would), then the prefill runs on.
+        pair.d.ask("write", dblocks, 0x5A5A)
+        run_until(pair, lambda: "p-1" not in pair.p.scheduler.requests, "the prefill to finish and free", only=[pair.p])
+        time.sleep(0.5)
+        snaps = pair.d.ask("snapshot", dblocks)
+        assert (snaps[0] == 0x5A5A).all(), "a write of the aborted request landed after the fence"
+        kv = [o.kv_connector_output for _, o, _ in pair.p.outputs if o is not None and o.kv_connector_output]
+        assert any("p-1" in (k.finished_sending or ()) for k in kv)  # the prefill freed its blocks too
     finally:
         pair.close()

@@ -90,7 +90,7 @@ def write_model(path: str, mla: bool = False, kv_heads: int = 2, layers: int = 3
                "num_key_value_heads": 4, "num_hidden_layers": layers, "vocab_size": 1000,
                "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
                "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
-               "v_head_dim": 32, "n_routed_experts": None, "first_k_dense_replace": layers, "rope_theta": 10000.0}
+               "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": layers, "rope_theta": 10000.0}
     else:
         cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": kv_heads,
@@ -113,7 +113,7 @@ class InstanceSpec:
     max_batched: int = 64
     failure_policy: str = "fail"
     prefix_caching: bool = False
-    timeout_s: float = 20.0
+    timeout_s: float = 60.0
     extra: dict = field(default_factory=dict)
 
 
@@ -303,6 +303,14 @@ def _worker_loop(ws: WorkerSpec, vc, inq, outq) -> None:
                 snap = np.stack([_view_np(kv_caches[n])[want] for n in names]) if want else None
                 outq.put(("snapshot", ws.rank, snap))
                 continue
+            if msg[0] == "stats":
+                outq.put(("stats", ws.rank, dict(driver.kv_connector.stats)))
+                continue
+            if msg[0] == "write":  # rewrite blocks with a marker (what a new request's forward does)
+                for n in names:
+                    _view_np(kv_caches[n])[msg[1]] = msg[2]
+                outq.put(("write", ws.rank, None))
+                continue
             if msg[0] == "expected":  # the pattern for (blocks, token ids) of a request on this rank's heads
                 blist, toks, upto = msg[1], msg[2], msg[3]
                 c = _view_np(kv_caches[names[0]]).shape[3]
@@ -435,6 +443,14 @@ class Instance:
         eco = self.scheduler.update_from_output(so, out)
         self.outputs.append((so, out, eco))
         return so, out, eco
+
+    def block_hasher(self):
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name(self.vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        return get_request_block_hasher(BLOCK, fn)
 
     def ask(self, what: str, *args) -> list:
         for q in self.inqs:
