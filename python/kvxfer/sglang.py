@@ -213,8 +213,10 @@ def topology_from_kv_args(args: Any, server_args: Any, role: str, is_mla: bool,
     mine = {"tp": attn_tp, "pp": pp}
     prefill = {"tp": _env_int("KVXFER_PREFILL_TP"), "pp": _env_int("KVXFER_PREFILL_PP")}
     decode = {"tp": _env_int("KVXFER_DECODE_TP"), "pp": _env_int("KVXFER_DECODE_PP")}
-    p = {k: (mine[k] if role == "prefill" else (prefill[k] or mine[k])) for k in mine}
-    d = {k: (mine[k] if role == "decode" else (decode[k] or mine[k])) for k in mine}
+    # The other side: KVXFER_* when given, else this side's TP and PP 1 (a decode rarely runs PP).
+    other = {"tp": attn_tp, "pp": 1}
+    p = {k: (mine[k] if role == "prefill" else (prefill[k] or other[k])) for k in mine}
+    d = {k: (mine[k] if role == "decode" else (decode[k] or other[k])) for k in mine}
     # Layers. Prefill PP: every stage's layer count (SGLang's partition, or KVXFER_PREFILL_LAYERS), checked
     # against the range this stage's KVArgs say it holds (prefill_start_layer / prefill_end_layer).
     kw: dict[str, Any] = dict(page_size=page, dtype_bytes=dtype, prefill_tp=p["tp"], decode_tp=d["tp"],
@@ -373,6 +375,11 @@ class KvxferKVManager(BaseKVManager):
                          list(args.kv_item_lens[:n]))]
         page = int(args.page_size)
         p_tp, d_tp = self.topology.prefill_tp, self.topology.decode_tp
+        extra = draft or any(getattr(args, "state_data_ptrs", None) or [])
+        if extra and (self.topology.prefill_pp > 1 or self.topology.decode_pp > 1):
+            raise kvxfer.KvxferError(
+                f"kvxfer: {'draft-model KV' if draft else 'state buffers'} with pipeline parallelism (prefill PP "
+                f"{self.topology.prefill_pp}, decode PP {self.topology.decode_pp}) are not supported yet")
         if draft:
             items = list(args.kv_item_lens[n:])
             if p_tp == d_tp and not _env_int("KVXFER_DRAFT_KV_HEADS"):

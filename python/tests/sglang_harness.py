@@ -57,17 +57,17 @@ def _pinned():
 
 
 PINNED: dict[str, str | None] = {
-    "PrefillBootstrapQueue.__init__": None,
-    "PrefillBootstrapQueue.pop_bootstrapped": None,
-    "PrefillBootstrapQueue.finalize_bootstrap": None,
-    "SchedulerDisaggregationPrefillMixin.send_kv_chunk": None,
-    "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue": None,
-    "DecodePreallocQueue.__init__": None,
-    "DecodePreallocQueue._ensure_prefill_info": None,
-    "DecodePreallocQueue._send_kv_metadata": None,
-    "DecodeTransferQueue.pop_transferred": None,
-    "DecodeTransferQueue.resolve_deferred_releases": None,
-    "utils.poll_and_all_reduce": None,
+    "PrefillBootstrapQueue.__init__": "722da74f9fee8bf4",
+    "PrefillBootstrapQueue.pop_bootstrapped": "88a0d9b58692bb20",
+    "PrefillBootstrapQueue.finalize_bootstrap": "2186380f1eafd2c5",
+    "SchedulerDisaggregationPrefillMixin.send_kv_chunk": "f9458879c49b3eeb",
+    "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue": "41c14e7c6d8ff1e2",
+    "DecodePreallocQueue.__init__": "804b21759e56a885",
+    "DecodePreallocQueue._ensure_prefill_info": "d2d72102ec923234",
+    "DecodePreallocQueue._send_kv_metadata": "06dc2331e684e5c3",
+    "DecodeTransferQueue.pop_transferred": "016f67c7064c1da6",
+    "DecodeTransferQueue.resolve_deferred_releases": "11abf1156672ec02",
+    "utils.poll_and_all_reduce": "0eae52d79982c879",
 }
 
 
@@ -156,7 +156,8 @@ def rank_main(spec: RankSpec, q_out, ev) -> None:
         # The ranks a launcher's spawn would state for this process.
         get_parallel().override_permanently(tp_rank=spec.rank + spec.tp * spec.dp_rank, pp_rank=spec.pp_rank,
                                             dp_rank=spec.dp_rank if spec.dp > 1 else None,
-                                            attn_tp_rank=spec.rank, attn_tp_size=spec.tp)
+                                            attn_tp_rank=spec.rank, attn_tp_size=spec.tp,
+                                            attn_dp_size=spec.dp)
         out["mgr"] = _run(spec, server_args, torch, dist, out, ev)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         out["errors"].append(f"{spec.role} rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -97,7 +97,9 @@ def check(outs, rooms_ok=None):
 def test_sglang_p2_d1_with_draft_kv(models, boot):
     """Prefill TP 2 -> decode TP 1 (each decode rank fed by two senders), with a draft model's KV
     (speculative decoding: SGLang appends the draft pool's buffers, num_draft_entries) and aux rows."""
-    outs = H.run(cluster(models["h2"], ptp=2, dtp=1, heads=2, draft=2, port=boot,
+    # Hetero TP: the draft model's heads split like the target's; its head count is the draft model's
+    # (KVXFER_DRAFT_KV_HEADS, here 2). At equal TP its pages move whole and nothing needs saying.
+    outs = H.run(cluster(models["h2"], ptp=2, dtp=1, heads=2, draft=2, port=boot, env={"KVXFER_DRAFT_KV_HEADS": "2"},
                          scr=script(rooms=(7001, 7002), aux_p=3, aux_d=5)))
     check(outs)
     assert all(o["groups"] == ["kv", "draft"] for o in outs), [o["groups"] for o in outs]
@@ -140,26 +142,28 @@ def test_sglang_p1_d2_abort_unreachable_and_send_after_abort(models, boot):
     assert pre["requests"][7203]["poll"] == SUCCESS
 
 
-def test_sglang_prefill_pp2_uneven_layers_with_state(models, boot):
+def test_sglang_prefill_pp2_uneven_layers(models, boot):
     """Prefill PP 2 over 5 layers (SGLang's partition: 2 + 3; each stage registers its own range,
-    prefill_start_layer / prefill_end_layer) -> decode PP 1, plus a state buffer (Mamba-like, two tensors
-    of different sizes per slot) at equal TP."""
+    prefill_start_layer / prefill_end_layer) -> decode PP 1."""
     scr = script(rooms=(7301,))
-    scr[0].update(state_src=[2], state_dst=[5])
-    outs = H.run(cluster(models["h2l5"], ptp=1, dtp=1, heads=2, layers=5, pp=2, state=8, port=boot, scr=scr))
+    outs = H.run(cluster(models["h2l5"], ptp=1, dtp=1, heads=2, layers=5, pp=2, port=boot, scr=scr))
     check(outs)
-    stages = sorted(o["topology"] for o in outs if o["role"] == "prefill")
-    assert all("2" in t and "3" in t for t in stages), stages
+    assert all("layers=5" in o["topology"] and "prefill_pp=2" in o["topology"] for o in outs), outs[0]["topology"]
+    assert sorted(o["pp_rank"] for o in outs if o["role"] == "prefill") == [0, 1]
 
 
-def test_sglang_mla_with_prefill_dp_attention(models, boot):
+def test_sglang_mla_with_prefill_dp_attention_and_state(models, boot):
     """MLA (SGLang's MLATokenToKVPool) from a prefill with DP attention 2 (two attention groups of TP 1:
     engine_rank is the global TP rank, kvxfer ranks are attention-TP ranks, one kvxfer rank set per DP
-    rank) to decode TP 1; the decode resolves the prefill DP rank from the room (follow_bootstrap_room)."""
+    rank) to decode TP 1; the decode resolves the prefill DP rank from the room (follow_bootstrap_room).
+    With a state buffer (Mamba-like: two tensors of different sizes per slot) at equal attention TP."""
     scr = script(rooms=(7400, 7401))
     scr[0]["dp"], scr[1]["dp"] = 0, 1  # room % dp_size
-    outs = H.run(cluster(models["h2"], ptp=1, dtp=1, heads=1, mla=True, pdp=2, port=boot, scr=scr))
+    scr[0].update(state_src=[2], state_dst=[5])
+    scr[1].update(state_src=[3], state_dst=[6])
+    outs = H.run(cluster(models["h2"], ptp=1, dtp=1, heads=1, mla=True, pdp=2, state=8, port=boot, scr=scr))
     check(outs)
+    assert all(len(o["groups"]) == 3 for o in outs), [o["groups"] for o in outs]
 
 
 def test_sglang_startup_error_is_the_real_cause(models):
