@@ -340,10 +340,12 @@ class KvxferConnector(KVConnectorBase_V1):
         lens = [blocks * heads * n * c * dtype] * len(views)
         items = [heads * n * c * dtype] * len(views)
         if not mla:
-            import torch  # vLLM is torch-based; the companions live where the cache lives
+            if hasattr(first, "new_zeros"):  # torch (vLLM): the companions live where the cache lives
+                self._companions = [first.new_zeros((blocks, heads, n, 1)) for _ in views]
+            else:  # numpy (tier 0)
+                import numpy as np
 
-            self._companions = [torch.zeros((blocks, heads, n, 1), dtype=first.dtype, device=first.device)
-                                for _ in views]
+                self._companions = [np.zeros((blocks, heads, n, 1), dtype=first.dtype) for _ in views]
             ptrs += [_ptr(t) for t in self._companions]
             lens += [blocks * heads * n * dtype] * len(views)
             items += [heads * n * dtype] * len(views)
