@@ -52,7 +52,7 @@ from typing import Any
 import kvxfer
 from kvxfer import KVPoll
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("sglang.srt.disaggregation.kvxfer")  # under SGLang's loggers
 
 try:  # SGLang's base classes when SGLang is installed; plain objects otherwise (tier 0 runs without it).
     from sglang.srt.disaggregation.base.conn import (  # type: ignore[import-not-found]

@@ -59,7 +59,7 @@ from typing import Any
 import kvxfer
 from kvxfer import KVPoll
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvxfer")  # under vLLM's logger: its handlers print it (INFO)
 
 try:  # vLLM's base classes when vLLM is installed; plain stand-ins otherwise (tier 0 runs without it).
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]

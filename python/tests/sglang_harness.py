@@ -444,7 +444,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(specs: list[RankSpec], limit_s: float = 150.0, events=("done",)) -> list[dict]:
+def run(specs: list[RankSpec], limit_s: float = 420.0, events=("done",)) -> list[dict]:
     import multiprocessing as mp
     import queue
 

@@ -49,6 +49,7 @@ class Pair:
     def __init__(self, model: str, ptp: int, dtp: int, **kw):
         self.server = kvxfer.BootstrapServer(host="127.0.0.1", port=0)
         self.p = self.d = None
+        self.touched: set[int] = set()  # decode blocks earlier requests of this pair used
         try:
             base = dict(model=model, bootstrap=self.server.address, prefill_tp=ptp, decode_tp=dtp)
             self.p = H.Instance(H.InstanceSpec(role="kv_producer", tp=ptp, **base, **kw.get("p", {})))
@@ -115,37 +116,40 @@ def check_untouched(pair: Pair, named: set[int]):
 def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt_len: int, room: int,
              decode_first: bool = False, preempt_after: int | None = None):
     prompt = _requests(prompt_len, room)
-    pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": room}, max_tokens=3))
+    P, D = f"p-{room}", f"d-{room}"
+    pair.d.add(H.make_request(D, prompt, {"do_remote_prefill": True, "kvxfer_room": room}, max_tokens=3))
     if decode_first:  # the decode hands off before the prefill computes anything: every chunk goes layer-wise
-        run_until(pair, lambda: bool(pair.d.ask("stats")[0]["loads"]), "the decode's handoff", only=[pair.d])
-    pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": room}, max_tokens=1))
+        loads = sum(s["loads"] for s in pair.d.ask("stats"))
+        run_until(pair, lambda: sum(s["loads"] for s in pair.d.ask("stats")) > loads, "the decode's handoff",
+                  only=[pair.d])
+    pair.p.add(H.make_request(P, prompt, {"do_remote_decode": True, "kvxfer_room": room}, max_tokens=1))
     snaps: dict = {}
     if preempt_after is not None:
         for _ in range(preempt_after):
             pair.p.step()
             pair.d.step()
-        assert "p-1" in [r.request_id for r in pair.p.scheduler.running]
-        assert pair.p.scheduler.requests["p-1"].num_computed_tokens < prompt_len
+        assert P in [r.request_id for r in pair.p.scheduler.running]
+        assert pair.p.scheduler.requests[P].num_computed_tokens < prompt_len
         assert pair.p.scheduler.reset_prefix_cache(reset_running_requests=True)
-        assert pair.p.scheduler.requests["p-1"].num_preemptions == 1
+        assert pair.p.scheduler.requests[P].num_preemptions == 1
 
     def prefill_done():
         # Snapshot the prefill's blocks once its prompt is computed (they are held until the send is final).
         if "p" not in snaps:
-            req = pair.p.scheduler.requests.get("p-1")
+            req = pair.p.scheduler.requests.get(P)
             if req is not None and req.is_finished():
-                snaps["p"] = prefill_snapshot(pair, "p-1")
+                snaps["p"] = prefill_snapshot(pair, P)
         return "p" in snaps
 
     def loaded():
         prefill_done()
-        if "d" not in snaps and finished(pair.d, "finished_recving", "d-1"):
-            blocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids("d-1")[0])[: -(-prompt_len // H.BLOCK)]
+        if "d" not in snaps and finished(pair.d, "finished_recving", D):
+            blocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids(D)[0])[: -(-prompt_len // H.BLOCK)]
             snaps["d"] = (blocks, pair.d.ask("snapshot", blocks))
         return "d" in snaps and "p" in snaps
 
     run_until(pair, loaded, "the decode to load and the prefill to finish")
-    run_until(pair, lambda: finished(pair.p, "finished_sending", "p-1") and "p-1" not in pair.p.scheduler.requests,
+    run_until(pair, lambda: finished(pair.p, "finished_sending", P) and P not in pair.p.scheduler.requests,
               "the prefill to free its blocks")
     pblocks, psnaps = snaps["p"]
     dblocks, dsnaps = snaps["d"]
@@ -162,14 +166,14 @@ def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt
     for p in range(ptp):
         assert np.array_equal(psnaps[p][..., :, :], np.where(ref[p] != 0, ref[p], psnaps[p])), f"prefill rank {p}"
         assert np.count_nonzero(ref[p]) > 0
-    check_untouched(pair, set(dblocks))
+    check_untouched(pair, set(dblocks) | pair.touched)
+    pair.touched |= set(dblocks)
     # The decode then runs the request to its end (its own KV writes after the load).
-    run_until(pair, lambda: "d-1" not in pair.d.scheduler.requests, "the decode to finish the request")
+    run_until(pair, lambda: D not in pair.d.scheduler.requests, "the decode to finish the request")
     return dsnaps
 
 
 @pytest.mark.parametrize("ptp,dtp,model,heads", [
-    pytest.param(1, 1, "llama2", 2, id="tp1-1"),
     pytest.param(2, 1, "llama2", 2, id="tp2-1"),
     pytest.param(1, 2, "llama2", 2, id="tp1-2"),
     pytest.param(1, 2, "llama1", 1, id="gqa-decode-tp-above-heads"),
@@ -191,71 +195,80 @@ def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
         pair.close()
 
 
-def test_vllm_layerwise_push_and_prefill_preemption(models):
+@pytest.fixture(scope="module")
+def tp1(models):
+    """One TP 1 -> 1 pair for the cases below (each with its own prompts, rooms and request ids); the
+    decode has prefix caching on."""
+    pair = Pair(models["llama2"], 1, 1, d={"prefix_caching": True})
+    yield pair
+    pair.close()
+
+
+def test_vllm_tp1_transfer(tp1):
+    assert tp1.p.layout == "LBHNC" and tp1.d.layout == "LBHNC", (tp1.p.layout, tp1.d.layout)
+    assert len(tp1.d.info[0]["shape"]) == 4  # vLLM 0.33's [B, H, N, C] views
+    transfer(tp1, ptp=1, dtp=1, kv_heads=2, mla=False, prompt_len=9 * H.BLOCK + 3, room=5150)
+    s = tp1.p.ask("stats")[0]
+    assert s["whole_chunks"] >= 1 and s["layer_pushes"] >= 1 and not s["failed_sends"], s
+
+
+def test_vllm_layerwise_push_and_prefill_preemption(tp1):
     """The decode hands off first, so every chunk goes layer-wise from save_kv_layer; the prefill is
     preempted after its first chunk (vLLM's reset_prefix_cache(reset_running_requests=True)), resumes in
     new blocks, and the decode still gets every byte."""
-    pair = Pair(models["llama2"], 1, 1)
-    try:
-        transfer(pair, ptp=1, dtp=1, kv_heads=2, mla=False, prompt_len=9 * H.BLOCK + 3, room=777,
-                 decode_first=True, preempt_after=1)
-        s = pair.p.ask("stats")[0]
-        assert s["whole_chunks"] == 0 and s["layer_pushes"] >= 3 * 3 and not s["failed_sends"], s
-    finally:
-        pair.close()
+    before = tp1.p.ask("stats")[0]
+    transfer(tp1, ptp=1, dtp=1, kv_heads=2, mla=False, prompt_len=9 * H.BLOCK + 3, room=777,
+             decode_first=True, preempt_after=1)
+    s = tp1.p.ask("stats")[0]
+    assert s["whole_chunks"] == before["whole_chunks"] and s["layer_pushes"] - before["layer_pushes"] >= 3 * 3, s
+    assert s["failed_sends"] == before["failed_sends"], s
 
 
-def test_vllm_decode_prefix_hit_releases_the_prefill_at_once(models):
+def test_vllm_decode_prefix_hit_releases_the_prefill_at_once(tp1):
     """A decode with a local prefix-cache hit computes its tail itself and frees the prefill right away
     (before: the prefill held its blocks until its timeout)."""
-    pair = Pair(models["llama2"], 1, 1, d={"prefix_caching": True}, p={"timeout_s": 60.0})
-    try:
-        prompt = _requests(6 * H.BLOCK, 42)
-        hasher = pair.d.block_hasher()
-        pair.d.add(H.make_request("local", prompt[: 4 * H.BLOCK], {}, max_tokens=1, hasher=hasher))
-        run_until(pair, lambda: "local" not in pair.d.scheduler.requests, "the local request", only=[pair.d])
-        pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": 99}, max_tokens=1))
-        pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": 99}, max_tokens=2,
-                                  hasher=hasher))
-        t0 = time.monotonic()
-        run_until(pair, lambda: "p-1" not in pair.p.scheduler.requests and "d-1" not in pair.d.scheduler.requests,
-                  "both requests to finish")
-        took = time.monotonic() - t0
-        assert took < 10.0, f"the prefill held its blocks {took:.1f} s (its timeout is 60 s)"
-        assert pair.d.ask("stats")[0]["releases"] == 1
-        d_req_hits = [o for _, _, o in pair.d.outputs]
-        assert d_req_hits  # the decode ran the request's tail itself
-    finally:
-        pair.close()
+    pair = tp1
+    prompt = _requests(6 * H.BLOCK, 42)
+    hasher = pair.d.block_hasher()
+    pair.d.add(H.make_request("local", prompt[: 4 * H.BLOCK], {}, max_tokens=1, hasher=hasher))
+    run_until(pair, lambda: "local" not in pair.d.scheduler.requests, "the local request", only=[pair.d])
+    releases = pair.d.ask("stats")[0]["releases"]
+    pair.p.add(H.make_request("p-hit", prompt, {"do_remote_decode": True, "kvxfer_room": 99}, max_tokens=1))
+    pair.d.add(H.make_request("d-hit", prompt, {"do_remote_prefill": True, "kvxfer_room": 99}, max_tokens=2,
+                              hasher=hasher))
+    t0 = time.monotonic()
+    run_until(pair, lambda: "p-hit" not in pair.p.scheduler.requests and "d-hit" not in pair.d.scheduler.requests,
+              "both requests to finish")
+    took = time.monotonic() - t0
+    assert took < 10.0, f"the prefill held its blocks {took:.1f} s (its timeout is 60 s)"
+    assert pair.d.ask("stats")[0]["releases"] == releases + 1
 
 
-def test_vllm_decode_abort_mid_transfer_is_fenced(models):
+def test_vllm_decode_abort_mid_transfer_is_fenced(tp1):
     """The decode aborts while the prefill is still pushing: vLLM frees the request's blocks only after
     kvxfer's fence; the blocks are then rewritten, the prefill keeps computing (its pushes fail, nothing
     raises into its step), and no byte of the aborted request lands in them afterwards."""
     from vllm.v1.request import RequestStatus
 
-    pair = Pair(models["llama2"], 1, 1, p={"max_batched": 16})
-    try:
-        prompt = _requests(12 * H.BLOCK, 5)
-        pair.d.add(H.make_request("d-1", prompt, {"do_remote_prefill": True, "kvxfer_room": 31}, max_tokens=2))
-        run_until(pair, lambda: bool(pair.d.ask("stats")[0]["loads"]), "the decode's handoff", only=[pair.d])
-        dblocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids("d-1")[0])
-        pair.p.add(H.make_request("p-1", prompt, {"do_remote_decode": True, "kvxfer_room": 31}, max_tokens=1))
-        for _ in range(3):  # three of twelve chunks pushed
-            pair.p.step()
-        pair.d.scheduler.finish_requests("d-1", RequestStatus.FINISHED_ABORTED)
-        assert "d-1" in pair.d.scheduler.requests  # blocks held: the load has not reported finished yet
-        run_until(pair, lambda: "d-1" not in pair.d.scheduler.requests, "the decode to free the aborted request")
-        kv = [o.kv_connector_output for _, o, _ in pair.d.outputs if o is not None and o.kv_connector_output]
-        assert any("d-1" in (k.failed_recving or ()) for k in kv)
-        # The freed blocks are rewritten (a new request's forward would), then the prefill runs on.
-        pair.d.ask("write", dblocks, 0x5A5A)
-        run_until(pair, lambda: "p-1" not in pair.p.scheduler.requests, "the prefill to finish and free", only=[pair.p])
-        time.sleep(0.5)
-        snaps = pair.d.ask("snapshot", dblocks)
-        assert (snaps[0] == 0x5A5A).all(), "a write of the aborted request landed after the fence"
-        kv = [o.kv_connector_output for _, o, _ in pair.p.outputs if o is not None and o.kv_connector_output]
-        assert any("p-1" in (k.finished_sending or ()) for k in kv)  # the prefill freed its blocks too
-    finally:
-        pair.close()
+    pair = tp1
+    prompt = _requests(12 * H.BLOCK, 5)
+    loads = pair.d.ask("stats")[0]["loads"]
+    pair.d.add(H.make_request("d-ab", prompt, {"do_remote_prefill": True, "kvxfer_room": 31}, max_tokens=2))
+    run_until(pair, lambda: pair.d.ask("stats")[0]["loads"] > loads, "the decode's handoff", only=[pair.d])
+    dblocks = list(pair.d.scheduler.kv_cache_manager.get_block_ids("d-ab")[0])
+    pair.p.add(H.make_request("p-ab", prompt, {"do_remote_decode": True, "kvxfer_room": 31}, max_tokens=1))
+    pair.p.step()  # the first of three chunks pushed
+    assert pair.p.scheduler.requests["p-ab"].num_computed_tokens < len(prompt)
+    pair.d.scheduler.finish_requests("d-ab", RequestStatus.FINISHED_ABORTED)
+    assert "d-ab" in pair.d.scheduler.requests  # blocks held: the load has not reported finished yet
+    run_until(pair, lambda: "d-ab" not in pair.d.scheduler.requests, "the decode to free the aborted request")
+    kv = [o.kv_connector_output for _, o, _ in pair.d.outputs if o is not None and o.kv_connector_output]
+    assert any("d-ab" in (k.failed_recving or ()) for k in kv)
+    # The freed blocks are rewritten (a new request's forward would), then the prefill runs on.
+    pair.d.ask("write", dblocks, 0x5A5A)
+    run_until(pair, lambda: "p-ab" not in pair.p.scheduler.requests, "the prefill to finish and free", only=[pair.p])
+    time.sleep(0.5)
+    snaps = pair.d.ask("snapshot", dblocks)
+    assert (snaps[0] == 0x5A5A).all(), "a write of the aborted request landed after the fence"
+    kv = [o.kv_connector_output for _, o, _ in pair.p.outputs if o is not None and o.kv_connector_output]
+    assert any("p-ab" in (k.finished_sending or ()) for k in kv)  # the prefill freed its blocks too
