@@ -24,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 VENV=${KVXFER_TIER1_VENV:-.venv-tier1}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 start=$(date +%s)
 step() { printf '\n=== tier 1: %s (%ss)\n' "$*" "$(($(date +%s) - start))"; }
 
@@ -62,11 +63,11 @@ step "tier 1: KvxferConnector in vLLM 0.33.0, the kvxfer backend in SGLang 0.5.2
 cd tests
 # From outside the source tree, so the installed wheel is what is tested. -x: the first failure stops the
 # run (each case spawns engine processes; a broken install would fail them all slowly).
-"../$VENV/bin/python" -m pytest -q -x -p no:cacheprovider -W ignore::UserWarning -W ignore::DeprecationWarning \
+"$VENV/bin/python" -m pytest -q -x --durations=20 -p no:cacheprovider -W ignore::UserWarning -W ignore::DeprecationWarning \
   test_tier1_vllm.py test_tier1_sglang.py
 
 step "the adapter tests and tier 0 against the same wheel (engines installed)"
-"../$VENV/bin/python" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -W ignore::UserWarning \
   test_sglang_adapter.py test_vllm_adapter.py test_tier0.py
 
 step "done"

@@ -176,7 +176,8 @@ def test_sglang_startup_error_is_the_real_cause(models):
     args.engine_rank, args.page_size, args.kv_cache_dtype_str = 0, 16, "torch.float16"
     args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = [1 << 20] * 8, [1 << 16] * 8, [2048] * 8
     args.total_kv_head_num, args.kv_head_num = 2, 2
-    sa = type("SA", (), {"device": "cuda", "tp_size": 1, "dp_size": 1, "pp_size": 1})()
+    sa = type("SA", (), {"device": "cuda", "tp_size": 1, "dp_size": 1, "pp_size": 1, "host": "127.0.0.1",
+                         "disaggregation_bootstrap_port": H.free_port()})()
     t0 = time.monotonic()
     with pytest.raises(kvxfer.KvxferError, match="GPU memory.*tcp backend"):
         adapter.KvxferKVManager(args, "prefill", sa, False)
