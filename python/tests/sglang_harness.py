@@ -277,6 +277,11 @@ def _run(spec: RankSpec, server_args, torch, dist, out, ev):
     def all_reduce(pollers, decode: bool):
         if decode:
             return poll_and_all_reduce(pollers, attn_tp_group)
+        if spec.pp > 1:
+            # poll_and_all_reduce_prefill_pp's first half (each stage here; SGLang then broadcasts stage 0's)
+            from sglang.srt.disaggregation import utils as du
+
+            return du._all_reduce_polls(du._poll_with_failure_injection_pp(pollers), attn_tp_group)
         return poll_and_all_reduce_attn_cp_tp_group(pollers, attn_cp_group, attn_tp_group)
 
     for r in spec.script:

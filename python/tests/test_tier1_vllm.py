@@ -188,9 +188,9 @@ def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
         assert len(info["shape"]) == 4  # vLLM 0.33's [B, H, N, C] views
         transfer(pair, ptp=ptp, dtp=dtp, kv_heads=heads, mla=model == "mla", prompt_len=9 * H.BLOCK + 3, room=5150)
         stats = pair.p.ask("stats")
-        # The first chunk was computed before the decode's block list existed (sent whole, later); the
-        # rest went layer by layer from save_kv_layer, during the forward.
-        assert all(s["whole_chunks"] >= 1 and s["layer_pushes"] >= 1 and not s["failed_sends"] for s in stats), stats
+        # Chunks computed before the decode's block list arrived go whole, later; the rest layer by layer
+        # from save_kv_layer during the forward (which of the two a chunk takes depends on timing).
+        assert all(s["whole_chunks"] + s["layer_pushes"] >= 1 and not s["failed_sends"] for s in stats), stats
     finally:
         pair.close()
 
@@ -209,7 +209,7 @@ def test_vllm_tp1_transfer(tp1):
     assert len(tp1.d.info[0]["shape"]) == 4  # vLLM 0.33's [B, H, N, C] views
     transfer(tp1, ptp=1, dtp=1, kv_heads=2, mla=False, prompt_len=9 * H.BLOCK + 3, room=5150)
     s = tp1.p.ask("stats")[0]
-    assert s["whole_chunks"] >= 1 and s["layer_pushes"] >= 1 and not s["failed_sends"], s
+    assert s["whole_chunks"] + s["layer_pushes"] >= 1 and not s["failed_sends"], s
 
 
 def test_vllm_layerwise_push_and_prefill_preemption(tp1):
@@ -272,3 +272,4 @@ def test_vllm_decode_abort_mid_transfer_is_fenced(tp1):
     assert (snaps[0] == 0x5A5A).all(), "a write of the aborted request landed after the fence"
     kv = [o.kv_connector_output for _, o, _ in pair.p.outputs if o is not None and o.kv_connector_output]
     assert any("p-ab" in (k.finished_sending or ()) for k in kv)  # the prefill freed its blocks too
+
