@@ -23,11 +23,11 @@ fi
 
 step "rustfmt (the repository's rustfmt.toml) and clippy of the extension crate"
 cargo fmt --check
-cargo clippy --quiet --all-targets -- -D warnings
+cargo clippy --quiet --all-targets --locked -- -D warnings
 
 step "build the wheel (release, abi3) and install it"
 rm -rf dist
-"$VENV/bin/maturin" build --release --quiet --out dist
+"$VENV/bin/maturin" build --release --locked --quiet --out dist
 wheel=$(ls dist/kvxfer-*.whl)
 printf 'wheel: %s, %s bytes\n' "$wheel" "$(stat -c %s "$wheel")"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"

@@ -45,13 +45,14 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import kvxfer
 from kvxfer import KVPoll
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("sglang.srt.disaggregation.kvxfer")  # under SGLang's loggers
 
 try:  # SGLang's base classes when SGLang is installed; plain objects otherwise (tier 0 runs without it).
     from sglang.srt.disaggregation.base.conn import (  # type: ignore[import-not-found]
@@ -87,6 +88,7 @@ except Exception:  # noqa: BLE001 - any import failure means: no usable SGLang h
 
 
 BACKEND_NAME = "kvxfer"
+HOST_ONLY_BACKENDS = ("tcp", "local")
 
 
 def _env_int(name: str) -> int | None:
@@ -110,59 +112,210 @@ def _mode(m: Any) -> str:
     return v
 
 
-def topology_from_kv_args(args: Any, server_args: Any, role: str, is_mla: bool) -> kvxfer.Topology:
-    """The kvxfer topology an SGLang rank's ``KVArgs`` (plus ``KVXFER_*`` for the other side) describe."""
-    if getattr(args, "num_draft_entries", 0):
-        raise kvxfer.KvxferError("kvxfer: draft-model KV (speculative decoding) is not supported yet")
-    if any(getattr(args, "state_data_ptrs", None) or []):
-        raise kvxfer.KvxferError("kvxfer: state buffers (Mamba, SWA, DSA) are not supported yet")
+def _model_kv_heads(server_args: Any) -> int | None:
+    """The model's total KV heads from its config (``--model-path``; no download: a local path or the
+    Hugging Face cache), as SGLang's ``ModelConfig.get_total_num_kv_heads`` reads them."""
+    path = _resolved(server_args, "model_path", None)
+    if not path:
+        return None
+    try:
+        from transformers import AutoConfig  # SGLang's own dependency
+
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=bool(_resolved(server_args, "trust_remote_code", False)),
+                                         local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - reported by the caller's error
+        logger.debug("kvxfer: no model config at %s: %s", path, e)
+        return None
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    for name in ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "num_attention_heads"):
+        v = getattr(text, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _resolved(server_args: Any, name: str, default: Any = None) -> Any:
+    """A setting as SGLang resolved it: SGLang 0.5.23 publishes resolved values in its runtime context
+    (``get_parallel()``, ``get_device()``, ...) while ``ServerArgs`` keeps the raw input (``device`` is
+    None there unless given); older SGLang and tests: the ``server_args`` attribute."""
+    try:
+        from sglang.srt import runtime_context as rc  # type: ignore[import-not-found]
+
+        getters = {
+            "tp_size": lambda: rc.get_parallel().tp_size,
+            "dp_size": lambda: rc.get_parallel().dp_size,
+            "pp_size": lambda: rc.get_parallel().pp_size,
+            "attn_tp_size": lambda: rc.get_parallel().attn_tp_size,
+            "device": lambda: rc.get_device().device,
+            "disaggregation_bootstrap_port": lambda: rc.get_disagg().disaggregation_bootstrap_port,
+            "host": lambda: rc.get_serving().host,
+            "model_path": lambda: rc.get_model().model_path,
+            "trust_remote_code": lambda: rc.get_model().trust_remote_code,
+        }
+        v = getters[name]()
+        if v is not None:
+            return v
+    except Exception:  # noqa: BLE001 - not published here (tier 0, another SGLang)
+        pass
+    v = getattr(server_args, name, None)
+    return default if v is None else v
+
+
+def _attn_tp(server_args: Any) -> int:
+    dp = _resolved(server_args, "dp_size", 1) or 1
+    tp = _resolved(server_args, "tp_size", 1) or 1
+    attn = _resolved(server_args, "attn_tp_size", None) if not isinstance(server_args, SimpleNamespace) else None
+    if attn:
+        return int(attn)
+    return tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
+
+
+def _dp_attention(server_args: Any) -> bool:
+    return _attn_tp(server_args) < (_resolved(server_args, "tp_size", 1) or 1) or bool(
+        getattr(server_args, "enable_dp_attention", False))
+
+
+def _stage_layers(total: int, pp: int, env: str) -> list[int] | None:
+    """Every PP stage's layer count: ``env`` (``20,21,20``), else SGLang's own partition
+    (``SGLANG_PP_LAYER_PARTITION`` / ``get_pp_indices``: the last stages take the remainder)."""
+    if pp <= 1:
+        return None
+    given = os.environ.get(env)
+    if given:
+        return [int(x) for x in given.split(",")]
+    try:
+        from sglang.srt.distributed.utils import get_pp_indices  # type: ignore[import-not-found]
+
+        return [b - a for a, b in (get_pp_indices(total, r, pp) for r in range(pp))]
+    except Exception:  # noqa: BLE001 - no SGLang: an even split
+        return None
+
+
+def topology_from_kv_args(args: Any, server_args: Any, role: str, is_mla: bool,
+                          items: list[int] | None = None, heads_env: str = "KVXFER_KV_HEADS") -> kvxfer.Topology:
+    """The kvxfer topology an SGLang rank's ``KVArgs`` (plus ``KVXFER_*`` for the other side) describe (the
+    target model's KV; ``items``: another group's item lengths, e.g. the draft model's)."""
     layout = getattr(args, "kv_layout", None) or "nhd"
     if layout not in ("nhd", "hnd"):
         raise kvxfer.KvxferError(f"kvxfer: KV layout {layout!r} is not supported (nhd, hnd)")
     page = int(args.page_size)
-    items = list(args.kv_item_lens)
+    draft = int(getattr(args, "num_draft_entries", 0) or 0)
+    if items is None:
+        items = list(args.kv_item_lens)[: len(args.kv_item_lens) - draft]
     kinds = 1 if is_mla else 2
     if not items or len(items) % kinds:
         raise kvxfer.KvxferError(f"kvxfer: {len(items)} KV buffers for {'MLA' if is_mla else 'K and V'}")
     stage_layers = len(items) // kinds
     dtype = _dtype_bytes(getattr(args, "kv_cache_dtype_str", None)) or _env_int("KVXFER_DTYPE_BYTES") or 2
 
-    dp = getattr(server_args, "dp_size", 1) or 1
-    tp = getattr(server_args, "tp_size", 1) or 1
-    attn_tp = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
-    pp = getattr(server_args, "pp_size", 1) or 1
+    attn_tp = _attn_tp(server_args)
+    pp = _resolved(server_args, "pp_size", 1) or 1
     mine = {"tp": attn_tp, "pp": pp}
-    other = {"tp": attn_tp, "pp": pp}
     prefill = {"tp": _env_int("KVXFER_PREFILL_TP"), "pp": _env_int("KVXFER_PREFILL_PP")}
     decode = {"tp": _env_int("KVXFER_DECODE_TP"), "pp": _env_int("KVXFER_DECODE_PP")}
+    # The other side: KVXFER_* when given, else this side's TP and PP 1 (a decode rarely runs PP).
+    other = {"tp": attn_tp, "pp": 1}
     p = {k: (mine[k] if role == "prefill" else (prefill[k] or other[k])) for k in mine}
     d = {k: (mine[k] if role == "decode" else (decode[k] or other[k])) for k in mine}
-    layers = _env_int("KVXFER_LAYERS") or stage_layers * pp
-    kw: dict[str, Any] = dict(layers=layers, page_size=page, dtype_bytes=dtype, prefill_tp=p["tp"],
-                              decode_tp=d["tp"], prefill_pp=p["pp"], decode_pp=d["pp"], layout=layout)
+    # Layers. Prefill PP: every stage's layer count (SGLang's partition, or KVXFER_PREFILL_LAYERS), checked
+    # against the range this stage's KVArgs say it holds (prefill_start_layer / prefill_end_layer).
+    kw: dict[str, Any] = dict(page_size=page, dtype_bytes=dtype, prefill_tp=p["tp"], decode_tp=d["tp"],
+                              prefill_pp=p["pp"], decode_pp=d["pp"], layout=layout)
+    layers = _env_int("KVXFER_LAYERS")
+    if p["pp"] > 1:
+        total = layers or (stage_layers if role == "decode" and d["pp"] == 1 else None) or _model_layers(server_args)
+        if total is None:
+            raise kvxfer.KvxferError("kvxfer: prefill PP needs the model's layer count: set KVXFER_LAYERS")
+        stages = _stage_layers(total, p["pp"], "KVXFER_PREFILL_LAYERS")
+        if stages is None or sum(stages) != total:
+            raise kvxfer.KvxferError(f"kvxfer: no partition of {total} layers over prefill PP {p['pp']}: set "
+                                     "KVXFER_PREFILL_LAYERS (e.g. 20,21,20) on both sides")
+        layers = total
+        kw["prefill_layers"] = stages
+        if role == "prefill":
+            rank = int(getattr(args, "pp_rank", 0) or 0)
+            start = getattr(args, "prefill_start_layer", None)
+            end = getattr(args, "prefill_end_layer", None)
+            want = (sum(stages[:rank]), sum(stages[: rank + 1]))
+            if start is not None and end is not None and (int(start), int(end)) != want:
+                raise kvxfer.KvxferError(
+                    f"kvxfer: prefill PP stage {rank} holds layers [{start}, {end}) but the partition {stages} "
+                    f"puts [{want[0]}, {want[1]}) there; set KVXFER_PREFILL_LAYERS alike on both sides")
+            if stages[rank] != stage_layers:
+                raise kvxfer.KvxferError(f"kvxfer: prefill PP stage {rank} registers {stage_layers} layers; the "
+                                         f"partition {stages} gives it {stages[rank]}")
+    elif not layers:
+        layers = stage_layers * mine["pp"]
+    kw["layers"] = layers
     if is_mla:
         kw["mla_latent_dim"] = items[0] // (page * dtype)
     else:
-        heads = getattr(args, "total_kv_head_num", None) or _env_int("KVXFER_KV_HEADS")
-        local = getattr(args, "kv_head_num", None)
+        heads = (getattr(args, "total_kv_head_num", None) if heads_env == "KVXFER_KV_HEADS" else None) or _env_int(
+            heads_env)
+        local = getattr(args, "kv_head_num", None) if heads_env == "KVXFER_KV_HEADS" else None
+        if not heads and heads_env == "KVXFER_KV_HEADS":
+            heads = _model_kv_heads(server_args)
         if not heads:
             if not local or local == 1:
-                # One head per rank: H may be the TP size or any divisor of it (replicated heads).
                 raise kvxfer.KvxferError(
-                    f"kvxfer: this {role} rank holds {local or 'an unknown number of'} KV head(s) and KVArgs has no "
-                    "total_kv_head_num: set KVXFER_KV_HEADS to the model's num_key_value_heads")
+                    f"kvxfer: this {role} rank holds {local or 'an unknown number of'} KV head(s); KVArgs has no "
+                    f"total_kv_head_num and the model config at --model-path "
+                    f"{_resolved(server_args, 'model_path', None)!r} gave none: set {heads_env} to the model's "
+                    "num_key_value_heads")
             heads = local * attn_tp
-        local = local or max(1, heads // attn_tp)
+        local = max(1, heads // attn_tp)
+        for what, item in (("K", items[0]), ("V", items[stage_layers])):
+            if item % (page * local * dtype):
+                raise kvxfer.KvxferError(
+                    f"kvxfer: a {what} page of {item} bytes is not {page} tokens x {local} heads x whole "
+                    f"{dtype}-byte elements ({heads} KV heads over attention TP {attn_tp})")
         kw.update(kv_heads=heads, head_dim=items[0] // (page * local * dtype),
                   v_head_dim=items[stage_layers] // (page * local * dtype))
     return kvxfer.Topology(**kw)
 
 
-class KvxferKVManager(BaseKVManager):
-    """One rank's kvxfer agent(s), from SGLang's ``KVArgs``."""
+def _model_layers(server_args: Any) -> int | None:
+    path = _resolved(server_args, "model_path", None)
+    try:
+        from transformers import AutoConfig
 
-    enable_deferred_decode_kv_release = False
-    supports_deferred_decode_kv_release = False
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True,
+                                         trust_remote_code=bool(_resolved(server_args, "trust_remote_code", False)))
+        return int(getattr(cfg.get_text_config(), "num_hidden_layers"))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+@dataclass
+class _Group:
+    """One set of buffers kvxfer moves with its own agent: the target KV, the draft model's KV, or one
+    size class of a state type (SWA, Mamba: items copied whole, at equal attention TP)."""
+
+    name: str
+    prefix: str
+    topology: kvxfer.Topology
+    ptrs: list[int]
+    lens: list[int]
+    items: list[int]
+    state: int | None = None  # index into KVArgs.state_types
+    tensors: list[int] = field(default_factory=list)  # which tensors of that state type
+
+
+def _whole_items(name: str, items: list[int], prefill_tp: int, decode_tp: int, page_size: int) -> kvxfer.Topology:
+    """Buffers whose pages move whole (no head split): an MLA-like topology of one "latent" per page."""
+    if items[0] % page_size:
+        raise kvxfer.KvxferError(f"kvxfer: {name}: an item of {items[0]} bytes is not {page_size} equal tokens")
+    return kvxfer.Topology(layers=len(items), page_size=page_size, dtype_bytes=1, prefill_tp=prefill_tp,
+                           decode_tp=decode_tp, mla_latent_dim=items[0] // page_size)
+
+
+class KvxferKVManager(BaseKVManager):
+    """One rank's kvxfer agents, from SGLang's ``KVArgs``: the target KV, the draft model's KV (speculative
+    decoding) and state buffers (SWA, Mamba), each its own agent under its own bootstrap prefix."""
+
+    # SGLang's deferred release (decode.py: a failed transfer's pages are held on every attention-TP rank
+    # until ``is_abort_release_safe``): kvxfer's fence answers it per room.
+    supports_deferred_decode_kv_release = True
     supports_host_destination = False
     supports_role_switch = False
 
@@ -171,28 +324,95 @@ class KvxferKVManager(BaseKVManager):
         self.server_args = server_args
         self.role = _mode(disaggregation_mode)
         self.is_mla_backend = bool(is_mla_backend)
+        try:
+            from sglang.srt.environ import envs  # type: ignore[import-not-found]
+
+            self.enable_deferred_decode_kv_release = bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get())
+        except Exception:  # noqa: BLE001 - no SGLang
+            self.enable_deferred_decode_kv_release = True
         self.topology = topology_from_kv_args(args, server_args, self.role, self.is_mla_backend)
-        self.tp_rank = int(args.engine_rank)
+        self.attn_tp = _attn_tp(server_args)
+        # SGLang's prefill gives the global TP rank; kvxfer ranks are attention-TP ranks.
+        self.tp_rank = int(args.engine_rank) % self.attn_tp
+        self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0) if _dp_attention(server_args) else 0
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         self.backend = os.environ.get("KVXFER_BACKEND", "tcp")
         self.notify = os.environ.get("KVXFER_NOTIFY", "attached")
         self.timeout_s = float(os.environ.get("KVXFER_TIMEOUT_S", "60"))
-        device = str(getattr(server_args, "device", "cuda") or "cuda")
+        device = str(_resolved(server_args, "device", "cuda") or "cuda")
         self.mem_kind = "host" if device == "cpu" else "cuda"
+        if self.mem_kind == "cuda" and self.backend in HOST_ONLY_BACKENDS:
+            raise kvxfer.KvxferError(
+                f"kvxfer: SGLang's KV cache is in GPU memory (--device {device}), but the {self.backend} backend moves "
+                "host memory only: set KVXFER_BACKEND=ucx (kvxfer built with --features ucx) or run on CPU")
+        self.groups = self._groups(args)
+        self.prefill_dp = (_resolved(server_args, "dp_size", 1) or 1) if self.role == "prefill" and _dp_attention(
+            server_args) else (_env_int("KVXFER_PREFILL_DP") or 1)
+        if self.role == "decode" and _dp_attention(server_args) and (_resolved(server_args, "dp_size", 1) or 1) > 1:
+            raise kvxfer.KvxferError(
+                "kvxfer: DP attention on the decode side is not supported yet (each decode DP rank would need its "
+                "own kvxfer rank set); the prefill side may use it")
         # Decode: what SGLang's scheduler reads before it creates receivers (prefill_info_table,
-        # try_ensure_parallel_info); one agent per prefill instance (bootstrap address).
+        # try_ensure_parallel_info); agents per (prefill instance, prefill DP rank), made on first use.
         self.prefill_info_table: dict[str, Any] = {}
-        self._agents: dict[str, kvxfer.Agent] = {}
+        self._agents: dict[tuple[str, int], list[kvxfer.Agent]] = {}
+        self._errors: dict[tuple[str, int], str] = {}
+        self._receivers: dict[int, Any] = {}
         self._lock = threading.Lock()
+        logger.info("kvxfer: SGLang %s rank tp %d/%d pp %d dp %d: %s; groups %s; %s backend", self.role, self.tp_rank,
+                    self.attn_tp, self.pp_rank, self.dp_rank, self.topology, [g.name for g in self.groups],
+                    self.backend)
         if self.role == "prefill":
-            port = getattr(server_args, "disaggregation_bootstrap_port", None)
+            port = _resolved(server_args, "disaggregation_bootstrap_port", None)
             addr = os.environ.get("KVXFER_BOOTSTRAP") or f"{self._bootstrap_host()}:{port}"
-            self._agent_for(addr, wait_s=30.0)
+            self._bootstrap = addr
+            self._agents_for(addr, self.dp_rank, wait_s=30.0)
+
+    def _groups(self, args) -> list[_Group]:
+        draft = int(getattr(args, "num_draft_entries", 0) or 0)
+        n = len(args.kv_data_ptrs) - draft
+        groups = [_Group("kv", "", self.topology, list(args.kv_data_ptrs[:n]), list(args.kv_data_lens[:n]),
+                         list(args.kv_item_lens[:n]))]
+        page = int(args.page_size)
+        p_tp, d_tp = self.topology.prefill_tp, self.topology.decode_tp
+        extra = draft or any(getattr(args, "state_data_ptrs", None) or [])
+        if extra and (self.topology.prefill_pp > 1 or self.topology.decode_pp > 1):
+            raise kvxfer.KvxferError(
+                f"kvxfer: {'draft-model KV' if draft else 'state buffers'} with pipeline parallelism (prefill PP "
+                f"{self.topology.prefill_pp}, decode PP {self.topology.decode_pp}) are not supported yet")
+        if draft:
+            items = list(args.kv_item_lens[n:])
+            if p_tp == d_tp and not _env_int("KVXFER_DRAFT_KV_HEADS"):
+                topo = _whole_items("draft KV", items, p_tp, d_tp, page)
+            else:
+                topo = topology_from_kv_args(args, self.server_args, self.role, self.is_mla_backend, items=items,
+                                             heads_env="KVXFER_DRAFT_KV_HEADS")
+            groups.append(_Group("draft", "-draft", topo, list(args.kv_data_ptrs[n:]), list(args.kv_data_lens[n:]),
+                                 items))
+        types = list(getattr(args, "state_types", None) or [])
+        for t, ptrs in enumerate(getattr(args, "state_data_ptrs", None) or []):
+            if not ptrs:
+                continue
+            name = str(getattr(types[t], "value", types[t])) if t < len(types) else f"state{t}"
+            if p_tp != d_tp:
+                raise kvxfer.KvxferError(
+                    f"kvxfer: state buffers ({name}) move whole at equal attention TP only; this model "
+                    f"({_resolved(self.server_args, 'model_path', '?')}) runs prefill TP {p_tp} and decode TP {d_tp} "
+                    f"with {len(ptrs)} {name} tensors of {sorted(set(args.state_item_lens[t]))} bytes per slot")
+            lens, items = list(args.state_data_lens[t]), list(args.state_item_lens[t])
+            by_size: dict[int, list[int]] = {}
+            for i, item in enumerate(items):
+                by_size.setdefault(item, []).append(i)
+            for k, (item, idx) in enumerate(sorted(by_size.items())):
+                topo = _whole_items(f"state {name}", [item] * len(idx), p_tp, d_tp, 1)
+                groups.append(_Group(f"state:{name}:{item}", f"-state{t}-{k}", topo, [ptrs[i] for i in idx],
+                                     [lens[i] for i in idx], [item] * len(idx), state=t, tensors=idx))
+        return groups
 
     # ----------------------------------------------------------------------------------- agents
 
     def _bootstrap_host(self) -> str:
-        host = getattr(self.server_args, "host", None) or "127.0.0.1"
+        host = _resolved(self.server_args, "host", None) or "127.0.0.1"
         if host in ("0.0.0.0", "::"):
             dist = getattr(self.server_args, "dist_init_addr", None)
             host = dist.rsplit(":", 1)[0] if dist else "127.0.0.1"
@@ -208,42 +428,64 @@ class KvxferKVManager(BaseKVManager):
             opts.setdefault("advertise", kvxfer.local_address(bootstrap))
         return opts
 
-    def _agent_for(self, bootstrap: str, wait_s: float = 0.0) -> kvxfer.Agent:
+    def _agents_for(self, bootstrap: str, dp: int, wait_s: float = 0.0) -> list[kvxfer.Agent]:
+        """This rank's agents towards one prefill instance and DP rank (one per group), started."""
+        key = (bootstrap, dp)
         with self._lock:
-            agent = self._agents.get(bootstrap)
-            if agent is not None:
-                return agent
-            args = self.kv_args
-            agent = kvxfer.Agent(role=self.role, topology=self.topology, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
-                                 bootstrap=bootstrap, backend=self.backend, notify=self.notify,
-                                 backend_options=self._options(bootstrap), timeout_s=self.timeout_s,
-                                 label=f"sglang {self.role} pid {os.getpid()}")
-            agent.register_kv(ptrs=list(args.kv_data_ptrs), lens=list(args.kv_data_lens),
-                              item_lens=list(args.kv_item_lens), kind=self.mem_kind,
-                              device=int(getattr(args, "gpu_id", 0) or 0))
-            if getattr(args, "aux_data_ptrs", None):
-                agent.register_aux(ptrs=list(args.aux_data_ptrs), lens=list(args.aux_data_lens),
-                                   item_lens=list(args.aux_item_lens))
-            # The prefill may start before its bootstrap server listens: retry for a while.
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    agent.start()
-                    break
-                except kvxfer.KvxferError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
-            self._agents[bootstrap] = agent
-            return agent
+            agents = self._agents.get(key)
+            if agents is not None:
+                return agents
+            started: list[kvxfer.Agent] = []
+            try:
+                for g in self._groups_list():
+                    prefix = f"/kvxfer{g.prefix}" + (f"-dp{dp}" if self.prefill_dp > 1 else "")
+                    agent = kvxfer.Agent(role=self.role, topology=g.topology, tp_rank=self.tp_rank,
+                                         pp_rank=self.pp_rank, bootstrap=f"{bootstrap}{prefix}", backend=self.backend,
+                                         notify=self.notify, backend_options=self._options(bootstrap),
+                                         timeout_s=self.timeout_s,
+                                         label=f"sglang {self.role} {g.name} pid {os.getpid()}")
+                    agent.register_kv(ptrs=g.ptrs, lens=g.lens, item_lens=g.items, kind=self.mem_kind,
+                                      device=int(getattr(self.kv_args, "gpu_id", 0) or 0))
+                    args = self.kv_args
+                    if g.name == "kv" and getattr(args, "aux_data_ptrs", None):
+                        agent.register_aux(ptrs=list(args.aux_data_ptrs), lens=list(args.aux_data_lens),
+                                           item_lens=list(args.aux_item_lens))
+                    # The prefill may start before its bootstrap service listens: retry for a while, then
+                    # raise the last cause (a failed start keeps its setup, so the cause repeats).
+                    deadline = time.monotonic() + wait_s
+                    while True:
+                        try:
+                            agent.start()
+                            break
+                        except kvxfer.KvxferError as e:
+                            if time.monotonic() > deadline:
+                                raise
+                            logger.info("kvxfer: %s agent not started yet (%s); retrying", g.name, e)
+                            time.sleep(0.5)
+                    started.append(agent)
+            except BaseException:
+                for a in started:
+                    try:
+                        a.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                raise
+            self._agents[key] = started
+            return started
 
-    def agent(self, bootstrap_addr: str | None = None) -> kvxfer.Agent:
-        """This rank's agent (decode: the one for that prefill instance, made on first use)."""
+    def _groups_list(self) -> list[_Group]:
+        return self.groups
+
+    def agents(self, bootstrap_addr: str | None = None, dp: int = 0) -> list[kvxfer.Agent]:
+        """This rank's agents (decode: those for that prefill instance and DP rank, made on first use)."""
         if self.role == "prefill":
             return next(iter(self._agents.values()))
         if not bootstrap_addr:
             raise kvxfer.KvxferError("kvxfer: a decode request needs its prefill's bootstrap address")
-        return self._agent_for(bootstrap_addr)
+        return self._agents_for(bootstrap_addr, dp)
+
+    def agent(self, bootstrap_addr: str | None = None) -> kvxfer.Agent:
+        return self.agents(bootstrap_addr)[0]
 
     # ---------------------------------------------------------------------- SGLang's manager API
 
@@ -251,16 +493,18 @@ class KvxferKVManager(BaseKVManager):
         """Agents register themselves when they start."""
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Decode: connects to that prefill instance (once); True once its ranks are connected."""
+        """Decode: joins that prefill instance (once); True once its ranks are connected. Never raises: an
+        unreachable prefill is retried by SGLang, which then aborts its requests."""
         try:
-            agent = self._agent_for(bootstrap_addr)
+            agents = self._agents_for(bootstrap_addr, 0)
         except kvxfer.KvxferError as e:
+            self._errors[(bootstrap_addr, 0)] = str(e)
             logger.warning("kvxfer: cannot join the prefill at %s: %s", bootstrap_addr, e)
             return False
-        if agent.is_connected():
+        if all(a.is_connected() for a in agents):
             self.prefill_info_table.setdefault(
-                bootstrap_addr, SimpleNamespace(dp_size=1, follow_bootstrap_room=True, tp_size=self.topology.prefill_tp,
-                                                pp_size=self.topology.prefill_pp))
+                bootstrap_addr, SimpleNamespace(dp_size=self.prefill_dp, follow_bootstrap_room=True,
+                                                tp_size=self.topology.prefill_tp, pp_size=self.topology.prefill_pp))
             return True
         return False
 
@@ -268,16 +512,18 @@ class KvxferKVManager(BaseKVManager):
         # A decode rank of another TP width holds a slice of what a prefill rank digested.
         return self.topology.prefill_tp == self.topology.decode_tp
 
-    def is_abort_release_safe(self, *_args) -> bool:
-        return True
+    def is_abort_release_safe(self, bootstrap_room: int = 0, required_acks: int = 0) -> bool:
+        """SGLang's deferred release: true once no write of that room can land in this rank's pages."""
+        r = self._receivers.get(int(bootstrap_room))
+        return r is None or r.is_abort_release_safe()
 
-    def clear_deferred_abort_state(self, *_args) -> None:
-        pass
+    def clear_deferred_abort_state(self, bootstrap_room: int = 0) -> None:
+        """The receiver's ``clear`` drops it."""
 
     def close(self) -> None:
         """Closes every agent (tests; SGLang ends the process)."""
         with self._lock:
-            agents, self._agents = list(self._agents.values()), {}
+            agents, self._agents = [a for v in self._agents.values() for a in v], {}
         for a in agents:
             a.close()
 
@@ -288,41 +534,90 @@ def _raise_failure(req) -> None:
         raise exc
 
 
+def _combined(parts: list, local_failure: str | None) -> int:
+    """One SGLang poll over a request's parts (target KV, draft KV, state groups): Failed only once every
+    part is final with its pages reusable (a failed part aborts the others), Success when all are."""
+    polls = [p.poll() for p in parts]
+    if local_failure is not None or KVPoll.Failed in polls:
+        for p, v in zip(parts, polls):
+            if v not in (KVPoll.Success, KVPoll.Failed):
+                p.abort("another part of the request failed")
+        if all(p.pages_reusable() and p.poll() in (KVPoll.Success, KVPoll.Failed) for p in parts):
+            return KVPoll.Failed
+        return KVPoll.Transferring
+    return min(polls) if polls else KVPoll.Failed
+
+
 class KvxferKVSender(BaseKVSender):
-    """Prefill side of one request."""
+    """Prefill side of one request. ``send`` never raises (SGLang calls it without a ``try``): a failure
+    shows in ``poll`` as ``Failed``, as SGLang's own senders report it."""
 
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False, **_ignored):
         self.kv_mgr = mgr
         self.bootstrap_room = int(bootstrap_room)
-        self.sender = mgr.agent().sender(self.bootstrap_room)
+        self.parts = [a.sender(self.bootstrap_room) for a in mgr.agents()]
         self.init_time: float | None = None
         self.conclude_state: int | None = None
+        self._failure: str | None = None
+        self._state_inited: set[int] = set()
+
+    def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
+            logger.warning("kvxfer: prefill request %d failed: %s", self.bootstrap_room, why)
+        for p in self.parts:
+            p.abort(why)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
         self.init_time = time.monotonic()
-        self.sender.init(int(num_kv_indices), None if aux_index is None else int(aux_index))
+        try:
+            for g, p in zip(self.kv_mgr.groups, self.parts):
+                if g.state is None:
+                    p.init(int(num_kv_indices), None if aux_index is None or g.name != "kv" else int(aux_index))
+        except kvxfer.KvxferError as e:
+            self._fail(str(e))
 
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, **_ignored):
-        if state_indices and any(x is not None for x in state_indices):
-            raise kvxfer.KvxferError("kvxfer: state buffers (Mamba, SWA, DSA) are not supported yet")
-        self.sender.send(kv_indices)
+        if self._failure is not None:
+            return
+        try:
+            for g, p in zip(self.kv_mgr.groups, self.parts):
+                if g.state is None:
+                    p.send(kv_indices)
+                elif state_indices is not None and g.state < len(state_indices) and state_indices[g.state] is not None:
+                    idx = list(state_indices[g.state])
+                    if id(p) not in self._state_inited:
+                        p.init(len(idx))
+                        self._state_inited.add(id(p))
+                    p.send(idx)
+        except kvxfer.KvxferError as e:  # e.g. the decode aborted: poll reports Failed
+            self._fail(str(e))
 
     def poll(self) -> int:
-        v = self.sender.poll()
+        v = _combined(self.parts, self._failure)
         if v in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = v
         return v
 
+    def poll_pp_consensus(self) -> int:
+        """Prefill PP: SGLang polls stage 0 and broadcasts. Each stage's sender reports its own layers; a
+        stage that fails tells the decode, which fails the request for every stage."""
+        return self.poll()
+
     def failure_exception(self):
-        _raise_failure(self.sender)
+        if self._failure is not None:
+            raise kvxfer.KvxferError(f"kvxfer: prefill request {self.bootstrap_room}: {self._failure}")
+        for p in self.parts:
+            _raise_failure(p)
         raise kvxfer.KvxferError(f"kvxfer: prefill request {self.bootstrap_room} failed")
 
     def abort(self):
-        self.sender.abort()
+        self._fail("aborted by the prefill engine")
 
     def clear(self):
-        self.sender.clear()
+        for p in self.parts:
+            p.clear()
 
     def get_transfer_metric(self):
         return KVTransferMetric()
@@ -339,45 +634,68 @@ class KvxferKVSender(BaseKVSender):
 
 
 class KvxferKVReceiver(BaseKVReceiver):
-    """Decode side of one request."""
+    """Decode side of one request. Nothing here blocks or raises: the agents for the request's prefill are
+    made in ``init`` (after SGLang's ``try_ensure_parallel_info``), and a prefill that cannot be reached
+    fails the request (``poll`` -> ``Failed``)."""
 
     def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, **_ignored):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room or 0)
-        self.receiver = mgr.agent(bootstrap_addr).receiver(self.bootstrap_room)
+        self.parts: list = []
         self.conclude_state: int | None = None
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list = []
         self._local_failure: str | None = None
+        self._handed_off = False
+        mgr._receivers[self.bootstrap_room] = self
 
     @property
     def supports_host_destination(self) -> bool:
         return False
 
     def init(self, prefill_dp_rank: int = 0, **_ignored):
-        """The prefill instance was resolved when this receiver was made; nothing to do."""
+        """Joins the request's prefill instance and DP rank (once per manager)."""
+        if self.parts or self._local_failure is not None:
+            return
+        try:
+            agents = self.kv_mgr.agents(self.bootstrap_addr, int(prefill_dp_rank or 0))
+            self.parts = [a.receiver(self.bootstrap_room) for a in agents]
+        except kvxfer.KvxferError as e:
+            self._local_failure = f"kvxfer: decode request {self.bootstrap_room}: prefill {self.bootstrap_addr}: {e}"
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
                       destination=None, **_ignored):
+        if self._local_failure is None and not self.parts:
+            self.init(0)
+        if self._local_failure is not None:
+            return
         if decode_prefix_len:
             self._local_failure = (f"kvxfer: decode request {self.bootstrap_room}: decode-side prefix reuse "
-                                   f"(decode_prefix_len {decode_prefix_len}) is not supported")
-            return
-        if state_indices and any(x is not None for x in state_indices):
-            self._local_failure = f"kvxfer: decode request {self.bootstrap_room}: state buffers are not supported"
+                                   f"(decode_prefix_len {decode_prefix_len}) is not supported yet")
             return
         if destination is not None and getattr(destination, "value", destination) != "device":
             self._local_failure = f"kvxfer: decode request {self.bootstrap_room}: host destinations are not supported"
             return
-        self.receiver.send_metadata(kv_indices, None if aux_index is None else int(aux_index))
+        try:
+            for g, r in zip(self.kv_mgr.groups, self.parts):
+                if g.state is None:
+                    r.send_metadata(kv_indices, None if aux_index is None or g.name != "kv" else int(aux_index))
+                elif state_indices is not None and g.state < len(state_indices) and state_indices[g.state] is not None:
+                    r.send_metadata(list(state_indices[g.state]))
+                else:
+                    self._local_failure = (f"kvxfer: decode request {self.bootstrap_room}: the model has {g.name} "
+                                           "state but SGLang gave no state indices")
+            self._handed_off = True
+        except kvxfer.KvxferError as e:
+            self._local_failure = str(e)
 
     def poll(self) -> int:
-        if self._local_failure is not None:
-            v = KVPoll.Failed
+        if not self.parts:
+            v = KVPoll.Failed if self._local_failure is not None else KVPoll.Bootstrapping
         else:
-            v = self.receiver.poll()
+            v = _combined(self.parts, self._local_failure)
         if v in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = v
         return v
@@ -385,20 +703,32 @@ class KvxferKVReceiver(BaseKVReceiver):
     def failure_exception(self):
         if self._local_failure is not None:
             raise kvxfer.KvxferError(self._local_failure)
-        _raise_failure(self.receiver)
+        for p in self.parts:
+            _raise_failure(p)
         raise kvxfer.KvxferError(f"kvxfer: decode request {self.bootstrap_room} failed")
 
     def is_abort_release_safe(self) -> bool:
-        return self.receiver.pages_reusable()
+        return all(p.pages_reusable() for p in self.parts)
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
-        pass
+        """SGLang's deferred release: stop every write of this request into this rank's pages (the prefill
+        ranks are told at once; ``is_abort_release_safe`` turns true after kvxfer's fence)."""
+        for p in self.parts:
+            if p.poll() not in (KVPoll.Success, KVPoll.Failed) or not p.pages_reusable():
+                p.abort("the decode released the request (SGLang deferred release)")
+        self.abort_notified = True
 
     def abort(self):
-        self.receiver.abort()
+        if not self.parts:
+            self._local_failure = self._local_failure or f"kvxfer: decode request {self.bootstrap_room} aborted"
+        for p in self.parts:
+            p.abort("aborted by the decode engine")
 
     def clear(self):
-        self.receiver.clear()
+        for p in self.parts:
+            p.clear()
+        if self.kv_mgr._receivers.get(self.bootstrap_room) is self:
+            del self.kv_mgr._receivers[self.bootstrap_room]
 
 
 class KvxferKVBootstrapServer(BaseKVBootstrapServer):

@@ -916,9 +916,19 @@ impl Agent {
                     self.role, self.rank
                 )));
             };
-            let rt = runtime(2, &format!("kvxfer-{}{}", self.role, self.rank.tp))?;
-            let cfg = setup.cfg;
-            let agent = py.detach(|| rt.block_on(RsAgent::start(cfg, KvMemory::Buffers { pages, buffers })));
+            // A start that fails keeps its setup: the engine may retry (a bootstrap service not up yet) and
+            // then sees the real cause again, never "already started".
+            let restore = |setup: Setup| *lock(&self.setup) = Some(setup);
+            let rt = match runtime(2, &format!("kvxfer-{}{}", self.role, self.rank.tp)) {
+                Ok(rt) => rt,
+                Err(e) => {
+                    restore(Setup { kv: Some((pages, buffers)), ..setup });
+                    return Err(e);
+                }
+            };
+            let cfg = setup.cfg.clone();
+            let memory = KvMemory::Buffers { pages, buffers: buffers.clone() };
+            let agent = py.detach(|| rt.block_on(RsAgent::start(cfg, memory)));
             let agent = match agent {
                 Ok(a) => a,
                 Err(e) => {
@@ -927,6 +937,7 @@ impl Agent {
                             rt.shutdown_timeout(Duration::from_secs(2));
                         }
                     });
+                    restore(Setup { kv: Some((pages, buffers)), ..setup });
                     return Err(err(e));
                 }
             };

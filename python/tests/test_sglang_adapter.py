@@ -155,9 +155,14 @@ def test_topology_needs_no_more_than_kvargs_and_the_peer_parallelism(monkeypatch
     args.kv_item_lens = [a.nbytes // 2 for a in pool]
     t = adapter.topology_from_kv_args(args, server_args(2, 0), "decode", False)
     assert (t.kv_heads, t.head_dim, t.prefill_tp, t.decode_tp, t.layers) == (8, 128, 8, 2, 2)
-    args.num_draft_entries = 2
-    with pytest.raises(kvxfer.KvxferError, match="draft"):
-        adapter.topology_from_kv_args(args, server_args(2, 0), "decode", False)
+    # Draft-model KV entries (speculative decoding) follow the target's in KVArgs; the target topology
+    # leaves them out (they get an agent of their own).
+    args.kv_data_ptrs = args.kv_data_ptrs + args.kv_data_ptrs
+    args.kv_data_lens = args.kv_data_lens + args.kv_data_lens
+    args.kv_item_lens = args.kv_item_lens + [x // 2 for x in args.kv_item_lens]
+    args.num_draft_entries = 4
+    t = adapter.topology_from_kv_args(args, server_args(2, 0), "decode", False)
+    assert (t.kv_heads, t.head_dim, t.layers) == (8, 128, 2)
 
 
 @pytest.mark.skipif(not adapter.HAVE_SGLANG, reason="SGLang is not installed (tier 1: python/tier1.sh)")
