@@ -35,7 +35,9 @@ pub use backend::{
     Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
-pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, StridedWriteGuard, WriteGuard};
+pub use mem::{
+    HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, Reservation, StridedWriteGuard, WriteGuard,
+};
 pub use model::{
     Attention, KvKind, KvSpec, LayerPartition, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology,
     MAX_PARTITION_STAGES,
