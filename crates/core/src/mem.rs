@@ -244,6 +244,9 @@ struct MemInner {
     /// The buffer a labelled descriptor describes (kept alive and counted as described).
     #[allow(dead_code)] // held for its Drop and its reference count only
     parent: Option<Arc<MemInner>>,
+    /// What keeps the memory of [`MemDesc::from_owner`] valid (dropped with the last descriptor).
+    #[allow(dead_code)] // held for its Drop only
+    owner: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: the inner type is a description plus a guard table; all access to the bytes goes through
@@ -360,6 +363,33 @@ impl MemDesc {
                 owned: Alloc::Borrowed,
                 busy: Mutex::new(Busy::default()),
                 parent: None,
+                owner: None,
+            }),
+        }
+    }
+
+    /// Describes memory whose validity `owner` holds (an allocation the caller made for this
+    /// descriptor, e.g. a CUDA device buffer whose `Drop` frees it): the descriptor and every clone
+    /// of it keep `owner` alive, so the memory outlives every registration and transfer made from it.
+    ///
+    /// # Safety
+    /// `ptr` is valid for `len` bytes of `kind` memory for as long as `owner` lives, and the rules of
+    /// [`MemDesc::from_raw_parts`] about other users of the bytes hold.
+    pub unsafe fn from_owner(
+        ptr: NonNull<u8>,
+        len: usize,
+        kind: MemKind,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(MemInner {
+                ptr,
+                len,
+                kind,
+                owned: Alloc::Borrowed,
+                busy: Mutex::new(Busy::default()),
+                parent: None,
+                owner: Some(owner),
             }),
         }
     }
@@ -730,6 +760,7 @@ impl HostBuffer {
                 owned,
                 busy: Mutex::new(Busy::default()),
                 parent: None,
+                owner: None,
             }),
         }
     }
@@ -767,6 +798,7 @@ impl HostBuffer {
                 owned: Alloc::Borrowed,
                 busy: Mutex::new(Busy::default()),
                 parent: Some(self.inner.clone()),
+                owner: None,
             }),
         }
     }
