@@ -27,6 +27,7 @@ pub const CUDA_SUCCESS: CuResult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CuResult = 801;
+#[cfg_attr(not(feature = "emulation"), allow(dead_code))]
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
