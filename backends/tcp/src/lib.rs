@@ -70,6 +70,7 @@ mod limits;
 mod recv;
 mod send;
 mod sock;
+mod staging;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -567,11 +568,12 @@ impl KvTransferBackend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        // CUDA memory (through pinned staging slots) where a driver sees a device.
+        CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds())
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
-        CAPABILITIES.check_memory(NAME, &mem.kind())?;
+        kvxfer_cuda::check_register(NAME, &mem)?;
         self.shared.regions.insert(id, mem.clone())?;
         let closer = Closer { shared: Arc::clone(&self.shared), id, rt: self.rt.clone() };
         Ok(Registration::new(NAME, id, &mem, Box::new(closer)))

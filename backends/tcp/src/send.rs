@@ -33,7 +33,7 @@ use crate::{io, sock, NAME};
 /// 5.4-6.0 and 6.3-6.4.
 pub(crate) const FRAME_BYTES: u64 = 1 << 20;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -197,7 +197,7 @@ impl Xfer {
 
     /// A writer starts a frame: the source regions, or `None` when the frame is dropped (the
     /// transfer is aborted, failed or final).
-    fn start(&self, write: bool) -> Option<Vec<RegionRef>> {
+    pub(crate) fn start(&self, write: bool) -> Option<Vec<RegionRef>> {
         let mut i = lock(&self.inner);
         i.queued = i.queued.saturating_sub(1);
         if i.error.is_some() || self.state.abort_requested() || self.state.status().is_final() {
@@ -210,10 +210,20 @@ impl Xfer {
     }
 
     /// A started WRITE frame was not sent after all (a source guard was refused).
-    fn unstart(&self, e: BackendError) {
+    pub(crate) fn unstart(&self, e: BackendError) {
         let mut i = lock(&self.inner);
         i.unacked -= 1;
         i.error.get_or_insert(e);
+    }
+
+    /// The CUDA device of the first of `ops`' source regions that lies in CUDA memory (such a frame
+    /// goes through the staging slots of [`crate::staging`]), if any.
+    pub(crate) fn source_device(&self, ops: &[SrcOp]) -> Option<u32> {
+        let i = lock(&self.inner);
+        ops.iter().find_map(|op| match i.srcs.get(op.slot).map(|r| r.desc().kind()) {
+            Some(kvxfer_core::MemKind::Cuda { device }) => Some(device),
+            _ => None,
+        })
     }
 
     fn released(&self) {
@@ -245,7 +255,7 @@ impl AbortTransfer for Xfer {
 }
 
 /// A writer holds a frame; dropping it (frame written, or the writer stopped) lets the transfer settle.
-struct Holding(Arc<Xfer>);
+pub(crate) struct Holding(pub(crate) Arc<Xfer>);
 
 impl Drop for Holding {
     fn drop(&mut self) {
@@ -275,7 +285,7 @@ pub(crate) enum Job {
 }
 
 /// Started WRITE frames of one stream awaiting their ACK, in order.
-type Acks = Arc<Mutex<VecDeque<(u64, Arc<Xfer>)>>>;
+pub(crate) type Acks = Arc<Mutex<VecDeque<(u64, Arc<Xfer>)>>>;
 
 #[derive(Default)]
 struct LinkInner {
@@ -486,7 +496,7 @@ impl Link {
     }
 }
 
-fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
+pub(crate) fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
     let mut h = Header::new(FrameType::Drop, batch);
     h.flags = flags;
     h.parts = parts;
@@ -496,7 +506,7 @@ fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
 /// A frame's source pieces as `(slot, offset, count, stride, len)` runs, in wire order: contiguous
 /// pieces that continue the previous contiguous run in the same source region extend it (one
 /// range); a strided piece stays its own run.
-fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
+pub(crate) fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
     let mut runs: Vec<(usize, u64, u64, u64, u64)> = Vec::with_capacity(ops.len());
     for op in ops {
         let contiguous = wire::contiguous(op.stride, op.len, op.count);
@@ -558,8 +568,15 @@ async fn write_job(
 }
 
 async fn writer(mut w: Tx, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>, poll: Duration) {
-    while let Some(job) = jobs.recv().await {
+    // Frames with CUDA sources are staged ahead through pinned slots (crate::staging).
+    let mut staging = crate::staging::Sending::default();
+    while let Some((job, staged)) = staging.next(&mut jobs).await {
         let r = match job {
+            Job::Write { xfer, head, ops: _, note_part } if staged.is_some() => {
+                let pre = staged.expect("checked");
+                let t = state.timeout;
+                crate::staging::write_staged(&mut w, &acks, &mut staging, xfer, head, pre, note_part, poll, t).await
+            }
             Job::Write { xfer, head, ops, note_part } => {
                 write_job(&mut w, &acks, xfer, head, ops, note_part, poll).await
             }

@@ -38,6 +38,8 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use kvxfer_core::{BackendError, MemDesc, MemKind, MemKinds};
+
 pub use error::CudaError;
 pub use memory::{DeviceBuffer, PinnedBuffer};
 pub use stream::{CopyPlan, Done, Pending, Shape, Stream};
@@ -84,6 +86,48 @@ pub fn driver() -> Result<&'static Driver, CudaError> {
 /// about CUDA memory). Loads the driver on first call.
 pub fn available() -> bool {
     driver().and_then(|d| d.device_count()).is_ok_and(|n| n > 0)
+}
+
+/// The memory kinds a backend that moves CUDA memory through this crate takes on this host: host
+/// memory, plus CUDA memory where a driver is loaded and sees a device.
+pub fn memory_kinds() -> MemKinds {
+    if available() {
+        MemKinds::HOST.union(MemKinds::CUDA)
+    } else {
+        MemKinds::HOST
+    }
+}
+
+/// The registration check of such a backend: host memory is taken; CUDA memory where the driver is
+/// loaded and knows the address as memory of the device the descriptor names; nothing else. Every
+/// refusal is [`BackendError::Unsupported`] saying why (the library that could not be loaded, the
+/// device the address really belongs to).
+pub fn check_register(backend: &'static str, mem: &MemDesc) -> Result<(), BackendError> {
+    let refuse =
+        |why: String| BackendError::Unsupported { backend, what: format!("registering {}: {why}", mem.kind()) };
+    match mem.kind() {
+        MemKind::Host => Ok(()),
+        MemKind::Cuda { device } => {
+            let d = driver().map_err(|e| refuse(e.to_string()))?;
+            let count = d.device_count().map_err(|e| refuse(e.to_string()))?;
+            if device >= count {
+                return Err(refuse(CudaError::NoDevice { device, count }.to_string()));
+            }
+            let info = d.pointer_info(mem.addr() as u64).map_err(|e| refuse(e.to_string()))?;
+            match info.device {
+                Some(x) if x == device => Ok(()),
+                Some(x) => Err(refuse(format!(
+                    "the driver knows {:p} as memory of device {x}; describe it as such",
+                    mem.addr()
+                ))),
+                None => Err(refuse(format!(
+                    "the driver does not know {:p} as device memory (host memory is registered as kind host)",
+                    mem.addr()
+                ))),
+            }
+        }
+        other => Err(refuse(format!("{} moves host and CUDA memory only ({other} is not supported)", backend))),
+    }
 }
 
 #[cfg(feature = "emulation")]

@@ -11,18 +11,26 @@
 //! what the backend did in device memory. Everything else passes through to the backend.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{
-    BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, EndpointMetadata, HostBuffer,
-    KvTransferBackend, MemDesc, MemKind, MemKinds, Notification, PeerId, RegionId, Registration, Reservation, Transfer,
-    WriteOp,
+    AbortTransfer, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, EndpointMetadata,
+    HostBuffer, KvTransferBackend, MemDesc, MemKind, MemKinds, Notification, PeerId, RegionId, Registration, Transfer,
+    TransferState, TransferStatus, WriteOp,
 };
 
 use crate::{context, Context, CopyPlan, CudaError, DeviceBuffer, Shape, Stream};
 
 const SYNC_DEADLINE: Duration = Duration::from_secs(30);
+/// How long a forwarded transfer is followed.
+const FORWARD: Duration = Duration::from_secs(120);
+
+/// The final status of a backend transfer (waited for at most [`FORWARD`]).
+async fn settle(t: &Transfer) -> TransferStatus {
+    let _ = t.wait(Instant::now() + FORWARD).await;
+    t.status()
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -35,8 +43,9 @@ struct Region {
     shadow: Vec<u8>,
 }
 
+/// The mirrored regions of one endpoint (what its registrations need; it does not keep the
+/// backend endpoint alive, so dropping the endpoint is seen by its peers as with the bare backend).
 struct Inner {
-    backend: Arc<dyn KvTransferBackend>,
     ctx: Arc<Context>,
     stream: Stream,
     regions: Mutex<HashMap<RegionId, Region>>,
@@ -44,13 +53,23 @@ struct Inner {
 
 /// A backend endpoint whose registered host memory lives on a CUDA device (see the module docs).
 pub struct Mirror {
+    backend: Arc<dyn KvTransferBackend>,
     inner: Arc<Inner>,
+    /// The mirrors of connected peers in this process: a transfer to one is done only once its
+    /// bytes were mirrored back to the peer's host memory.
+    peers: Mutex<HashMap<PeerId, Weak<Inner>>>,
 }
 
 impl std::fmt::Debug for Mirror {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Mirror({} on device {})", self.inner.backend.name(), self.inner.ctx.device())
+        write!(f, "Mirror({} on device {})", self.backend.name(), self.inner.ctx.device())
     }
+}
+
+/// Every mirror of the process, by a metadata payload it published.
+fn published() -> &'static Mutex<HashMap<Vec<u8>, Weak<Inner>>> {
+    static P: OnceLock<Mutex<HashMap<Vec<u8>, Weak<Inner>>>> = OnceLock::new();
+    P.get_or_init(Default::default)
 }
 
 impl Mirror {
@@ -58,29 +77,27 @@ impl Mirror {
     pub fn wrap(backend: Arc<dyn KvTransferBackend>, device: u32) -> Result<Arc<dyn KvTransferBackend>, CudaError> {
         let ctx = context(device)?;
         let stream = Stream::new(&ctx)?;
-        Ok(Arc::new(Mirror { inner: Arc::new(Inner { backend, ctx, stream, regions: Mutex::new(HashMap::new()) }) }))
+        let inner = Arc::new(Inner { ctx, stream, regions: Mutex::new(HashMap::new()) });
+        Ok(Arc::new(Mirror { backend, inner, peers: Mutex::new(HashMap::new()) }))
+    }
+}
+
+/// Forwards an abort to the backend's transfer.
+struct Forward(Arc<Transfer>);
+
+impl AbortTransfer for Forward {
+    fn abort(&self, _state: &Arc<TransferState>) {
+        let t = Arc::clone(&self.0);
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move {
+                let _ = t.abort(Instant::now() + Duration::from_secs(60)).await;
+            });
+        }
     }
 }
 
 fn err(what: &str) -> impl Fn(CudaError) -> BackendError + '_ {
     move |e| BackendError::Io { backend: "mirror", context: what.to_owned(), detail: e.to_string() }
-}
-
-/// Reservations of `[offset, offset + len)` of `desc`, splitting around ranges something else holds
-/// (a transfer in flight): every byte that is free now is covered, the rest left out.
-fn free_ranges(desc: &MemDesc, offset: u64, len: u64, write: bool, out: &mut Vec<(u64, Reservation)>) {
-    if len == 0 {
-        return;
-    }
-    match desc.reserve(offset, len, 1, len, write) {
-        Ok(r) => out.push((offset, r)),
-        Err(_) if len > 1 => {
-            let half = len / 2;
-            free_ranges(desc, offset, half, write, out);
-            free_ranges(desc, offset + half, len - half, write, out);
-        }
-        Err(_) => {}
-    }
 }
 
 /// Maximal runs of indices where `f` holds.
@@ -113,18 +130,15 @@ impl Inner {
     /// Carries changes across, both ways (see the module docs).
     fn sync_region(&self, r: &mut Region) -> Result<(), CudaError> {
         let len = r.shadow.len();
-        // The device's bytes, where nothing holds them now.
+        // The device's bytes (read without a reservation: a transfer may be writing some of them;
+        // what it writes later is picked up by a later sync, which its completion triggers).
         let mut snap = HostBuffer::zeroed(len);
         let sd = snap.desc();
-        let mut ranges = Vec::new();
-        free_ranges(&r.dev, 0, len as u64, false, &mut ranges);
-        let mut known = vec![false; len];
         let mut plan = CopyPlan::new();
-        for (off, res) in ranges {
-            let l = res.len();
-            known[off as usize..(off + l) as usize].fill(true);
-            let dst = sd.reserve(off, l, 1, l, true).map_err(|e| CudaError::invalid(e.to_string()))?;
-            plan.copy(res, Shape::contiguous(0, l), dst, Shape::contiguous(0, l))?;
+        if len > 0 {
+            let l = len as u64;
+            let dst = sd.reserve(0, l, 1, l, true).map_err(|e| CudaError::invalid(e.to_string()))?;
+            plan.snapshot(&r.dev, 0, l, dst)?;
         }
         self.run(plan)?;
         drop(sd);
@@ -148,7 +162,7 @@ impl Inner {
         for (s, l) in pushed {
             r.shadow[s..s + l].copy_from_slice(&host[s..s + l]);
         }
-        for (s, l) in runs(len, |i| host[i] == r.shadow[i] && known[i] && dev[i] != r.shadow[i]) {
+        for (s, l) in runs(len, |i| host[i] == r.shadow[i] && dev[i] != r.shadow[i]) {
             if let Ok(mut g) = r.host.write_guard(s as u64, l as u64) {
                 g.as_mut_slice().copy_from_slice(&dev[s..s + l]);
                 r.shadow[s..s + l].copy_from_slice(&dev[s..s + l]);
@@ -195,12 +209,12 @@ impl CloseRegistration for Closer {
 #[async_trait::async_trait]
 impl KvTransferBackend for Mirror {
     fn name(&self) -> &'static str {
-        self.inner.backend.name()
+        self.backend.name()
     }
 
     fn capabilities(&self) -> Capabilities {
         // The suite hands it host memory; the backend gets device memory.
-        self.inner.backend.capabilities().with_memory(MemKinds::HOST)
+        self.backend.capabilities().with_memory(MemKinds::HOST)
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
@@ -238,30 +252,73 @@ impl KvTransferBackend for Mirror {
             plan.copy(src, Shape::contiguous(0, l), dst, Shape::contiguous(0, l)).map_err(err("mirroring"))?;
         }
         self.inner.run(plan).map_err(err("copying host memory to the device"))?;
-        let reg = self.inner.backend.register(id, dev.clone()).await?;
+        let reg = self.backend.register(id, dev.clone()).await?;
         lock(&self.inner.regions).insert(id, Region { host: mem.clone(), dev, shadow });
         Ok(Registration::new(self.name(), id, &mem, Box::new(Closer { inner: Arc::clone(&self.inner), id, reg })))
     }
 
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
-        self.inner.backend.metadata()
+        let m = self.backend.metadata()?;
+        let mut p = lock(published());
+        p.retain(|_, w| w.strong_count() > 0);
+        p.insert(m.payload.clone(), Arc::downgrade(&self.inner));
+        Ok(m)
     }
 
     async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
-        self.inner.backend.connect(peer).await
+        let id = self.backend.connect(peer).await?;
+        if let Some(w) = lock(published()).get(&peer.payload) {
+            lock(&self.peers).insert(id, w.clone());
+        }
+        Ok(id)
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
         self.inner.sync_all()?;
-        self.inner.backend.post(peer, ops, notify)
+        let t = self.backend.post(peer, ops, notify)?;
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return Ok(t) };
+        // Done only once the bytes are back in the peer's host memory (when the peer is a mirror
+        // of this process), so "remote completion" is checked against what landed on the device.
+        let bytes = t.bytes();
+        let t = Arc::new(t);
+        let state = TransferState::new(self.name(), peer);
+        let (s, inner, target) = (Arc::clone(&state), Arc::clone(&t), lock(&self.peers).get(&peer).cloned());
+        rt.spawn(async move {
+            let end = settle(&inner).await;
+            match end {
+                TransferStatus::Done => {
+                    if let Some(p) = target.and_then(|w| w.upgrade()) {
+                        if let Err(e) = p.sync_all() {
+                            s.fail(e);
+                            return;
+                        }
+                    }
+                    s.complete();
+                }
+                TransferStatus::Failed(e) => {
+                    s.fail(e);
+                }
+                TransferStatus::Aborted => {
+                    s.aborted();
+                }
+                TransferStatus::InFlight => {
+                    s.fail(BackendError::Timeout {
+                        backend: "mirror",
+                        what: "a mirrored transfer".into(),
+                        after: FORWARD,
+                    });
+                }
+            }
+        });
+        Ok(Transfer::new(state, Arc::new(Forward(t)), bytes))
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
-        self.inner.backend.notify(peer, notification).await
+        self.backend.notify(peer, notification).await
     }
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
-        let events = self.inner.backend.recv(max_wait).await?;
+        let events = self.backend.recv(max_wait).await?;
         if !events.is_empty() {
             self.inner.sync_all()?;
         }
@@ -269,10 +326,10 @@ impl KvTransferBackend for Mirror {
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
-        self.inner.backend.disconnect(peer).await
+        self.backend.disconnect(peer).await
     }
 
     async fn disconnect_lost(&self, peer: PeerId, reason: &str) -> Result<(), BackendError> {
-        self.inner.backend.disconnect_lost(peer, reason).await
+        self.backend.disconnect_lost(peer, reason).await
     }
 }

@@ -254,7 +254,7 @@ struct Keep {
     reservations: Vec<Reservation>,
     mappings: Vec<Arc<IpcMapping>>,
     pinned: Option<PinnedBuffer>,
-    other: Vec<Box<dyn Any + Send>>,
+    other: Vec<Box<dyn Any + Send + Sync>>,
 }
 
 /// Copies queued on a stream. Await [`Pending::wait`], then take the plan's pinned buffer back
@@ -464,7 +464,7 @@ impl CopyPlan {
     }
 
     /// Holds `t` until the copies completed (e.g. the region handles a close waits for).
-    pub fn keep<T: Send + 'static>(&mut self, t: T) {
+    pub fn keep<T: Send + Sync + 'static>(&mut self, t: T) {
         self.keep.other.push(Box::new(t));
     }
 
@@ -568,6 +568,32 @@ impl CopyPlan {
         self.push(d, s, src_shape.len, src_shape.count);
         self.keep.reservations.push(src);
         self.keep.reservations.push(dst);
+        Ok(())
+    }
+
+    /// Copies `len` bytes at `offset` of `src` into the write reservation `dst` without reserving
+    /// `src`: a snapshot that may race the backend's own copies into it (the device mirror's read of
+    /// memory a transfer may be writing; the host side is never raced). The plan keeps `src` alive.
+    #[cfg(feature = "mirror")]
+    pub(crate) fn snapshot(
+        &mut self,
+        src: &kvxfer_core::MemDesc,
+        offset: u64,
+        len: u64,
+        dst: Reservation,
+    ) -> Result<(), CudaError> {
+        let host = match src.kind() {
+            MemKind::Host => true,
+            MemKind::Cuda { .. } => false,
+            other => return Err(CudaError::invalid(format!("{other} cannot be copied by the CUDA copy engine"))),
+        };
+        if !offset.checked_add(len).is_some_and(|e| e <= src.len() as u64) {
+            return Err(CudaError::invalid(format!("a snapshot of {len} bytes at {offset} of {src:?}")));
+        }
+        let d = Self::side(&dst, Shape::contiguous(0, len), true)?;
+        self.push(d, Side { addr: src.addr() as u64 + offset, pitch: len, host }, len, 1);
+        self.keep.reservations.push(dst);
+        self.keep(src.clone());
         Ok(())
     }
 
