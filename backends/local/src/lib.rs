@@ -31,6 +31,8 @@ use kvxfer_core::{
 };
 use serde::{Deserialize, Serialize};
 
+mod cuda;
+
 /// Registry name.
 pub const NAME: &str = "local";
 
@@ -308,11 +310,12 @@ impl KvTransferBackend for LocalBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        // CUDA memory (copied by the CUDA copy engine, see cuda.rs) where a driver sees a device.
+        CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds())
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
-        CAPABILITIES.check_memory(NAME, &mem.kind())?;
+        kvxfer_cuda::check_register(NAME, &mem)?;
         self.ep.regions.insert(id, mem.clone())?;
         Ok(Registration::new(NAME, id, &mem, Box::new(Close { ep: Arc::downgrade(&self.ep), id })))
     }
@@ -385,7 +388,12 @@ impl KvTransferBackend for LocalBackend {
             inflight.retain(|s| !s.status().is_final());
             inflight.push(state.clone());
         }
-        let task = run(state.clone(), resolved, Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
+        let (from, to, note) = (Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
+        let task: BoxFuture<'static, ()> = if cuda::touches_device(&resolved) {
+            Box::pin(cuda::run(state.clone(), resolved, from, to, note))
+        } else {
+            Box::pin(run(state.clone(), resolved, from, to, note))
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => drop(h.spawn(task)),
             Err(_) => futures::executor::block_on(task),

@@ -289,6 +289,10 @@ impl Pending {
     /// Waits until the copies completed, or `deadline` ([`CudaError::Timeout`]). `stream` is the
     /// stream they were queued on: its error state is checked once they completed.
     pub async fn wait(&self, stream: &Stream, deadline: Instant) -> Result<(), CudaError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            // No runtime (a caller driving the future with a plain executor): no timers either.
+            return self.wait_blocking(stream, deadline);
+        }
         loop {
             let mut woken = std::pin::pin!(self.signal.wake.notified());
             woken.as_mut().enable();
