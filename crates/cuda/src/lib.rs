@@ -27,7 +27,7 @@ mod error;
 mod ffi;
 pub mod ipc;
 mod memory;
-mod stream;
+pub mod stream;
 
 #[cfg(feature = "emulation")]
 pub mod emulation;
@@ -42,7 +42,7 @@ use kvxfer_core::{BackendError, MemDesc, MemKind, MemKinds};
 
 pub use error::CudaError;
 pub use memory::{DeviceBuffer, PinnedBuffer};
-pub use stream::{CopyPlan, Done, Pending, Shape, Stream};
+pub use stream::{CopyPlan, Done, Event, Pending, Shape, Stream};
 
 use crate::ffi::{Api, CuContext, CuResult, CUDA_SUCCESS};
 
