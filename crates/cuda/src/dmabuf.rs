@@ -57,3 +57,21 @@ pub fn export(desc: &MemDesc) -> Result<(OwnedFd, u64), CudaError> {
     // SAFETY: a fresh file descriptor the driver just opened for us; we own it from here.
     Ok((unsafe { OwnedFd::from_raw_fd(fd) }, addr - start))
 }
+
+/// What this host offers for GPUDirect RDMA with CUDA device `device`, in one sentence for an error
+/// or a capability listing: whether the driver loads, whether the device exports dma-bufs
+/// (`ibv_reg_dmabuf_mr`, `FI_HMEM` over dma-buf) and whether `nvidia-peermem` is loaded (plain
+/// registration of device addresses).
+pub fn gpudirect_status(device: u32) -> String {
+    let peermem = std::path::Path::new("/sys/module/nvidia_peermem").exists();
+    let peermem = if peermem { "nvidia-peermem is loaded" } else { "nvidia-peermem is not loaded" };
+    match crate::driver().and_then(|d| d.device_info(device)) {
+        Err(e) => format!("{e}; {peermem}"),
+        Ok(i) => format!(
+            "device {device} ({}) {} dma-buf export and {} GPUDirect RDMA; {peermem}",
+            i.name,
+            if i.dma_buf { "supports" } else { "does not support" },
+            if i.gpudirect_rdma { "supports" } else { "does not report" },
+        ),
+    }
+}

@@ -104,7 +104,7 @@ pub fn memory_kinds() -> MemKinds {
 /// device the address really belongs to).
 pub fn check_register(backend: &'static str, mem: &MemDesc) -> Result<(), BackendError> {
     let refuse =
-        |why: String| BackendError::Unsupported { backend, what: format!("registering {}: {why}", mem.kind()) };
+        |why: String| BackendError::Unsupported { backend, what: format!("registering {} ({why})", mem.kind()) };
     match mem.kind() {
         MemKind::Host => Ok(()),
         MemKind::Cuda { device } => {
