@@ -3,6 +3,7 @@
 # machine that has no network and no Rust, into one git-ignored folder, .gpu/ (about 30-50 MiB):
 #
 #   .gpu/wheel/kvxfer-*.whl      release abi3 wheel (cp311+, x86-64 manylinux) with the cuda-ipc backend
+#   .gpu/deps/*.whl              pytest and its dependencies (pure Python), in case the GPU machine lacks it
 #   .gpu/bin/cuda-driver         kvxfer-cuda's driver test (contexts, copies, IPC, dma-buf probe)
 #   .gpu/bin/conformance-cuda-ipc, conformance-tcp-cuda, conformance-local-cuda
 #                                the conformance suite on device pools (KVXFER_TEST_CUDA=real there)
@@ -32,6 +33,11 @@ VENV=python/.venv-gpu
 step "release wheel (abi3, features cuda-ipc)"
 (cd python && ../"$VENV"/bin/maturin build --release --quiet --features cuda-ipc --out "../$OUT/wheel")
 ls -l "$OUT"/wheel
+
+step "pytest and its dependencies as wheels (the GPU machine has no network)"
+"$VENV/bin/python" -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+  --dest "$OUT/deps" pytest==9.2.0
+ls "$OUT"/deps
 
 step "test binaries (release): driver test and the three conformance suites on device pools"
 json=$(mktemp)
