@@ -39,11 +39,11 @@ use std::time::{Duration, Instant};
 use kvxfer_core::toolkit::{Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
-    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKind, MemKinds, Notification, PeerId, RegionId,
+    EndpointMetadata, GpuOrder, KvTransferBackend, Limits, MemDesc, MemKind, MemKinds, Notification, PeerId, RegionId,
     Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 use kvxfer_cuda::ipc::{self, Export, IpcMapping};
-use kvxfer_cuda::{context, CopyPlan, CudaError, Pending, Shape, Stream};
+use kvxfer_cuda::{context, CopyPlan, CudaError, Event, Pending, Shape, Stream};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -659,6 +659,42 @@ impl KvTransferBackend for CudaIpcBackend {
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.post_gated(peer, ops, notify, None)
+    }
+
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        let gate = kvxfer_cuda::order::gate(order).map_err(cuda("the send's GPU order"))?;
+        self.post_gated(peer, ops, notify, gate)
+    }
+
+    async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
+        self.notify_now(peer, notification)
+    }
+
+    async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
+        Ok(self.shared.events.recv(max_wait).await)
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+        self.disconnect_now(peer).await
+    }
+}
+
+impl CudaIpcBackend {
+    /// Posts `ops`, their copies queued after `gate` (a send's GPU order) when there is one.
+    fn post_gated(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        gate: Option<Arc<Event>>,
+    ) -> Result<Transfer, BackendError> {
         let p = self.peers.get(peer)?;
         p.check()?;
         let note = notify
@@ -729,6 +765,11 @@ impl KvTransferBackend for CudaIpcBackend {
         let copies = match device {
             Some(d) if !plan.is_empty() => {
                 let stream = p.stream(d)?;
+                if let Some(g) = gate {
+                    // No byte is read before the engine's work completed; the host does not wait.
+                    stream.wait_event(&g).map_err(cuda("waiting for the send's GPU order"))?;
+                    plan.keep(g);
+                }
                 let pending = stream.submit(plan).map_err(cuda(format!("queueing copies to {peer}")))?;
                 Some((pending, stream))
             }
@@ -749,7 +790,7 @@ impl KvTransferBackend for CudaIpcBackend {
         Ok(Transfer::new(state, Arc::new(NoRecall), total))
     }
 
-    async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
+    fn notify_now(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
         let p = self.peers.get(peer)?;
         p.check()?;
         let body = notification.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?;
@@ -761,11 +802,7 @@ impl KvTransferBackend for CudaIpcBackend {
         })
     }
 
-    async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
-        Ok(self.shared.events.recv(max_wait).await)
-    }
-
-    async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+    async fn disconnect_now(&self, peer: PeerId) -> Result<(), BackendError> {
         let p = self.peers.remove(peer)?;
         let live: Vec<_> = lock(&p.inflight).clone();
         let deadline = Instant::now() + self.opts.timeout;

@@ -60,5 +60,10 @@ fn main() -> std::process::ExitCode {
         Ok(n) => Some(format!("no CUDA device {device} (this host has {n})")),
         Err(e) => Some(format!("no CUDA driver: {e}")),
     };
+    if let (true, Some(why)) = (real, &skip) {
+        // Asked for the GPU: a missing one is a failure, not a skip.
+        eprintln!("KVXFER_TEST_CUDA=real but {why}");
+        return std::process::ExitCode::FAILURE;
+    }
     kvxfer_conformance::run_main(Arc::new(CudaIpc { device, skip }))
 }

@@ -102,6 +102,22 @@ async fn settle(stream: &Stream, p: Pending) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// Runs `task` (a host transfer) once `gate` (the send's GPU order) completed, waiting on the host:
+/// host memory the engine fills with its own GPU copy is read only after that copy.
+pub(crate) async fn after_gate(
+    gate: Option<Arc<kvxfer_cuda::Event>>,
+    state: Arc<TransferState>,
+    task: impl std::future::Future<Output = ()>,
+) {
+    if let Some(g) = gate {
+        if let Err(e) = g.wait_host(Instant::now() + COPY_DEADLINE).await {
+            state.fail(failed("the send's GPU order", e));
+            return;
+        }
+    }
+    task.await
+}
+
 /// Runs a transfer that touches CUDA memory to its end (see the module docs).
 pub(crate) async fn run(
     state: Arc<TransferState>,
@@ -109,6 +125,7 @@ pub(crate) async fn run(
     from: Arc<Endpoint>,
     to: Weak<Endpoint>,
     notify: Option<Notification>,
+    gate: Option<Arc<kvxfer_cuda::Event>>,
 ) {
     let dev = ops
         .iter()
@@ -121,6 +138,13 @@ pub(crate) async fn run(
             return;
         }
     };
+    if let Some(g) = &gate {
+        // No byte is read before the engine's GPU work completed; the host does not wait.
+        if let Err(e) = stream.wait_event(g) {
+            state.fail(failed("waiting for the send's GPU order", e));
+            return;
+        }
+    }
     let mut queued: VecDeque<Pending> = VecDeque::new();
     let mut outcome: Result<(), BackendError> = Ok(());
     'ops: for r in &ops {

@@ -365,6 +365,22 @@ impl KvTransferBackend for LocalBackend {
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.post_ordered(peer, ops, notify, kvxfer_core::GpuOrder::Ready)
+    }
+
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
         let (p, other) = self.peer(peer)?;
         let note_len = match notify {
             Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),
@@ -390,9 +406,9 @@ impl KvTransferBackend for LocalBackend {
         }
         let (from, to, note) = (Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
         let task: BoxFuture<'static, ()> = if cuda::touches_device(&resolved) {
-            Box::pin(cuda::run(state.clone(), resolved, from, to, note))
+            Box::pin(cuda::run(state.clone(), resolved, from, to, note, gate))
         } else {
-            Box::pin(run(state.clone(), resolved, from, to, note))
+            Box::pin(cuda::after_gate(gate, state.clone(), run(state.clone(), resolved, from, to, note)))
         };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => drop(h.spawn(task)),

@@ -648,6 +648,22 @@ impl KvTransferBackend for TcpBackend {
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.post_ordered(peer, ops, notify, kvxfer_core::GpuOrder::Ready)
+    }
+
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
         let link = self.peers.get(peer)?;
         link.state.check()?;
         let note = notify
@@ -701,7 +717,7 @@ impl KvTransferBackend for TcpBackend {
             return Ok(Transfer::finished(NAME, peer, TransferStatus::Done, 0));
         }
         let frames = send::plan(items, link.streams(), total);
-        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note)?;
+        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note, gate)?;
         Ok(Transfer::new(Arc::clone(&xfer.state), xfer, total))
     }
 

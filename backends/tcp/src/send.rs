@@ -169,12 +169,20 @@ pub(crate) struct Xfer {
     pub state: Arc<TransferState>,
     pub batch: u64,
     inner: Mutex<XferInner>,
+    /// The send's GPU order: no source byte is read before it completed (see `crate::staging`).
+    pub gate: Option<Arc<kvxfer_cuda::Event>>,
 }
 
 impl Xfer {
-    pub fn new(state: Arc<TransferState>, batch: u64, srcs: Vec<RegionRef>, frames: u32) -> Self {
+    pub fn new(
+        state: Arc<TransferState>,
+        batch: u64,
+        srcs: Vec<RegionRef>,
+        frames: u32,
+        gate: Option<Arc<kvxfer_cuda::Event>>,
+    ) -> Self {
         let inner = XferInner { srcs, queued: frames, unacked: 0, writing: 0, error: None, link_dead: false };
-        Self { state, batch, inner: Mutex::new(inner) }
+        Self { state, batch, inner: Mutex::new(inner), gate }
     }
 
     /// Makes the state final when the books allow it: complete when every frame was acknowledged,
@@ -433,10 +441,11 @@ impl Link {
         srcs: Vec<RegionRef>,
         frames: Vec<Vec<Vec<Item>>>,
         note: Option<Vec<u8>>,
+        gate: Option<Arc<kvxfer_cuda::Event>>,
     ) -> Result<Arc<Xfer>, BackendError> {
         let batch = self.next_batch.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let count = frames.iter().map(Vec::len).sum::<usize>() + usize::from(note.is_some());
-        let xfer = Arc::new(Xfer::new(state, batch, srcs, count as u32));
+        let xfer = Arc::new(Xfer::new(state, batch, srcs, count as u32, gate));
         self.state.admit(&xfer)?;
         let parts = frames.iter().filter(|f| !f.is_empty()).count() as u32;
         for (s, frames) in frames.into_iter().enumerate() {
@@ -543,6 +552,17 @@ async fn write_job(
     let dropped = if note_part { &dropped[..] } else { &[] };
     let Some(refs) = xfer.start(true) else { return w.send(dropped).await };
     let _holding = Holding(Arc::clone(&xfer));
+    if let Some(g) = &xfer.gate {
+        // Host memory the engine fills with its own GPU copy: read it only once that completed.
+        if let Err(e) = g.wait_host(std::time::Instant::now() + Duration::from_secs(120)).await {
+            xfer.unstart(BackendError::Io {
+                backend: NAME,
+                context: "the send's GPU order".into(),
+                detail: e.to_string(),
+            });
+            return w.send(dropped).await;
+        }
+    }
     // One read guard per run of source bytes: reads exclude only writes, so the ranges are sliced
     // out of it (a guard per range would cost more than sending a short range), and contiguous ops
     // that continue each other in the same source region (a post of many small blocks read in

@@ -244,6 +244,12 @@ fn stage(slots: &mut Slots, slot: usize, xfer: &Arc<Xfer>, ops: &[SrcOp]) -> Sta
         at += bytes;
     }
     plan.keep(refs);
+    if let Some(g) = &xfer.gate {
+        // The send's GPU order: the copy waits for the engine's work, the host does not.
+        if let Err(e) = slots.stream.wait_event(g) {
+            return fail(cuda_io("waiting for the send's GPU order".into())(e));
+        }
+    }
     match slots.stream.submit(plan) {
         Ok(pending) => Staged::Copying { pending, runs, _holding: holding },
         Err(e) => fail(cuda_io("queueing a frame's device-to-host copy".into())(e)),

@@ -886,6 +886,25 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// posted.
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError>;
 
+    /// [`Self::post`], reading no source byte before the GPU work `order` names completed (see
+    /// [`crate::order`]); the host is not blocked for it. The order is captured during the call.
+    /// The default takes only [`GpuOrder::Ready`]; a backend that moves CUDA memory overrides it.
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: crate::order::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        if order.is_ready() {
+            return self.post(peer, ops, notify);
+        }
+        Err(BackendError::Unsupported {
+            backend: self.name(),
+            what: "GPU-ordered sends (a send that waits for a CUDA event)".into(),
+        })
+    }
+
     /// Sends a notification on the out-of-band channel (Mooncake-like).
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError>;
 

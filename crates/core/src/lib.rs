@@ -24,6 +24,7 @@ pub mod mem;
 pub mod model;
 pub mod notify;
 pub mod oracle;
+pub mod order;
 pub mod plan;
 pub mod secret;
 pub mod toolkit;
@@ -43,6 +44,7 @@ pub use model::{
     MAX_PARTITION_STAGES,
 };
 pub use notify::{Notification, NotificationBody, RequestId};
+pub use order::{CudaHandle, GpuOrder};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
 pub use secret::{Secret, SecretError, SECRET_ENV};
 pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Status, TrackerConfig, TrackerStats};

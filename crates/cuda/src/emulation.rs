@@ -77,6 +77,13 @@ pub fn device_bytes() -> u64 {
     state().allocs.values().filter(|a| a.device.is_some()).map(|a| a.len).sum()
 }
 
+/// Makes `stream` stall for `d` before anything queued after this call (a long kernel, for tests of
+/// GPU-ordered sends).
+pub fn stall(stream: &crate::Stream, d: Duration) {
+    // SAFETY: a live stream of the model (the caller holds it).
+    let _ = push(unsafe { stream_of(stream.raw() as CuStream) }, Job::Stall(d));
+}
+
 #[derive(Clone, Copy)]
 struct Alloc {
     len: u64,
@@ -342,6 +349,7 @@ enum Job {
     Record(Arc<EmuEvent>, u64),
     Wait(Arc<EmuEvent>, u64),
     Marker(mpsc::Sender<()>),
+    Stall(Duration),
 }
 
 struct EmuStream {
@@ -415,6 +423,7 @@ fn worker(rx: mpsc::Receiver<Job>, queued: Arc<AtomicU64>, error: Arc<Mutex<Opti
             Job::Marker(done) => {
                 let _ = done.send(());
             }
+            Job::Stall(d) => std::thread::sleep(d),
         }
         queued.fetch_sub(1, Ordering::AcqRel);
     }
@@ -424,7 +433,7 @@ fn worker(rx: mpsc::Receiver<Job>, queued: Arc<AtomicU64>, error: Arc<Mutex<Opti
 ///
 /// # Safety
 /// `s` is a handle `emu_stream_create` made and `emu_stream_destroy` has not freed.
-unsafe fn stream<'a>(s: CuStream) -> &'a EmuStream {
+unsafe fn stream_of<'a>(s: CuStream) -> &'a EmuStream {
     // SAFETY: per the function's contract.
     unsafe { &*(s as *const EmuStream) }
 }
@@ -469,7 +478,7 @@ unsafe extern "C" fn emu_stream_destroy(s: CuStream) -> CuResult {
 unsafe extern "C" fn emu_stream_synchronize(s: CuStream) -> CuResult {
     run(|| {
         // SAFETY: a live handle (caller's contract).
-        let st = unsafe { stream(s) };
+        let st = unsafe { stream_of(s) };
         let (tx, rx) = mpsc::channel();
         let r = push(st, Job::Marker(tx));
         if r != CUDA_SUCCESS {
@@ -483,7 +492,7 @@ unsafe extern "C" fn emu_stream_synchronize(s: CuStream) -> CuResult {
 unsafe extern "C" fn emu_stream_query(s: CuStream) -> CuResult {
     run(|| {
         // SAFETY: a live handle (caller's contract).
-        let st = unsafe { stream(s) };
+        let st = unsafe { stream_of(s) };
         if let Some(e) = *st.error.lock().unwrap_or_else(|p| p.into_inner()) {
             return e;
         }
@@ -510,7 +519,7 @@ fn queue_copy(s: CuStream, dst: (u64, u64, bool), src: (u64, u64, bool), width: 
         return CUDA_ERROR_INVALID_VALUE;
     }
     // SAFETY: a live handle (caller's contract).
-    push(unsafe { stream(s) }, Job::Copy { dst, src, width, rows })
+    push(unsafe { stream_of(s) }, Job::Copy { dst, src, width, rows })
 }
 
 fn is_device(addr: u64) -> bool {
@@ -546,7 +555,7 @@ unsafe extern "C" fn emu_memcpy_2d_async(p: *const Memcpy2D, s: CuStream) -> CuR
 
 unsafe extern "C" fn emu_launch_host_func(s: CuStream, f: HostFn, user: *mut c_void) -> CuResult {
     // SAFETY: a live handle (caller's contract).
-    run(|| push(unsafe { stream(s) }, Job::HostFn(f, user as usize)))
+    run(|| push(unsafe { stream_of(s) }, Job::HostFn(f, user as usize)))
 }
 
 unsafe extern "C" fn emu_event_create(e: *mut CuEvent, _flags: c_uint) -> CuResult {
@@ -580,7 +589,7 @@ unsafe extern "C" fn emu_event_record(e: CuEvent, s: CuStream) -> CuResult {
             g.0
         };
         // SAFETY: as above.
-        push(unsafe { stream(s) }, Job::Record(ev, generation))
+        push(unsafe { stream_of(s) }, Job::Record(ev, generation))
     })
 }
 
@@ -603,7 +612,7 @@ unsafe extern "C" fn emu_stream_wait_event(s: CuStream, e: CuEvent, _flags: c_ui
         let ev = unsafe { event(e) };
         let target = ev.gens.lock().unwrap_or_else(|p| p.into_inner()).0;
         // SAFETY: as above.
-        push(unsafe { stream(s) }, Job::Wait(ev, target))
+        push(unsafe { stream_of(s) }, Job::Wait(ev, target))
     })
 }
 

@@ -134,7 +134,7 @@ api! {
     device_get_count = "cuDeviceGetCount": (*mut c_int);
     device_get = "cuDeviceGet": (*mut CuDevice, c_int);
     device_get_name = "cuDeviceGetName": (*mut c_char, c_int, CuDevice);
-    device_get_uuid = "cuDeviceGetUuid": (*mut CuUuid, CuDevice);
+    device_get_uuid = "cuDeviceGetUuid_v2" | "cuDeviceGetUuid": (*mut CuUuid, CuDevice);
     device_get_attribute = "cuDeviceGetAttribute": (*mut c_int, c_int, CuDevice);
     device_get_pci_bus_id = "cuDeviceGetPCIBusId": (*mut c_char, c_int, CuDevice);
     primary_ctx_retain = "cuDevicePrimaryCtxRetain": (*mut CuContext, CuDevice);

@@ -27,6 +27,7 @@ mod error;
 mod ffi;
 pub mod ipc;
 mod memory;
+pub mod order;
 pub mod stream;
 
 #[cfg(feature = "emulation")]

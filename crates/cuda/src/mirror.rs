@@ -201,8 +201,19 @@ impl CloseRegistration for Closer {
     }
 
     fn close_detached(self: Box<Self>) {
-        lock(&self.inner.regions).remove(&self.id);
-        drop(self.reg);
+        // The same close in the background: the host memory is let go only once the backend's
+        // close completed (no writer can reach the device copy any more), as for the bare backend.
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn(async move {
+                if let Err(e) = self.close().await {
+                    tracing::warn!(error = %e, "mirror: closing a dropped registration");
+                }
+            })),
+            Err(_) => {
+                lock(&self.inner.regions).remove(&self.id);
+                drop(self.reg);
+            }
+        }
     }
 }
 

@@ -123,6 +123,11 @@ impl Stream {
         d.check(r, "cuStreamWaitEvent", || format!("; device {}", self.ctx.device()))
     }
 
+    /// The raw `CUstream` (what an engine hands a [`kvxfer_core::CudaHandle`] for).
+    pub fn raw(&self) -> u64 {
+        self.raw as u64
+    }
+
     /// Blocks until everything queued on the stream completed (for tests and teardown).
     pub fn synchronize(&self) -> Result<(), CudaError> {
         let d = self.ctx.enter()?;
@@ -142,6 +147,11 @@ impl Stream {
         }
         d.check(r, "cuStreamQuery", || format!("; copies on device {}", self.ctx.device()))
     }
+}
+
+/// The raw handle of one of our streams (for the crate's own FFI).
+pub(crate) fn raw_stream(s: &Stream) -> CuStream {
+    s.raw
 }
 
 impl Drop for Stream {
@@ -184,6 +194,20 @@ impl Event {
         // SAFETY: FFI with our event and stream.
         let r = unsafe { (d.api().event_record)(self.raw, stream.raw) };
         d.check(r, "cuEventRecord", String::new)
+    }
+
+    /// The raw `CUevent` (what an engine hands a [`kvxfer_core::CudaHandle`] for).
+    pub fn raw(&self) -> u64 {
+        self.raw as u64
+    }
+
+    /// Records the event after the work queued so far on the engine's stream `raw` (a
+    /// [`kvxfer_core::CudaHandle`]'s value, whose contract makes it live during the call).
+    pub(crate) fn record_raw(&self, raw: u64) -> Result<(), CudaError> {
+        let d = self.ctx.enter()?;
+        // SAFETY: FFI with our event and a stream the caller vouches for (`CudaHandle::from_raw`).
+        let r = unsafe { (d.api().event_record)(self.raw, raw as CuStream) };
+        d.check(r, "cuEventRecord", || format!("; on the send's CUDA stream {raw:#x}"))
     }
 
     /// Whether the recorded work completed.
