@@ -808,7 +808,7 @@ mod tests {
     #[test]
     fn endpoints_can_be_created_outside_a_runtime() {
         let b = create(&BackendConfig::new(3)).unwrap();
-        assert_eq!(b.capabilities(), CAPABILITIES);
+        assert_eq!(b.capabilities(), CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds()));
         assert!(b.metadata().unwrap().payload.len() > 10);
         assert!(kvxfer_core::backend::lookup(NAME).is_ok());
     }
