@@ -86,18 +86,24 @@ run cuda-driver 45 required -- "$G/bin/cuda-driver" --nocapture --test-threads=1
 
 run gpu-xfer 180 required -- "$PY" scripts/gpu_xfer.py --timeout 165 --json "$LOGS/gpu_xfer.json" ${KVXFER_GPU_XFER_ARGS:-}
 
-run conformance-cuda-ipc 120 required -- "$G/bin/conformance-cuda-ipc" --test-threads=8
+run conformance-cuda-ipc 120 required -- "$G/bin/conformance-cuda-ipc" --test-threads=8 --quiet
 
 # From inside python/tests, so the installed wheel is what is tested (not the source tree).
 run pytest-gpu 120 optional -- bash -c 'cd python/tests && "$0" -m pytest -q -p no:cacheprovider -rs test_gpu.py' "$PY"
 
-run conformance-tcp-cuda 100 optional -- "$G/bin/conformance-tcp-cuda" --test-threads=8
+run conformance-tcp-cuda 100 optional -- "$G/bin/conformance-tcp-cuda" --test-threads=8 --quiet
 
-run conformance-local-cuda 60 optional -- "$G/bin/conformance-local-cuda" --test-threads=8
+run conformance-local-cuda 60 optional -- "$G/bin/conformance-local-cuda" --test-threads=8 --quiet
 
 echo
 echo "=== gpu-check summary ($(elapsed)s, $FAILED failed; logs in $LOGS/)"
 printf '%s\n' "${SUMMARY[@]}"
-[ -f "$LOGS/gpu_xfer.json" ] && { echo "--- gpu_xfer.json"; cat "$LOGS/gpu_xfer.json"; }
 grep -h "summary:" "$LOGS"/conformance-*.log 2>/dev/null
+echo "--- gpu_xfer"
+sed -n '/^==== gpu_xfer/,$p' "$LOGS/gpu-xfer.log" 2>/dev/null | grep -v '^\[' | head -40
+grep -h "^ERROR\|WRONG BYTES\|panicked" "$LOGS"/*.log 2>/dev/null | head -20
+# The device runner brings back what is under $OUT: every log and the measurements.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  cp -r "$LOGS" "$OUT/gpu-check-logs" && echo "logs copied to \$OUT/gpu-check-logs"
+fi
 exit "$FAILED"
