@@ -38,6 +38,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+mod cuda;
+
 create_exception!(
     _native,
     KvxferError,
@@ -149,14 +151,6 @@ fn pages_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         PyValueError::new_err("page indices must be an int32/int64 array (buffer protocol) or a sequence of ints")
     })?;
     conv(v)
-}
-
-fn mem_kind(kind: &str, device: u32) -> PyResult<MemKind> {
-    match kind {
-        "host" | "cpu" => Ok(MemKind::Host),
-        "cuda" | "gpu" => Ok(MemKind::Cuda { device }),
-        _ => Err(PyValueError::new_err(format!("memory kind must be \"host\" or \"cuda\", not {kind:?}"))),
-    }
 }
 
 /// Describes raw memory the engine owns. The one place this crate uses `unsafe`.
@@ -578,8 +572,8 @@ struct Agent {
     setup: Mutex<Option<Setup>>,
     running: Mutex<Option<Running>>,
     aux: Mutex<Option<Arc<Aux>>>,
-    /// Buffer exports kept alive while registered (dropped after the runtime stopped).
-    keep: Mutex<Vec<PyUntypedBuffer>>,
+    /// Buffer exports and tensors kept alive while registered (dropped after the runtime stopped).
+    keep: Mutex<Vec<cuda::Kept>>,
     pending: PendingList,
 }
 
@@ -805,18 +799,20 @@ impl Agent {
 
     /// Registers the KV pool from raw addresses (host or device), in SGLang's `KVArgs` order: every layer's
     /// K buffer, then every layer's V buffer (MLA: one buffer per layer); `item_lens` = bytes of one page.
-    /// The memory must stay valid until `close()` returned.
-    #[pyo3(signature = (ptrs, lens, item_lens, kind="host", device=0))]
+    /// `kind`: "host"/"cpu"/"DRAM", "cuda"/"gpu"/"VRAM" (on `device`, else the device the driver names for
+    /// the first address), "cuda:N", or "auto" (from the first address). The memory must stay valid until
+    /// `close()` returned.
+    #[pyo3(signature = (ptrs, lens, item_lens, kind="host", device=None))]
     fn register_kv(
         &self,
         ptrs: Vec<usize>,
         lens: Vec<usize>,
         item_lens: Vec<u64>,
         kind: &str,
-        device: u32,
+        device: Option<u32>,
     ) -> PyResult<()> {
         guarded("register_kv", || {
-            let kind = mem_kind(kind, device)?;
+            let kind = cuda::mem_kind(kind, device, ptrs.first().copied())?;
             if ptrs.len() != lens.len() {
                 return Err(PyValueError::new_err(format!("{} addresses but {} lengths", ptrs.len(), lens.len())));
             }
@@ -833,17 +829,27 @@ impl Agent {
         })
     }
 
-    /// Registers the KV pool from buffer-protocol objects (numpy arrays), in SGLang's order; keeps them
-    /// alive (and unresizable) until `close()`. Item lengths come from the topology.
+    /// Registers the KV pool from buffer-protocol objects (numpy arrays), torch tensors (on the host or on
+    /// `cuda:N`) or objects with `__cuda_array_interface__`, in SGLang's order; keeps them alive (and
+    /// unresizable) until `close()`. Item lengths come from the topology; the memory kind and CUDA device
+    /// from the buffers (all of one kind).
     fn register_kv_buffers(&self, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
         guarded("register_kv_buffers", || {
             let mut exports = Vec::new();
             let mut raw = Vec::new();
+            let mut kind = None;
             for (i, b) in buffers.iter().enumerate() {
-                let (e, addr, len) = export(b, i, self.role == Side::Decode)?;
+                let (e, addr, len, k) = cuda::export_any(b, i, self.role == Side::Decode)?;
+                if *kind.get_or_insert(k) != k {
+                    return Err(PyValueError::new_err(format!(
+                        "buffer {i} is {k} but buffer 0 is {}: register one memory kind per pool",
+                        kind.expect("set")
+                    )));
+                }
                 exports.push(e);
                 raw.push((addr, len));
             }
+            let kind = kind.unwrap_or(MemKind::Host);
             let lens: Vec<usize> = raw.iter().map(|r| r.1).collect();
             let stage_layers = self.topo.stage_layers(self.role, self.rank.pp) as usize;
             let item_lens: Vec<u64> = (0..lens.len())
@@ -858,7 +864,7 @@ impl Agent {
                 if s.kv.is_some() {
                     return Err(err("register_kv_buffers: KV memory was already registered"));
                 }
-                let descs = describe(&raw, MemKind::Host)?;
+                let descs = describe(&raw, kind)?;
                 s.kv = Some((pages, refs.into_iter().zip(descs).collect()));
                 lock(&self.keep).extend(exports);
                 Ok(())
@@ -927,6 +933,13 @@ impl Agent {
                 }
             };
             let cfg = setup.cfg.clone();
+            // A backend that refuses the pool's memory kind: the error says which backends take it.
+            let kinds: Vec<MemKind> = buffers.iter().map(|(_, d)| d.kind()).fold(Vec::new(), |mut v, k| {
+                if !v.contains(&k) {
+                    v.push(k);
+                }
+                v
+            });
             let memory = KvMemory::Buffers { pages, buffers: buffers.clone() };
             let agent = py.detach(|| rt.block_on(RsAgent::start(cfg, memory)));
             let agent = match agent {
@@ -938,6 +951,11 @@ impl Agent {
                         }
                     });
                     restore(Setup { kv: Some((pages, buffers)), ..setup });
+                    let msg = e.to_string();
+                    if msg.contains("registering") && msg.contains("not supported") {
+                        let hints: Vec<String> = kinds.into_iter().map(cuda::capable_backends).collect();
+                        return Err(err(format!("{msg}; {}", hints.join("; "))));
+                    }
                     return Err(err(e));
                 }
             };
@@ -1089,7 +1107,7 @@ impl Agent {
             }
             let descs = describe(&raw, MemKind::Host)?;
             s.aux = Some(Arc::new(Aux { bufs: descs.into_iter().zip(item_lens).collect(), rows }));
-            lock(&self.keep).extend(exports);
+            lock(&self.keep).extend(exports.into_iter().map(cuda::Kept::Buffer));
             Ok(())
         })
     }

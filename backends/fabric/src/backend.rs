@@ -1638,6 +1638,21 @@ impl KvTransferBackend for FabricBackend {
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        if let kvxfer_core::MemKind::Cuda { device } = mem.kind() {
+            // FI_HMEM registration is not implemented: say what is needed and what to use.
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "registering {} (FI_HMEM_CUDA registration with fi_mr_regattr needs a libfabric built with CUDA \
+                     and a provider that reports FI_HMEM (verbs;ofi_rxm, efa, cxi; provider here: {}), and is not \
+                     implemented in this build; on this host: {}; use the tcp backend, which stages CUDA memory \
+                     through pinned buffers, or cuda-ipc between processes of one node)",
+                    mem.kind(),
+                    self.inner.info.provider,
+                    kvxfer_cuda::dmabuf::gpudirect_status(device)
+                ),
+            });
+        }
         self.inner.caps.check_memory(NAME, &mem.kind())?;
         {
             let mut st = self.inner.lock();

@@ -37,6 +37,8 @@ use kvxfer_core::{
 };
 use serde::{Deserialize, Serialize};
 
+mod cuda;
+
 /// Registry name.
 pub const NAME: &str = "local";
 
@@ -369,11 +371,12 @@ impl KvTransferBackend for LocalBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        // CUDA memory (copied by the CUDA copy engine, see cuda.rs) where a driver sees a device.
+        CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds())
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
-        CAPABILITIES.check_memory(NAME, &mem.kind())?;
+        kvxfer_cuda::check_register(NAME, &mem)?;
         self.ep.regions.insert(id, mem.clone())?;
         Ok(Registration::new(NAME, id, &mem, Box::new(Close { ep: Arc::downgrade(&self.ep), id })))
     }
@@ -436,6 +439,22 @@ impl KvTransferBackend for LocalBackend {
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.post_ordered(peer, ops, notify, kvxfer_core::GpuOrder::Ready)
+    }
+
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
         let (p, other) = self.peer(peer)?;
         let note_len = match notify {
             Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),
@@ -459,7 +478,12 @@ impl KvTransferBackend for LocalBackend {
             inflight.retain(|s| !s.status().is_final());
             inflight.push(state.clone());
         }
-        let task = run(state.clone(), resolved, Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
+        let (from, to, note) = (Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
+        let task: BoxFuture<'static, ()> = if cuda::touches_device(&resolved) {
+            Box::pin(cuda::run(state.clone(), resolved, from, to, note, gate))
+        } else {
+            Box::pin(cuda::after_gate(gate, state.clone(), run(state.clone(), resolved, from, to, note)))
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => drop(h.spawn(task)),
             Err(_) => futures::executor::block_on(task),

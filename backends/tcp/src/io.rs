@@ -48,6 +48,12 @@ pub(crate) async fn write_frame(
         let span = g.as_slice();
         pieces.extend((0..*count).map(|i| &span[(i * stride) as usize..(i * stride + len) as usize]));
     }
+    write_pieces(w, pieces, poll).await
+}
+
+/// Writes `pieces` in order (what [`write_frame`] does once it has sliced its guards; a staged
+/// frame's pieces are host guard slices and pinned staging slices).
+pub(crate) async fn write_pieces(w: &mut Tx, mut pieces: Vec<&[u8]>, poll: Duration) -> io::Result<()> {
     pieces.retain(|p| !p.is_empty());
     let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(IOV.min(pieces.len()));
     let mut k = 0;
@@ -179,7 +185,12 @@ pub(crate) async fn read_exact_polling(r: &mut Rx, mut buf: &mut [u8], poll: Dur
 /// reads of up to [`IOV`] slices per call, no staging copy; an empty socket is polled for `poll`
 /// before the task sleeps (see [`read_vectored_polling`]).
 pub(crate) async fn read_payload(r: &mut Rx, dst: &mut [StridedWriteGuard], poll: Duration) -> io::Result<()> {
-    let mut pieces: Vec<&mut [u8]> = dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut).collect();
+    read_pieces(r, dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut).collect(), poll).await
+}
+
+/// Fills `pieces` in order from the stream (what [`read_payload`] does with its guards' pieces; a
+/// staged frame's pieces are host guard pieces and pinned staging slices).
+pub(crate) async fn read_pieces(r: &mut Rx, mut pieces: Vec<&mut [u8]>, poll: Duration) -> io::Result<()> {
     pieces.retain(|p| !p.is_empty());
     let mut k = 0;
     while k < pieces.len() {

@@ -77,6 +77,7 @@ mod limits;
 mod recv;
 mod send;
 mod sock;
+mod staging;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -584,11 +585,12 @@ impl KvTransferBackend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        // CUDA memory (through pinned staging slots) where a driver sees a device.
+        CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds())
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
-        CAPABILITIES.check_memory(NAME, &mem.kind())?;
+        kvxfer_cuda::check_register(NAME, &mem)?;
         self.shared.regions.insert(id, mem.clone())?;
         let closer = Closer { shared: Arc::clone(&self.shared), id, rt: self.rt.clone() };
         Ok(Registration::new(NAME, id, &mem, Box::new(closer)))
@@ -672,6 +674,22 @@ impl KvTransferBackend for TcpBackend {
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.post_ordered(peer, ops, notify, kvxfer_core::GpuOrder::Ready)
+    }
+
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
         let link = self.peers.get(peer)?;
         link.state.check()?;
         let note = notify
@@ -725,7 +743,7 @@ impl KvTransferBackend for TcpBackend {
             return Ok(Transfer::finished(NAME, peer, TransferStatus::Done, 0));
         }
         let frames = send::plan(items, link.streams(), total);
-        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note)?;
+        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note, gate)?;
         Ok(Transfer::new(Arc::clone(&xfer.state), xfer, total))
     }
 
@@ -835,7 +853,7 @@ mod tests {
     #[test]
     fn endpoints_can_be_created_outside_a_runtime() {
         let b = create(&BackendConfig::new(3)).unwrap();
-        assert_eq!(b.capabilities(), CAPABILITIES);
+        assert_eq!(b.capabilities(), CAPABILITIES.with_memory(kvxfer_cuda::memory_kinds()));
         assert!(b.metadata().unwrap().payload.len() > 10);
         assert!(kvxfer_core::backend::lookup(NAME).is_ok());
     }

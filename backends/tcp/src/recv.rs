@@ -314,7 +314,7 @@ impl Shared {
     }
 
     /// A batch's part on one stream was placed (or dropped, for an aborted batch).
-    fn part(&self, link: u64, batch: u64, dropped: bool) -> Result<(), WireError> {
+    pub(crate) fn part(&self, link: u64, batch: u64, dropped: bool) -> Result<(), WireError> {
         self.batch(link, batch, |b| {
             b.parts += 1;
             b.dropped |= dropped;
@@ -571,7 +571,7 @@ async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello
     let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
 }
 
-enum Ending {
+pub(crate) enum Ending {
     Lost(String),
     Protocol(WireError),
     /// Another stream of the link was lost (already reported).
@@ -584,7 +584,7 @@ impl From<WireError> for Ending {
     }
 }
 
-async fn within<T>(
+pub(crate) async fn within<T>(
     t: Duration,
     what: &str,
     f: impl std::future::Future<Output = std::io::Result<T>>,
@@ -649,11 +649,13 @@ async fn serve_frames(
     stop: &watch::Receiver<bool>,
 ) -> Result<(), Ending> {
     let (t, poll) = (shared.timeout, shared.poll);
+    // Frames into CUDA memory, staged through pinned slots (crate::staging).
+    let mut staged = crate::staging::Receiving::default();
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
         // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
         // socket. Once a header's first byte arrived, the rest must arrive within the deadline.
-        let got = match r.read_vectored_polling(&mut [std::io::IoSliceMut::new(&mut hb)], poll).await {
+        let got = match staged.read_header(shared, hello, r, w, &mut hb, poll).await? {
             Ok(0) => return Err(Ending::Lost("connection closed without BYE".into())),
             Ok(n) => n,
             Err(e) => return Err(Ending::Lost(format!("reading a frame header: {e}"))),
@@ -668,6 +670,9 @@ async fn serve_frames(
         if *stop.borrow() {
             return Err(Ending::Killed);
         }
+        if h.ty != FrameType::Write {
+            staged.drain(shared, hello, w).await?;
+        }
         match h.ty {
             FrameType::Write => {
                 let mut descs = vec![0u8; h.n as usize * wire::OP_LEN];
@@ -676,6 +681,11 @@ async fn serve_frames(
                 if *stop.borrow() {
                     return Err(Ending::Killed);
                 }
+                if crate::staging::touches_device(shared, &ops) {
+                    staged.write(shared, hello, r, w, &h, &ops, poll).await?;
+                    continue;
+                }
+                staged.drain(shared, hello, w).await?;
                 let (refs, mut guards) = admit_write(shared, &ops, h.payload)?;
                 within(t, "reading a WRITE payload", io::read_payload(r, &mut guards, poll)).await?;
                 drop((guards, refs));

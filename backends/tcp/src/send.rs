@@ -33,7 +33,7 @@ use crate::{io, sock, NAME};
 /// 5.4-6.0 and 6.3-6.4.
 pub(crate) const FRAME_BYTES: u64 = 1 << 20;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -169,12 +169,20 @@ pub(crate) struct Xfer {
     pub state: Arc<TransferState>,
     pub batch: u64,
     inner: Mutex<XferInner>,
+    /// The send's GPU order: no source byte is read before it completed (see `crate::staging`).
+    pub gate: Option<Arc<kvxfer_cuda::Event>>,
 }
 
 impl Xfer {
-    pub fn new(state: Arc<TransferState>, batch: u64, srcs: Vec<RegionRef>, frames: u32) -> Self {
+    pub fn new(
+        state: Arc<TransferState>,
+        batch: u64,
+        srcs: Vec<RegionRef>,
+        frames: u32,
+        gate: Option<Arc<kvxfer_cuda::Event>>,
+    ) -> Self {
         let inner = XferInner { srcs, queued: frames, unacked: 0, writing: 0, error: None, link_dead: false };
-        Self { state, batch, inner: Mutex::new(inner) }
+        Self { state, batch, inner: Mutex::new(inner), gate }
     }
 
     /// Makes the state final when the books allow it: complete when every frame was acknowledged,
@@ -197,7 +205,7 @@ impl Xfer {
 
     /// A writer starts a frame: the source regions, or `None` when the frame is dropped (the
     /// transfer is aborted, failed or final).
-    fn start(&self, write: bool) -> Option<Vec<RegionRef>> {
+    pub(crate) fn start(&self, write: bool) -> Option<Vec<RegionRef>> {
         let mut i = lock(&self.inner);
         i.queued = i.queued.saturating_sub(1);
         if i.error.is_some() || self.state.abort_requested() || self.state.status().is_final() {
@@ -210,10 +218,20 @@ impl Xfer {
     }
 
     /// A started WRITE frame was not sent after all (a source guard was refused).
-    fn unstart(&self, e: BackendError) {
+    pub(crate) fn unstart(&self, e: BackendError) {
         let mut i = lock(&self.inner);
         i.unacked -= 1;
         i.error.get_or_insert(e);
+    }
+
+    /// The CUDA device of the first of `ops`' source regions that lies in CUDA memory (such a frame
+    /// goes through the staging slots of [`crate::staging`]), if any.
+    pub(crate) fn source_device(&self, ops: &[SrcOp]) -> Option<u32> {
+        let i = lock(&self.inner);
+        ops.iter().find_map(|op| match i.srcs.get(op.slot).map(|r| r.desc().kind()) {
+            Some(kvxfer_core::MemKind::Cuda { device }) => Some(device),
+            _ => None,
+        })
     }
 
     fn released(&self) {
@@ -245,7 +263,7 @@ impl AbortTransfer for Xfer {
 }
 
 /// A writer holds a frame; dropping it (frame written, or the writer stopped) lets the transfer settle.
-struct Holding(Arc<Xfer>);
+pub(crate) struct Holding(pub(crate) Arc<Xfer>);
 
 impl Drop for Holding {
     fn drop(&mut self) {
@@ -275,7 +293,7 @@ pub(crate) enum Job {
 }
 
 /// Started WRITE frames of one stream awaiting their ACK, in order.
-type Acks = Arc<Mutex<VecDeque<(u64, Arc<Xfer>)>>>;
+pub(crate) type Acks = Arc<Mutex<VecDeque<(u64, Arc<Xfer>)>>>;
 
 #[derive(Default)]
 struct LinkInner {
@@ -432,10 +450,11 @@ impl Link {
         srcs: Vec<RegionRef>,
         frames: Vec<Vec<Vec<Item>>>,
         note: Option<Vec<u8>>,
+        gate: Option<Arc<kvxfer_cuda::Event>>,
     ) -> Result<Arc<Xfer>, BackendError> {
         let batch = self.next_batch.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let count = frames.iter().map(Vec::len).sum::<usize>() + usize::from(note.is_some());
-        let xfer = Arc::new(Xfer::new(state, batch, srcs, count as u32));
+        let xfer = Arc::new(Xfer::new(state, batch, srcs, count as u32, gate));
         self.state.admit(&xfer)?;
         let parts = frames.iter().filter(|f| !f.is_empty()).count() as u32;
         for (s, frames) in frames.into_iter().enumerate() {
@@ -495,7 +514,7 @@ impl Link {
     }
 }
 
-fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
+pub(crate) fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
     let mut h = Header::new(FrameType::Drop, batch);
     h.flags = flags;
     h.parts = parts;
@@ -505,7 +524,7 @@ fn drop_frame(batch: u64, flags: u8, parts: u32) -> [u8; wire::HEADER_LEN] {
 /// A frame's source pieces as `(slot, offset, count, stride, len)` runs, in wire order: contiguous
 /// pieces that continue the previous contiguous run in the same source region extend it (one
 /// range); a strided piece stays its own run.
-fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
+pub(crate) fn source_runs(ops: &[SrcOp]) -> Vec<(usize, u64, u64, u64, u64)> {
     let mut runs: Vec<(usize, u64, u64, u64, u64)> = Vec::with_capacity(ops.len());
     for op in ops {
         let contiguous = wire::contiguous(op.stride, op.len, op.count);
@@ -542,6 +561,17 @@ async fn write_job(
     let dropped = if note_part { &dropped[..] } else { &[] };
     let Some(refs) = xfer.start(true) else { return w.send(dropped).await };
     let _holding = Holding(Arc::clone(&xfer));
+    if let Some(g) = &xfer.gate {
+        // Host memory the engine fills with its own GPU copy: read it only once that completed.
+        if let Err(e) = g.wait_host(std::time::Instant::now() + Duration::from_secs(120)).await {
+            xfer.unstart(BackendError::Io {
+                backend: NAME,
+                context: "the send's GPU order".into(),
+                detail: e.to_string(),
+            });
+            return w.send(dropped).await;
+        }
+    }
     // One read guard per run of source bytes: reads exclude only writes, so the ranges are sliced
     // out of it (a guard per range would cost more than sending a short range), and contiguous ops
     // that continue each other in the same source region (a post of many small blocks read in
@@ -567,8 +597,15 @@ async fn write_job(
 }
 
 async fn writer(mut w: Tx, mut jobs: mpsc::UnboundedReceiver<Job>, acks: Acks, state: Arc<LinkState>, poll: Duration) {
-    while let Some(job) = jobs.recv().await {
+    // Frames with CUDA sources are staged ahead through pinned slots (crate::staging).
+    let mut staging = crate::staging::Sending::default();
+    while let Some((job, staged)) = staging.next(&mut jobs).await {
         let r = match job {
+            Job::Write { xfer, head, ops: _, note_part } if staged.is_some() => {
+                let pre = staged.expect("checked");
+                let t = state.timeout;
+                crate::staging::write_staged(&mut w, &acks, &mut staging, xfer, head, pre, note_part, poll, t).await
+            }
             Job::Write { xfer, head, ops, note_part } => {
                 write_job(&mut w, &acks, xfer, head, ops, note_part, poll).await
             }

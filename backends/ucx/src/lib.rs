@@ -378,6 +378,19 @@ impl KvTransferBackend for UcxBackend {
     }
 
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        if matches!(mem.kind(), kvxfer_core::MemKind::Cuda { .. }) && !self.caps.memory.contains(&mem.kind()) {
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "registering {} (UCX {} reports no CUDA memory type: it was built without CUDA, as Debian's is; \
+                     a UCX built --with-cuda, e.g. NVIDIA HPC-X or conda-forge's ucx with CUDA, with UCX_TLS including \
+                     cuda_copy (and cuda_ipc on one node) registers it, with the put data path: am_data=off; or use \
+                     the tcp backend, which stages CUDA memory through pinned buffers, or cuda-ipc on one node)",
+                    mem.kind(),
+                    ucp::version()
+                ),
+            });
+        }
         self.caps.check_memory(NAME, &mem.kind())?;
         let desc = mem.clone();
         self.call(|reply| Cmd::Register { id, desc, reply }).await?;

@@ -256,6 +256,20 @@ impl KvTransferBackend for VerbsBackend {
         self.ep.capabilities()
     }
     async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        if let kvxfer_core::MemKind::Cuda { device } = mem.kind() {
+            // GPUDirect RDMA registration is not implemented: say what the host offers and what to use.
+            return Err(BackendError::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "registering {} (GPUDirect RDMA registration, ibv_reg_dmabuf_mr of a dma-buf from \
+                     cuMemGetHandleForAddressRange or ibv_reg_mr of the device address under nvidia-peermem, is not \
+                     implemented in this build; on this host: {}; use the tcp backend, which stages CUDA memory \
+                     through pinned buffers, or cuda-ipc between processes of one node)",
+                    mem.kind(),
+                    kvxfer_cuda::dmabuf::gpudirect_status(device)
+                ),
+            });
+        }
         self.ep.register(id, mem).await
     }
     fn metadata(&self) -> Result<EndpointMetadata, BackendError> {

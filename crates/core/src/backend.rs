@@ -184,6 +184,12 @@ pub struct Capabilities {
     pub limits: Limits,
     /// What [`TransferStatus::Done`] guarantees.
     pub completion: Completion,
+    /// [`KvTransferBackend::cut_off`] can confirm the cut-off of a peer instance that is still alive
+    /// (its connections closed and its writes refused by this endpoint). `false` (cuda-ipc: legacy
+    /// CUDA IPC mappings cannot be revoked) means a cut-off is confirmed only once the peer process
+    /// is gone and refused with [`BackendError::Unsupported`] otherwise: pages a live peer given up
+    /// on could write stay quarantined.
+    pub cut_off_live: bool,
 }
 
 impl Capabilities {
@@ -197,6 +203,7 @@ impl Capabilities {
             memory: MemKinds::HOST,
             limits: Limits::UNLIMITED,
             completion: Completion::Remote,
+            cut_off_live: true,
         }
     }
 
@@ -209,6 +216,12 @@ impl Capabilities {
     /// With these limits.
     pub const fn with_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// With [`Self::cut_off_live`] set to `live`.
+    pub const fn with_cut_off_live(mut self, live: bool) -> Self {
+        self.cut_off_live = live;
         self
     }
 
@@ -885,6 +898,25 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// done. Errors (bounds, unknown region or peer, limits, unsupported style) mean nothing was
     /// posted.
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError>;
+
+    /// [`Self::post`], reading no source byte before the GPU work `order` names completed (see
+    /// [`crate::order`]); the host is not blocked for it. The order is captured during the call.
+    /// The default takes only [`GpuOrder::Ready`]; a backend that moves CUDA memory overrides it.
+    fn post_ordered(
+        &self,
+        peer: PeerId,
+        ops: &[WriteOp],
+        notify: Option<&Notification>,
+        order: crate::order::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        if order.is_ready() {
+            return self.post(peer, ops, notify);
+        }
+        Err(BackendError::Unsupported {
+            backend: self.name(),
+            what: "GPU-ordered sends (a send that waits for a CUDA event)".into(),
+        })
+    }
 
     /// Sends a notification on the out-of-band channel (Mooncake-like).
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError>;

@@ -24,6 +24,7 @@ pub mod mem;
 pub mod model;
 pub mod notify;
 pub mod oracle;
+pub mod order;
 pub mod plan;
 pub mod secret;
 pub mod toolkit;
@@ -35,12 +36,15 @@ pub use backend::{
     Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
-pub use mem::{HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, StridedWriteGuard, WriteGuard};
+pub use mem::{
+    HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, Reservation, StridedWriteGuard, WriteGuard,
+};
 pub use model::{
     Attention, KvKind, KvSpec, LayerPartition, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology,
     MAX_PARTITION_STAGES,
 };
 pub use notify::{Notification, NotificationBody, RequestId};
+pub use order::{CudaHandle, GpuOrder};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
 pub use secret::{Secret, SecretError, SECRET_ENV};
 pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Status, TrackerConfig, TrackerStats};

@@ -244,6 +244,9 @@ struct MemInner {
     /// The buffer a labelled descriptor describes (kept alive and counted as described).
     #[allow(dead_code)] // held for its Drop and its reference count only
     parent: Option<Arc<MemInner>>,
+    /// What keeps the memory of [`MemDesc::from_owner`] valid (dropped with the last descriptor).
+    #[allow(dead_code)] // held for its Drop only
+    owner: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: the inner type is a description plus a guard table; all access to the bytes goes through
@@ -360,6 +363,33 @@ impl MemDesc {
                 owned: Alloc::Borrowed,
                 busy: Mutex::new(Busy::default()),
                 parent: None,
+                owner: None,
+            }),
+        }
+    }
+
+    /// Describes memory whose validity `owner` holds (an allocation the caller made for this
+    /// descriptor, e.g. a CUDA device buffer whose `Drop` frees it): the descriptor and every clone
+    /// of it keep `owner` alive, so the memory outlives every registration and transfer made from it.
+    ///
+    /// # Safety
+    /// `ptr` is valid for `len` bytes of `kind` memory for as long as `owner` lives, and the rules of
+    /// [`MemDesc::from_raw_parts`] about other users of the bytes hold.
+    pub unsafe fn from_owner(
+        ptr: NonNull<u8>,
+        len: usize,
+        kind: MemKind,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(MemInner {
+                ptr,
+                len,
+                kind,
+                owned: Alloc::Borrowed,
+                busy: Mutex::new(Busy::default()),
+                parent: None,
+                owner: Some(owner),
             }),
         }
     }
@@ -401,6 +431,11 @@ impl MemDesc {
         if self.inner.kind != MemKind::Host {
             return Err(MemError::NotHost { kind: self.inner.kind });
         }
+        self.acquire_any(offset, len, stride, count, write)
+    }
+
+    /// [`Self::acquire`] for memory of any kind (the caller hands out no host view of it).
+    fn acquire_any(&self, offset: u64, len: u64, stride: u64, count: u64, write: bool) -> Result<u64, MemError> {
         let total = len.saturating_mul(count);
         let oob = || MemError::out_of_bounds(offset, total, self.inner.len as u64);
         if count == 0 {
@@ -470,6 +505,23 @@ impl MemDesc {
         Ok(StridedWriteGuard { mem: self.clone(), offset, len, count, stride, id })
     }
 
+    /// Reserves `count` pieces of `len` bytes, `stride` apart, from `offset`, for reading or (with
+    /// `write`) writing, in memory of any kind, without a host view: what a device copy engine
+    /// holds while it reads or writes the range. Reservations and guards exclude each other exactly
+    /// as guards do (a write excludes everything overlapping it, a read excludes writes), so a CUDA
+    /// copy into a range can never race a host guard or another copy of the same bytes.
+    pub fn reserve(
+        &self,
+        offset: u64,
+        len: u64,
+        count: u64,
+        stride: u64,
+        write: bool,
+    ) -> Result<Reservation, MemError> {
+        let id = self.acquire_any(offset, len, stride, count, write)?;
+        Ok(Reservation { mem: self.clone(), offset, len, count, stride, write, id })
+    }
+
     /// Copies `len` bytes from `self[src_offset..]` into `dst[dst_offset..]` under a read guard and
     /// a write guard (an in-process transfer). The two may be the same descriptor when the ranges do
     /// not overlap.
@@ -478,6 +530,88 @@ impl MemDesc {
         let mut d = dst.write_guard(dst_offset, len)?;
         d.as_mut_slice().copy_from_slice(s.as_slice());
         Ok(())
+    }
+}
+
+/// A held range of memory of any kind, with no host view ([`MemDesc::reserve`]): while it lives no
+/// guard or reservation that conflicts with it can be taken. It gives out the range's address for
+/// a device copy engine (the descriptor's contract is what makes that address valid).
+pub struct Reservation {
+    mem: MemDesc,
+    offset: u64,
+    len: u64,
+    count: u64,
+    stride: u64,
+    write: bool,
+    id: u64,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Reservation({} x {} bytes, {} apart, at {} of {:?}, {})",
+            self.count,
+            self.len,
+            self.stride,
+            self.offset,
+            self.mem,
+            if self.write { "write" } else { "read" }
+        )
+    }
+}
+
+impl Reservation {
+    /// The described memory.
+    pub fn desc(&self) -> &MemDesc {
+        &self.mem
+    }
+
+    /// Offset of the first piece in the region.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes per piece.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the pieces are empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Pieces.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Distance between the starts of two pieces.
+    pub fn stride(&self) -> u64 {
+        self.stride
+    }
+
+    /// Whether the range is held for writing.
+    pub fn is_write(&self) -> bool {
+        self.write
+    }
+
+    /// The address of the first byte (`desc().addr() + offset()`): a host or device virtual address,
+    /// by the descriptor's kind.
+    pub fn addr(&self) -> u64 {
+        self.mem.addr() as u64 + self.offset
+    }
+
+    /// The memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.mem.kind()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.mem.release(self.offset, self.len, self.id);
     }
 }
 
@@ -626,6 +760,7 @@ impl HostBuffer {
                 owned,
                 busy: Mutex::new(Busy::default()),
                 parent: None,
+                owner: None,
             }),
         }
     }
@@ -663,6 +798,7 @@ impl HostBuffer {
                 owned: Alloc::Borrowed,
                 busy: Mutex::new(Busy::default()),
                 parent: Some(self.inner.clone()),
+                owner: None,
             }),
         }
     }
@@ -849,6 +985,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn reservations_hold_any_kind_and_exclude_guards() {
+        let mut b = HostBuffer::zeroed(4096);
+        let dev = b.desc_labelled(MemKind::Cuda { device: 0 });
+        let w = dev.reserve(0, 64, 4, 128, true).unwrap();
+        assert_eq!((w.addr(), w.count(), w.stride(), w.len()), (dev.addr() as u64, 4, 128, 64));
+        assert!(matches!(dev.reserve(100, 64, 1, 64, false), Err(MemError::Busy { other_write: true, .. })));
+        let r = dev.reserve(64, 64, 1, 64, false).unwrap();
+        assert!(matches!(dev.reserve(64, 1, 1, 1, true), Err(MemError::Busy { other_write: false, .. })));
+        assert!(matches!(dev.reserve(4000, 64, 2, 64, false), Err(MemError::OutOfBounds { .. })));
+        assert!(matches!(dev.read_guard(0, 1), Err(MemError::NotHost { .. })), "still no host view");
+        drop((w, r));
+        dev.reserve(0, 4096, 1, 4096, true).unwrap();
+        let host = b.desc();
+        let g = host.read_guard(0, 8).unwrap();
+        assert!(matches!(host.reserve(4, 8, 1, 8, true), Err(MemError::Busy { .. })));
+        drop(g);
     }
 
     #[test]

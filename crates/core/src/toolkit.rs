@@ -9,6 +9,7 @@
 //! - [`Options`]: option parsing with `KVXFER_<BACKEND>_<OPTION>` environment fallbacks; an
 //!   unknown option is an error that lists the known ones.
 //! - [`segments`] and [`Segment`]: [`WriteOp`] lowering into contiguous segments under a size limit.
+//! - [`staging`]: the bounce-buffer pipeline (device memory through pinned host slots), pure.
 //! - [`Fragmenter`] and [`Reassembler`]: notifications split into transport-sized fragments and put
 //!   back together, bounded in size and in pending messages.
 //!
@@ -17,6 +18,7 @@
 //! tokio's sync and time types inside the caller's runtime.
 
 pub mod handshake;
+pub mod staging;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::str::FromStr;

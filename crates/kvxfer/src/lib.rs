@@ -5,7 +5,8 @@
 //! - [`bootstrap`]: how ranks of different processes and hosts find each other.
 //! - [`metadata`]: the metadata-store interface (leases, watches) over the embedded bootstrap or
 //!   etcd (cargo feature `etcd`), and rank membership that names a dead rank.
-//! - [`backends`]: the backends compiled in (cargo features `local`, `tcp`, `ucx`, `fabric`, `verbs`).
+//! - [`backends`]: the backends compiled in (cargo features `local`, `tcp`, `ucx`, `fabric`, `verbs`,
+//!   `cuda-ipc`).
 
 pub mod bootstrap;
 pub mod engine;
@@ -42,6 +43,8 @@ pub mod backends {
         v.push((kvxfer_fabric::NAME, kvxfer_fabric::create));
         #[cfg(feature = "verbs")]
         v.push((kvxfer_verbs::NAME, kvxfer_verbs::create));
+        #[cfg(feature = "cuda-ipc")]
+        v.push((kvxfer_cuda_ipc::NAME, kvxfer_cuda_ipc::create));
         v
     }
 
@@ -53,6 +56,9 @@ pub mod backends {
 
     #[cfg(feature = "verbs")]
     pub use kvxfer_verbs as verbs;
+
+    #[cfg(feature = "cuda-ipc")]
+    pub use kvxfer_cuda_ipc as cuda_ipc;
 
     /// A failure to build a backend by name.
     #[derive(Debug, thiserror::Error)]

@@ -21,6 +21,9 @@ fn enabled_features() -> Vec<&'static str> {
     if cfg!(feature = "verbs") {
         v.push("verbs");
     }
+    if cfg!(feature = "cuda-ipc") {
+        v.push("cuda-ipc");
+    }
     v
 }
 
