@@ -104,6 +104,7 @@ sed -n '/^==== gpu_xfer/,$p' "$LOGS/gpu-xfer.log" 2>/dev/null | grep -v '^\[' | 
 grep -h "^ERROR\|WRONG BYTES\|panicked" "$LOGS"/*.log 2>/dev/null | head -20
 # The device runner brings back what is under $OUT: every log and the measurements.
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  cp -r "$LOGS" "$OUT/gpu-check-logs" && echo "logs copied to \$OUT/gpu-check-logs"
+  # One archive: the runner brings back at most 8 files.
+  tar czf "$OUT/gpu-check-logs.tgz" -C "$G" logs && echo "logs archived to \$OUT/gpu-check-logs.tgz"
 fi
 exit "$FAILED"
