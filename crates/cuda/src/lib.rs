@@ -26,6 +26,7 @@ pub mod dmabuf;
 mod error;
 mod ffi;
 pub mod ipc;
+pub mod kernel;
 mod memory;
 pub mod order;
 pub mod stream;
@@ -58,6 +59,8 @@ pub struct Driver {
     library: String,
     version: i32,
     emulated: bool,
+    /// The entry points of the copy kernel path, where the driver has them (see [`kernel`]).
+    kernels: Option<kernel::KernelApi>,
     /// Keeps the library mapped for the life of the process (the entry points point into it).
     _lib: Option<libloading::Library>,
 }
@@ -144,14 +147,15 @@ impl Driver {
         let lib = unsafe { libloading::Library::new(library) }
             .map_err(|e| CudaError::Load { library: library.to_owned(), detail: e.to_string() })?;
         let api = Api::load(&lib, library)?;
-        let mut d = Driver { api, library: library.to_owned(), version: 0, emulated: false, _lib: Some(lib) };
+        let kernels = kernel::KernelApi::load(&lib);
+        let mut d = Driver { api, library: library.to_owned(), version: 0, emulated: false, kernels, _lib: Some(lib) };
         d.init()?;
         Ok(d)
     }
 
     #[cfg(feature = "emulation")]
     fn from_api(api: Api, library: &str) -> Result<Driver, CudaError> {
-        let mut d = Driver { api, library: library.to_owned(), version: 0, emulated: true, _lib: None };
+        let mut d = Driver { api, library: library.to_owned(), version: 0, emulated: true, kernels: None, _lib: None };
         d.init()?;
         Ok(d)
     }
@@ -171,6 +175,11 @@ impl Driver {
     /// The entry points.
     pub(crate) fn api(&self) -> &Api {
         &self.api
+    }
+
+    /// The copy kernel's entry points, where the driver has them.
+    pub(crate) fn kernels(&self) -> Option<&kernel::KernelApi> {
+        self.kernels.as_ref()
     }
 
     /// The library the entry points came from ("emulation" for the model).
@@ -372,6 +381,8 @@ pub struct Context {
     device: u32,
     dev: ffi::CuDevice,
     raw: CuContext,
+    /// The copy kernel, loaded on first use (`None`: not available here, copies are driver calls).
+    copy_kernel: OnceLock<Option<kernel::CopyKernel>>,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (made current there first, as `enter`
@@ -400,7 +411,7 @@ pub fn context(device: u32) -> Result<Arc<Context>, CudaError> {
     // SAFETY: FFI writing one handle we own.
     let r = unsafe { (d.api.primary_ctx_retain)(&mut raw, dev) };
     d.check(r, "cuDevicePrimaryCtxRetain", || format!("; device {device}"))?;
-    let c = Arc::new(Context { driver: d, device, dev, raw });
+    let c = Arc::new(Context { driver: d, device, dev, raw, copy_kernel: OnceLock::new() });
     m.insert(device, Arc::clone(&c));
     Ok(c)
 }
@@ -414,6 +425,25 @@ impl Context {
     /// The driver.
     pub fn driver(&self) -> &'static Driver {
         self.driver
+    }
+
+    /// The copy kernel of this context, loaded on first use (the context must be current); `None`
+    /// where the driver lacks the entry points, `KVXFER_CUDA_COPY_KERNEL=0`, or loading failed (logged
+    /// once).
+    pub(crate) fn copy_kernel(&self) -> Option<kernel::CopyKernel> {
+        *self.copy_kernel.get_or_init(|| {
+            let k = self.driver.kernels()?;
+            if !kernel::enabled() {
+                return None;
+            }
+            match kernel::CopyKernel::load(k, self.driver) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!(device = self.device, error = %e, "the copy kernel did not load; copies are one driver call each");
+                    None
+                }
+            }
+        })
     }
 
     /// Makes the context current on this thread (every call below needs it) and returns the driver.

@@ -75,7 +75,8 @@ impl Stream {
         let d = self.ctx.enter()?;
         let signal = Arc::new(Signal::default());
         let mut pending = Pending { signal: Arc::clone(&signal), keep: Some(plan.keep), what, queued: false };
-        for op in &plan.ops {
+        let by_kernel = self.submit_kernel(d, &plan.ops);
+        for op in plan.ops.iter().filter(|_| !by_kernel) {
             let mut rows = 0;
             while rows < op.height {
                 let h = (op.height - rows).min(MAX_ROWS);
@@ -112,6 +113,69 @@ impl Stream {
         }
         pending.queued = true;
         Ok(pending)
+    }
+
+    /// Queues the plan's copies as one launch of the copy kernel ([`crate::kernel`]) when every copy
+    /// is device to device, the kernel is available, and the plan is more than a few plain copies.
+    /// `false`: nothing was queued that copies (the caller queues one driver call per copy).
+    fn submit_kernel(&self, d: &crate::Driver, ops: &[Op]) -> bool {
+        let worth = ops.len() > 4 || ops.iter().any(|o| o.height > 1);
+        if !worth || ops.iter().any(|o| o.src_host || o.dst_host) {
+            return false;
+        }
+        let (Some(k), Some(f)) = (d.kernels(), self.ctx.copy_kernel()) else { return false };
+        let mut descs: Vec<crate::kernel::Desc> = Vec::with_capacity(ops.len());
+        for o in ops {
+            crate::kernel::push_descs(&mut descs, o.src, o.dst, o.width, o.height, o.src_pitch, o.dst_pitch);
+        }
+        if descs.is_empty() || descs.len() > u32::MAX as usize {
+            return false;
+        }
+        let bytes = std::mem::size_of_val(descs.as_slice());
+        let mut table: ffi::CuDevicePtr = 0;
+        // SAFETY: FFI writing one device pointer we own; stream-ordered on our stream.
+        let r = unsafe { (k.mem_alloc_async)(&mut table, bytes, self.raw) };
+        if r != CUDA_SUCCESS {
+            tracing::debug!(code = r, bytes, "cuMemAllocAsync for the copy table failed; one call per copy");
+            return false;
+        }
+        // SAFETY: FFI reading `bytes` of our table (the driver stages a pageable source before it
+        // returns) into the allocation just made, in stream order.
+        let r = unsafe { (k.memcpy_htod_async)(table, descs.as_ptr() as *const c_void, bytes, self.raw) };
+        let launched = r == CUDA_SUCCESS && {
+            let (mut p_table, mut p_n) = (table, descs.len() as u32);
+            let mut params = [&mut p_table as *mut u64 as *mut c_void, &mut p_n as *mut u32 as *mut c_void];
+            let b = crate::kernel::BLOCK;
+            // SAFETY: FFI launching the module's kernel with its two parameters (read during the call),
+            // on our stream, after the table's copy; the copies it makes are the plan's (every
+            // address checked against its holder when the plan was built, held until completion).
+            let r = unsafe {
+                (k.launch_kernel)(
+                    f.raw(),
+                    crate::kernel::grid(descs.len()),
+                    1,
+                    1,
+                    b,
+                    1,
+                    1,
+                    0,
+                    self.raw,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            if r != CUDA_SUCCESS {
+                tracing::warn!(code = r, "launching the copy kernel failed; one call per copy");
+            }
+            r == CUDA_SUCCESS
+        };
+        // SAFETY: FFI freeing, in stream order after the launch (or the failed copy), the table we
+        // allocated.
+        let r = unsafe { (k.mem_free_async)(table, self.raw) };
+        if r != CUDA_SUCCESS {
+            tracing::warn!(code = r, bytes, "cuMemFreeAsync of the copy table failed (leaked)");
+        }
+        launched
     }
 
     /// Makes every later copy on this stream wait for `event` (its most recent record), without
