@@ -28,13 +28,14 @@ use kvxfer_core::secret::{Exchange, NONCE_BYTES};
 use kvxfer_core::toolkit::{self, EventQueue, Fragmenter, PeerTable, Reassembler, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
-    EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret,
+    CutOff, EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret,
     Transfer, TransferState, TransferStatus, WriteOp,
 };
 use tokio::sync::oneshot;
 
 use crate::ffi::{
-    Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint, RemoteIov, Waker,
+    cma_permitted, env_flag, Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint,
+    RemoteIov, Waker,
 };
 use crate::wire::{self, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
 use crate::NAME;
@@ -311,6 +312,32 @@ enum Stall {
     Window,
 }
 
+/// What [`State::cut_instance`] did, for the caller to wait on and answer.
+struct Cutting {
+    closed: usize,
+    failed: usize,
+    /// The transfers to the instance that were not final: answered once they are.
+    states: Vec<Arc<TransferState>>,
+    /// Why nothing it sent can be said not to land (`None`: confirmed).
+    unconfirmed: Option<String>,
+    provider: String,
+}
+
+/// Whether `FI_AV_REMOVE_CLEANUP` was in the environment when this crate first opened an endpoint
+/// in this process (libfabric reads it once, when it starts: with it, `fi_av_remove` makes
+/// `tcp;ofi_rxm` close its connection to the removed peer).
+fn av_remove_cleanup() -> bool {
+    static CLEANUP: OnceLock<bool> = OnceLock::new();
+    *CLEANUP.get_or_init(|| env_flag("FI_AV_REMOVE_CLEANUP"))
+}
+
+fn cut_refusal(nonce: u32) -> String {
+    format!(
+        "this endpoint cut off the peer endpoint with nonce {nonce:#x} (it gave up on that peer); a restarted process \
+         is a new endpoint and may connect"
+    )
+}
+
 /// Most control messages queued for a transmit slot before heartbeats are skipped.
 const MAX_CONTROL: usize = 4096;
 
@@ -334,6 +361,19 @@ struct Connecting {
     peer: Arc<Peer>,
     challenge: [u8; NONCE_BYTES],
     done: oneshot::Sender<Result<(), String>>,
+    /// The remote keys the acceptor registered for us ([`Kind::Keys`]).
+    keys: HashMap<u32, RegionMeta>,
+    /// How many keys its welcome announced (`None`: no welcome yet).
+    expected: Option<u32>,
+}
+
+/// A peer instance this endpoint cut off.
+struct CutInfo {
+    /// Why the cut-off is not confirmed (`None`: confirmed: nothing it sends can land).
+    unconfirmed: Option<String>,
+    /// Its address (to tell it once, on its first message since, that it is refused).
+    addr: Vec<u8>,
+    told: bool,
 }
 
 /// Everything behind the endpoint mutex. `ep` is declared first so it is closed before the rest drops.
@@ -379,7 +419,24 @@ struct State {
     hot_pings: Option<HashMap<u64, Instant>>,
     /// How long a transfer may take from its post (the `timeout_ms` option).
     transfer_timeout: Duration,
+    /// Registrations of our regions for one writer instance each (by its nonce), whose keys were
+    /// handed to it alone in its connect answer ([`Kind::Keys`]). Closed when the instance is cut
+    /// off, says bye or goes away, and with their region.
+    remote_mrs: HashMap<u32, HashMap<RegionId, (MrHandle, MrInfo)>>,
+    /// What connectors announced in their hello's flags ([`wire::hello_flags`]): capabilities and
+    /// receive buffer size, by nonce.
+    writer_caps: HashMap<u32, (u8, usize)>,
+    /// Instances cut off ([`KvTransferBackend::cut_off`]), by nonce: none of their messages is
+    /// applied, none of their hellos admitted.
+    cut: HashMap<u32, CutInfo>,
+    /// Our peer ids of cut-off instances.
+    cut_ids: HashMap<PeerId, u32>,
+    /// Messages dropped because their sender was cut off.
+    cut_dropped: u64,
 }
+
+/// Most writers' capabilities kept (each hello sends them; old entries of unknown senders go).
+const MAX_WRITER_CAPS: usize = 65_536;
 
 /// How often a writer without a completion wait fd pings the peers its writes are in flight to, so
 /// their progress threads stay hot (less than the progress loop's hot window).
@@ -522,13 +579,22 @@ impl State {
             self.stale_messages += 1;
             return;
         }
+        if self.cut.contains_key(&h.nonce) {
+            return self.on_cut_message(h, body);
+        }
         let now = Instant::now();
         // The connect exchange: matched by connection id, decided by the proofs in it.
         match h.kind {
-            Kind::Hello => return self.on_hello(h.nonce, h.seq, body, now),
-            Kind::Auth => return self.on_auth(h.nonce, h.seq, body),
+            Kind::Hello => {
+                if let Some(caps) = wire::split_hello_flags(h.flags) {
+                    self.on_caps(h.nonce, caps);
+                }
+                return self.on_hello(h.nonce, h.seq, body, now, inner);
+            }
+            Kind::Auth => return self.on_auth(h.nonce, h.seq, body, inner),
             Kind::Challenge => return self.on_challenge(h.nonce, h.seq, body),
-            Kind::Welcome => return self.on_welcome(h.nonce, h.seq),
+            Kind::Keys => return self.on_keys(h.nonce, h.seq, body),
+            Kind::Welcome => return self.on_welcome(h.nonce, h.seq, body),
             Kind::Refused => return self.on_refused(h.nonce, h.seq, body, inner),
             _ => {}
         }
@@ -551,7 +617,7 @@ impl State {
             l.last_seen = now;
         }
         match h.kind {
-            Kind::Hello | Kind::Auth | Kind::Challenge | Kind::Welcome | Kind::Refused => {}
+            Kind::Hello | Kind::Auth | Kind::Challenge | Kind::Welcome | Kind::Refused | Kind::Keys => {}
             Kind::Heartbeat => {
                 self.live.entry(h.nonce).or_insert(Live {
                     identity: proved.unwrap_or(h.seq),
@@ -563,6 +629,8 @@ impl State {
             }
             Kind::Bye | Kind::Gone => {
                 self.live.remove(&h.nonce);
+                // It writes no more: its keys go.
+                self.drop_writer_mrs(h.nonce);
                 self.reasm.forget(u64::from(h.nonce));
                 self.writer_gone(h.nonce);
                 if h.kind == Kind::Gone {
@@ -645,6 +713,7 @@ impl State {
             self.queue(a, wire::message(Kind::Refused, self.nonce, nonce, 0, &wire::refusal(&reason)));
         }
         self.live.remove(&nonce);
+        self.drop_writer_mrs(nonce);
         self.reasm.forget(u64::from(nonce));
         self.pending.retain(|(n, _), _| *n != nonce);
         for p in forward {
@@ -678,7 +747,7 @@ impl State {
     }
 
     /// A hello: admitted at once without a secret; with one, answered with a challenge.
-    fn on_hello(&mut self, nonce: u32, identity: u64, body: &[u8], now: Instant) {
+    fn on_hello(&mut self, nonce: u32, identity: u64, body: &[u8], now: Instant, inner: &Inner) {
         let Some((pid, conn, challenge, addr)) = wire::split_greeting(body) else {
             return self.malformed("short hello");
         };
@@ -686,7 +755,7 @@ impl State {
         let Some(secret) = self.secret.clone() else {
             self.admit(nonce, identity, fi_addr, addr, pid, now);
             if let Some(a) = fi_addr {
-                self.queue(a, wire::message(Kind::Welcome, self.nonce, nonce, conn, &[]));
+                self.answer_welcome(inner, a, nonce, conn);
             }
             return;
         };
@@ -715,14 +784,14 @@ impl State {
     }
 
     /// The connector's proof: admitted (welcome) or refused.
-    fn on_auth(&mut self, nonce: u32, conn: u64, body: &[u8]) {
+    fn on_auth(&mut self, nonce: u32, conn: u64, body: &[u8], inner: &Inner) {
         let (Some(secret), Some(p)) = (self.secret.clone(), self.pending.remove(&(nonce, conn))) else {
             return tracing::debug!(target: "kvxfer_fabric", "dropping an auth message no challenge asked for");
         };
         if wire::split_auth(body).is_some_and(|proof| p.exchange.verify_connector(&secret, &proof)) {
             let identity = p.exchange.connector.0;
             self.admit(nonce, identity, Some(p.fi_addr), &p.addr, p.pid, Instant::now());
-            self.queue(p.fi_addr, wire::message(Kind::Welcome, self.nonce, nonce, conn, &[]));
+            self.answer_welcome(inner, p.fi_addr, nonce, conn);
             return;
         }
         let why = format!(
@@ -769,14 +838,275 @@ impl State {
         self.queue(to, msg);
     }
 
-    fn on_welcome(&mut self, nonce: u32, conn: u64) {
-        let Some(c) = self.connecting.get(&conn).filter(|c| c.peer.nonce == nonce) else { return };
+    fn on_welcome(&mut self, nonce: u32, conn: u64, body: &[u8]) {
+        let Some(c) = self.connecting.get_mut(&conn).filter(|c| c.peer.nonce == nonce) else { return };
         if self.secret.is_some() && !c.peer.authed.load(Ordering::Acquire) {
             let why = format!("authentication failed: the peer has no cluster secret and cannot prove one; {AUTH_FIX}");
             return self.answer(conn, Err(why));
         }
+        let Some((total, first)) = wire::split_welcome(body) else {
+            self.malformed("welcome");
+            return self.answer(conn, Err("the peer's welcome is malformed".into()));
+        };
         c.peer.authed.store(true, Ordering::Release);
+        c.keys.extend(first.into_iter().map(|k| (k.id, k)));
+        c.expected = Some(total);
+        self.keys_complete(conn);
+    }
+
+    /// Remote keys for one of our connects.
+    fn on_keys(&mut self, nonce: u32, conn: u64, body: &[u8]) {
+        let Some(c) = self.connecting.get_mut(&conn).filter(|c| c.peer.nonce == nonce) else { return };
+        let Some(keys) = wire::split_keys(body) else { return self.malformed("keys") };
+        c.keys.extend(keys.into_iter().map(|k| (k.id, k)));
+        self.keys_complete(conn);
+    }
+
+    /// Answers connect `conn` once its welcome and every key it announced arrived: the peer's regions
+    /// are the ones it registered for us.
+    fn keys_complete(&mut self, conn: u64) {
+        let Some(c) = self.connecting.get_mut(&conn) else { return };
+        if c.expected != Some(c.keys.len() as u32) {
+            return;
+        }
+        *lock(&c.peer.regions) = std::mem::take(&mut c.keys);
         self.answer(conn, Ok(()));
+    }
+
+    /// What a connector announced in its hello's flags: capabilities and receive buffer size.
+    fn on_caps(&mut self, nonce: u32, caps: (u8, usize)) {
+        if self.writer_caps.len() < MAX_WRITER_CAPS || self.writer_caps.contains_key(&nonce) {
+            self.writer_caps.insert(nonce, caps);
+        }
+    }
+
+    /// Answers an admitted connection: a registration of each region for the connecting instance
+    /// alone (made at its first connection, reused by later ones), and their keys in the welcome,
+    /// sized to the connector's receive buffers (those that do not fit go first, in [`Kind::Keys`]
+    /// messages: one message in the usual case, as before per-peer keys).
+    fn answer_welcome(&mut self, inner: &Inner, to: u64, nonce: u32, conn: u64) {
+        let mut entries = Vec::new();
+        let State { ep, mrs, remote_mrs, .. } = self;
+        let mine = remote_mrs.entry(nonce).or_default();
+        for (id, len) in inner.regions.snapshot() {
+            // A region being closed left the table already; one whose registration is gone is skipped.
+            let Some((base, _)) = mrs.get(&id) else { continue };
+            let info = match mine.get(&id) {
+                Some((_, i)) => *i,
+                None => match ep.reg_remote(*base) {
+                    Ok((h, i)) => {
+                        mine.insert(id, (h, i));
+                        i
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "kvxfer_fabric", "registering {id} for a connecting peer: {e}");
+                        continue;
+                    }
+                },
+            };
+            entries.push(RegionMeta { id: id.0, len, key: info.key, base: info.base });
+        }
+        let min_buf = 4 * (wire::HEADER + toolkit::FRAGMENT_HEADER);
+        let buf = self.writer_caps.get(&nonce).map_or(min_buf, |c| c.1.max(min_buf));
+        let per = ((buf - wire::HEADER - 4) / wire::KEY_ENTRY).max(1);
+        let total = entries.len() as u32;
+        let (first, rest) = entries.split_at(entries.len().min(per));
+        for chunk in rest.chunks(per) {
+            self.queue(to, wire::message(Kind::Keys, self.nonce, nonce, conn, &wire::keys(chunk)));
+        }
+        self.queue(to, wire::message(Kind::Welcome, self.nonce, nonce, conn, &wire::welcome(total, first)));
+    }
+
+    /// Closes the registrations a writer instance was given (its keys are invalid from now on).
+    fn drop_writer_mrs(&mut self, nonce: u32) {
+        if let Some(m) = self.remote_mrs.remove(&nonce) {
+            for (_, (h, _)) in m {
+                self.ep.dereg(h);
+            }
+        }
+    }
+
+    /// A message of a cut-off instance: nothing of it is applied. A hello is refused (its connect
+    /// fails at once), and the first other message since the cut-off gets one refusal, so that the
+    /// instance fails its transfers instead of waiting for them.
+    fn on_cut_message(&mut self, h: wire::Header, body: &[u8]) {
+        self.cut_dropped += 1;
+        let why = cut_refusal(h.nonce);
+        match h.kind {
+            Kind::Hello => {
+                if let Some((_, conn, _, addr)) = wire::split_greeting(body) {
+                    if let Some(a) = self.insert_addr(addr) {
+                        self.refuse(a, h.nonce, conn, &why);
+                    }
+                }
+            }
+            Kind::Revoke => {
+                // It closes a region of its own: we write nothing into it any more (every transfer
+                // to it was stopped), which the acknowledgement says once those are final.
+                let Some((region, owner_addr)) = wire::split_u32(body) else { return };
+                let Some(fi_addr) = self.insert_addr(owner_addr) else { return };
+                let cut_ids: HashSet<PeerId> =
+                    self.cut_ids.iter().filter(|(_, n)| **n == h.nonce).map(|(id, _)| *id).collect();
+                let jobs = self.jobs.iter().filter(|(_, j)| cut_ids.contains(&j.peer)).map(|(k, _)| *k).collect();
+                tracing::debug!(target: "kvxfer_fabric", "acknowledging region {region} of a cut-off peer");
+                self.acks_due.push(AckDue { fi_addr, dest: h.nonce, seq: h.seq, jobs });
+            }
+            Kind::Refused | Kind::RevokeAck => {}
+            _ => {
+                let Some(c) = self.cut.get_mut(&h.nonce) else { return };
+                if std::mem::replace(&mut c.told, true) || c.addr.is_empty() {
+                    return;
+                }
+                let addr = c.addr.clone();
+                if let Some(a) = self.insert_addr(&addr) {
+                    self.queue(a, wire::message(Kind::Refused, self.nonce, h.nonce, 0, &wire::refusal(&why)));
+                }
+            }
+        }
+    }
+
+    /// Cuts off the instance with endpoint nonce `nonce` (see the crate README, "Cutting a peer
+    /// off"): its keys are closed, connections of the provider to it closed where that is how
+    /// writes already past the key check are stopped, every connection state dropped, every
+    /// transfer to it stopped.
+    fn cut_instance(&mut self, inner: &Inner, nonce: u32, reason: &str) -> Cutting {
+        let why = format!("cut off: {reason}");
+        let provider = self.ep.info().provider.clone();
+        let forward: Vec<(PeerId, Arc<Peer>)> =
+            inner.peers.all().into_iter().filter(|(_, p)| p.nonce == nonce).collect();
+        let live = self.live.remove(&nonce);
+        let keys_given = self.remote_mrs.contains_key(&nonce);
+        let pid = live.as_ref().map(|l| l.pid).filter(|p| *p != 0).or_else(|| forward.first().map(|(_, p)| p.pid));
+        let addr = live
+            .as_ref()
+            .map(|l| l.addr.clone())
+            .filter(|a| !a.is_empty())
+            .or_else(|| forward.first().map(|(_, p)| p.addr.clone()))
+            .unwrap_or_default();
+        let mut fi_addrs: HashSet<u64> = forward.iter().map(|(_, p)| p.fi_addr).collect();
+        fi_addrs.extend(live.as_ref().and_then(|l| l.fi_addr));
+        fi_addrs.extend(self.pending.iter().filter(|((n, _), _)| *n == nonce).map(|(_, p)| p.fi_addr));
+        // Its keys: every write with them that reaches the key check from now on fails it.
+        self.drop_writer_mrs(nonce);
+        // Nothing more goes to it, but for acknowledgements of its revokes (it waits for them to
+        // close its regions; they promise what is true from now on: we write nothing into them).
+        let mut acks = Vec::new();
+        self.control.retain(|c| {
+            if !fi_addrs.contains(&c.to) {
+                return true;
+            }
+            if c.msg.get(1) == Some(&(Kind::RevokeAck as u8)) {
+                acks.push(c.msg.clone());
+            }
+            false
+        });
+        if let Some(h) = self.hot_pings.as_mut() {
+            h.retain(|a, _| !fi_addrs.contains(a));
+        }
+        // Writes already past the key check.
+        let unconfirmed = if keys_given { self.stop_accepted_writes(&provider, nonce, pid, &fi_addrs) } else { None };
+        for (id, p) in &forward {
+            let _ = inner.peers.remove(*id);
+            self.cut_ids.insert(*id, nonce);
+            p.lost.store(true, Ordering::Release);
+        }
+        let answers: Vec<u64> =
+            self.connecting.iter().filter(|(_, c)| c.peer.nonce == nonce).map(|(k, _)| *k).collect();
+        for conn in answers {
+            self.answer(conn, Err(why.clone()));
+        }
+        self.pending.retain(|(n, _), _| *n != nonce);
+        self.reasm.forget(u64::from(nonce));
+        // Its revokes waiting for our transfers to it: still acknowledged once those are final
+        // (to its address inserted anew where the cut-off removed it).
+        if !acks.is_empty() || self.acks_due.iter().any(|a| a.dest == nonce) {
+            let to = if addr.is_empty() { None } else { self.insert_addr(&addr) };
+            match to {
+                Some(to) => {
+                    for a in self.acks_due.iter_mut().filter(|a| a.dest == nonce) {
+                        a.fi_addr = to;
+                    }
+                    for msg in acks {
+                        self.queue(to, msg);
+                    }
+                }
+                None => self.acks_due.retain(|a| a.dest != nonce),
+            }
+        }
+        if unconfirmed.is_none() {
+            // It writes nothing any more: closing regions stop waiting for it. (Unconfirmed, they
+            // keep waiting, time out, and the memory is not freed.)
+            self.writer_gone(nonce);
+        }
+        let ids: HashSet<PeerId> = forward.iter().map(|(id, _)| *id).collect();
+        let mut states = Vec::new();
+        for j in self.jobs.values_mut().filter(|j| ids.contains(&j.peer)) {
+            let e = BackendError::PeerLost { backend: NAME, peer: j.target.describe(j.peer), detail: why.clone() };
+            j.stop(Some(e));
+            states.push(j.state.clone());
+        }
+        let closed = forward.len() + usize::from(live.is_some());
+        self.cut.insert(nonce, CutInfo { unconfirmed: unconfirmed.clone(), addr, told: false });
+        Cutting { closed, failed: states.len(), states, unconfirmed, provider }
+    }
+
+    /// Stops the instance's writes that passed the key check before its keys were closed; returns
+    /// why that cannot be confirmed, if it cannot.
+    fn stop_accepted_writes(
+        &mut self,
+        provider: &str,
+        nonce: u32,
+        pid: Option<u32>,
+        fi_addrs: &HashSet<u64>,
+    ) -> Option<String> {
+        match provider {
+            "tcp;ofi_rxm" => {
+                if !av_remove_cleanup() {
+                    return Some(
+                        "tcp;ofi_rxm: a write whose header passed the key check before the cut-off keeps being \
+                         placed as its payload arrives, and only closing the connection stops it, which \
+                         fi_av_remove does only with FI_AV_REMOVE_CLEANUP=1 in the environment when libfabric \
+                         starts (it was not)"
+                            .to_owned(),
+                    );
+                }
+                let mut failed = Vec::new();
+                for a in fi_addrs {
+                    if let Err(e) = self.ep.av_remove(*a) {
+                        failed.push(e.to_string());
+                    }
+                    self.addrs.retain(|_, v| v != a);
+                }
+                (!failed.is_empty()).then(|| format!("tcp;ofi_rxm: fi_av_remove failed: {}", failed.join("; ")))
+            }
+            "shm" => {
+                let caps = self.writer_caps.get(&nonce).map_or(0, |c| c.0);
+                let mut why = Vec::new();
+                if caps & wire::CAP_DELIVERY_COMPLETE == 0 {
+                    why.push("its writes may take shm's fast path (CMA by the writer, no key check here)");
+                }
+                if caps & wire::CAP_CMA == 0 {
+                    why.push("it may not use cross-memory attach towards this endpoint");
+                }
+                if env_flag("FI_SHM_DISABLE_CMA") || env_flag("FI_SHM_USE_DSA_SAR") {
+                    why.push("FI_SHM_DISABLE_CMA or FI_SHM_USE_DSA_SAR is set here");
+                }
+                if !pid.is_some_and(cma_permitted) {
+                    why.push("this process may not use cross-memory attach on it");
+                }
+                (!why.is_empty()).then(|| {
+                    format!(
+                        "shm: {} (a write larger than one segment could then be copied in several rounds, the \
+                         later ones after its key was closed)",
+                        why.join("; ")
+                    )
+                })
+            }
+            other => Some(format!(
+                "provider {other}: whether a write accepted before its key was closed can still be placed is not \
+                 verified for it"
+            )),
+        }
     }
 
     /// A refusal: of our connect `conn`, or (conn 0) of an established connection by a peer that
@@ -1411,6 +1741,10 @@ async fn close_region(inner: Weak<Inner>, id: RegionId) -> Result<(), BackendErr
     if let Some((mr, _)) = st.mrs.remove(&id) {
         st.ep.dereg(mr);
     }
+    let per_peer: Vec<MrHandle> = st.remote_mrs.values_mut().filter_map(|m| m.remove(&id)).map(|(h, _)| h).collect();
+    for h in per_peer {
+        st.ep.dereg(h);
+    }
     Ok(())
 }
 
@@ -1492,6 +1826,8 @@ impl FabricBackend {
     /// Opens an endpoint with the given options.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = Options::from_config(config)?;
+        // Before libfabric starts (it reads the variable once).
+        av_remove_cleanup();
         let hints = Hints { provider: Some(opts.provider.clone()), node: opts.addr.clone(), wait_fd: opts.wait_fd };
         let mut ep = RdmEndpoint::open(&hints)?;
         let info = ep.info().clone();
@@ -1507,7 +1843,15 @@ impl FabricBackend {
             }
         };
         ep.post_receives(opts.recv_buffers, opts.recv_buf_size)?;
-        let caps = capabilities_for(&info, cq_data_local, opts.recv_buf_size);
+        // A cut-off of a live peer is confirmable on tcp;ofi_rxm with FI_AV_REMOVE_CLEANUP=1 (its
+        // connection is closed) and on shm without what lets a write bypass the key check here;
+        // elsewhere it is refused and the engine quarantines (see `stop_accepted_writes`).
+        let cut_off_live = match info.provider.as_str() {
+            "tcp;ofi_rxm" => av_remove_cleanup(),
+            "shm" => !(env_flag("FI_SHM_DISABLE_CMA") || env_flag("FI_SHM_USE_DSA_SAR")),
+            _ => false,
+        };
+        let caps = capabilities_for(&info, cq_data_local, opts.recv_buf_size).with_cut_off_live(cut_off_live);
         tracing::debug!(
             target: "kvxfer_fabric",
             "opened {} ({} / {}): mr_mode {}, delivery_complete {}, order_saw {}, order_waw {}, cq_data {} bytes, rma_event {}, rx_cq_data {}, iov_limit {} -> {:?}",
@@ -1547,6 +1891,11 @@ impl FabricBackend {
                 unauthenticated: 0,
                 hot_pings,
                 transfer_timeout: opts.timeout,
+                remote_mrs: HashMap::new(),
+                writer_caps: HashMap::new(),
+                cut: HashMap::new(),
+                cut_ids: HashMap::new(),
+                cut_dropped: 0,
             }),
             events,
             regions: RegionTable::new(NAME, caps.limits.max_regions),
@@ -1607,6 +1956,20 @@ impl FabricBackend {
         self.inner.lock().stale_messages
     }
 
+    /// Messages dropped because their sender was cut off ([`KvTransferBackend::cut_off`]).
+    pub fn cut_off_messages(&self) -> u64 {
+        self.inner.lock().cut_dropped
+    }
+
+    /// Test hook: holds the endpoint lock for `d`, so the progress thread reads nothing from the
+    /// provider meanwhile (a receiver that falls behind: the writer's socket fills and a write stays
+    /// half sent). Blocks the calling thread.
+    #[doc(hidden)]
+    pub fn stall_progress(&self, d: Duration) {
+        let _st = self.inner.lock();
+        std::thread::sleep(d);
+    }
+
     /// Waits for a job's state; the error of a job that did not finish by the deadline.
     async fn settle(&self, state: &TransferState, peer: PeerId, what: &str) -> Result<(), BackendError> {
         // The job has the same deadline and stops itself; allow its completions a moment beyond it.
@@ -1660,7 +2023,8 @@ impl KvTransferBackend for FabricBackend {
                 // Still closing: the id is taken until its MR is closed.
                 return Err(BackendError::RegionInUse { backend: NAME, region: id });
             }
-            let (mr, info) = st.ep.reg(&mem)?;
+            // For our own writes only: peers get registrations of their own (see `answer_welcome`).
+            let (mr, info) = st.ep.reg_local(&mem)?;
             if let Err(e) = self.inner.regions.insert(id, mem.clone()) {
                 st.ep.dereg(mr);
                 return Err(e);
@@ -1749,7 +2113,8 @@ impl KvTransferBackend for FabricBackend {
                 provider: p.provider,
                 cq_data: p.cq_data,
                 frag: self.inner.fragmenter(p.recv_buf as usize),
-                regions: Mutex::new(p.regions.into_iter().map(|r| (r.id, r)).collect()),
+                // The keys come with the answer (registered for us alone); the metadata's are local.
+                regions: Mutex::new(HashMap::new()),
                 lost: AtomicBool::new(false),
                 authed: AtomicBool::new(false),
             };
@@ -1759,14 +2124,26 @@ impl KvTransferBackend for FabricBackend {
             let target = self.inner.peers.get(id)?;
             // Introduce ourselves (pid and address, so the peer can revoke its regions here, and a
             // fresh challenge) and wait for the hello to be delivered: an unreachable peer fails here.
-            let hello = wire::message(
+            let mut caps = 0;
+            if st.ep.delivery_complete_requested() {
+                caps |= wire::CAP_DELIVERY_COMPLETE;
+            }
+            let shm = self.inner.info.provider == "shm";
+            if shm && !env_flag("FI_SHM_DISABLE_CMA") && !env_flag("FI_SHM_USE_DSA_SAR") && cma_permitted(target.pid) {
+                caps |= wire::CAP_CMA;
+            }
+            let hello = wire::message_flagged(
                 Kind::Hello,
+                wire::hello_flags(caps, st.ep.recv_buf_size()),
                 self.inner.nonce,
                 target.nonce,
                 self.inner.identity,
                 &wire::greeting(std::process::id(), conn, &challenge, st.ep.name()),
             );
-            st.connecting.insert(conn, Connecting { peer: target.clone(), challenge, done });
+            st.connecting.insert(
+                conn,
+                Connecting { peer: target.clone(), challenge, done, keys: HashMap::new(), expected: None },
+            );
             let phases = vec![Phase { items: VecDeque::from([Item::Send(hello)]), ordered: true }];
             let state = self.inner.submit(&mut st, id, target.clone(), phases, Vec::new(), Vec::new());
             (id, target, state)
@@ -1857,6 +2234,56 @@ impl KvTransferBackend for FabricBackend {
         Ok(self.inner.events.recv(max_wait).await)
     }
 
+    /// See the crate README, "Cutting a peer off".
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let inner = &self.inner;
+        let cut = {
+            let mut st = inner.lock();
+            // Take in what already arrived first (its announcements, a hello under way).
+            st.advance(inner);
+            match inner.peers.get(peer) {
+                Ok(p) => st.cut_instance(inner, p.nonce, reason),
+                Err(e) => {
+                    return match st.cut_ids.get(&peer).and_then(|n| st.cut.get(n)) {
+                        Some(CutInfo { unconfirmed: None, .. }) => {
+                            Ok(CutOff { closed: 0, failed_transfers: 0, how: "already cut off" })
+                        }
+                        Some(CutInfo { unconfirmed: Some(why), .. }) => Err(unconfirmed(why)),
+                        None => Err(e),
+                    }
+                }
+            }
+        };
+        inner.wake();
+        tracing::info!(target: "kvxfer_fabric", %peer, %reason, "cut off (closed {}, failing {})", cut.closed, cut.failed);
+        // Our transfers to it: final once every completion of what was posted arrived (until then
+        // the provider may still read their source memory).
+        let wait = inner.opts.timeout.min(Duration::from_secs(30));
+        let deadline = Instant::now() + wait;
+        for s in &cut.states {
+            s.settled(deadline).await;
+        }
+        let open = cut.states.iter().filter(|s| !s.status().is_final()).count();
+        if open > 0 {
+            return Err(BackendError::Timeout {
+                backend: NAME,
+                what: format!(
+                    "{open} transfer(s) to the cut-off {peer} completing (the provider may still read their source)"
+                ),
+                after: wait,
+            });
+        }
+        if let Some(why) = &cut.unconfirmed {
+            return Err(unconfirmed(why));
+        }
+        let how = if cut.provider == "tcp;ofi_rxm" {
+            "per-peer keys closed, connection closed (fi_av_remove with FI_AV_REMOVE_CLEANUP), instance refused"
+        } else {
+            "per-peer keys closed (every later command fails the target's key check), instance refused"
+        };
+        Ok(CutOff { closed: cut.closed, failed_transfers: cut.failed, how })
+    }
+
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         let p = self.inner.peers.remove(peer)?;
         let states: Vec<Arc<TransferState>> =
@@ -1880,5 +2307,15 @@ impl KvTransferBackend for FabricBackend {
         }
         self.inner.wake();
         Ok(())
+    }
+}
+
+fn unconfirmed(why: &str) -> BackendError {
+    BackendError::Unsupported {
+        backend: NAME,
+        what: format!(
+            "confirming a cut-off: the peer's keys are closed and it is refused, but {why}; the memory it could \
+             write must stay quarantined (see the crate README, \"Cutting a peer off\")"
+        ),
     }
 }

@@ -280,6 +280,33 @@ fn provider_info(info: &Info) -> ProviderInfo {
     }
 }
 
+/// Whether this process may use cross-memory attach (`process_vm_writev`) on process `pid`: what
+/// libfabric 1.17's shm provider tests when it maps a peer (`smr_cma_check`, a one-value
+/// `process_vm_writev` into the peer's region) to choose between copying by CMA and its
+/// segmentation-and-reassembly protocol. The probe writes one byte to address 0 of `pid`: the
+/// kernel checks the permission first (`EPERM`, `ESRCH`), then fails the copy (`EFAULT`) without
+/// writing anything.
+pub fn cma_permitted(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    let mut byte = 0u8;
+    let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
+    let remote = libc::iovec { iov_base: ptr::null_mut(), iov_len: 1 };
+    // SAFETY: `local` describes one readable byte of ours for the call; `remote` names address 0 of
+    // the target, which no process maps, so the kernel writes nothing (EFAULT after its permission
+    // check); both iovec arrays hold one element as the counts say.
+    let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+    n >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EFAULT)
+}
+
+/// A libfabric boolean parameter from the environment, parsed as libfabric parses it (`fi_param_get`:
+/// 0/false/no/off, 1/true/yes/on, case-insensitive); unset or unparsable is `false`.
+pub fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| {
+        let v = v.trim();
+        v == "1" || ["true", "yes", "on"].iter().any(|t| v.eq_ignore_ascii_case(t))
+    })
+}
+
 /// A handle to one memory registration of an [`RdmEndpoint`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MrHandle(u64);
@@ -818,6 +845,38 @@ impl Endpoint {
         self.mrs.insert(h.0, Mr { fid: mr, desc, user, mem: mem.clone() });
         let base = if self.pinfo.mr_mode.virt_addr { p as u64 } else { 0 };
         Ok((h, MrInfo { key, base }))
+    }
+
+    /// Registers `mem` for local use only (sources of writes, no remote access): its key lets no
+    /// peer write. Otherwise as [`Self::reg`].
+    pub fn reg_local(&mut self, mem: &MemDesc) -> Result<(MrHandle, MrInfo), BackendError> {
+        let access = u64::from(sys::FI_SEND | sys::FI_RECV | sys::FI_READ | sys::FI_WRITE);
+        self.reg_access(mem, access, true)
+    }
+
+    /// Registers the memory of registration `of` once more, for remote writes only, under a key of
+    /// its own: what one peer may write with, revoked by closing it ([`Self::dereg`]) without
+    /// touching the other registrations of the memory.
+    pub fn reg_remote(&mut self, of: MrHandle) -> Result<(MrHandle, MrInfo), BackendError> {
+        let mem = self.mrs.get(&of.0).map(|m| m.mem.clone()).ok_or_else(|| BackendError::Config {
+            backend: NAME,
+            detail: format!("memory registration {} is closed", of.0),
+        })?;
+        self.reg_access(&mem, u64::from(sys::FI_REMOTE_WRITE), true)
+    }
+
+    /// Removes `fi_addr` from the address vector (`fi_av_remove`). On `tcp;ofi_rxm` with
+    /// `FI_AV_REMOVE_CLEANUP` in effect (read by libfabric once, at its initialisation) this closes
+    /// the connection to that peer in the call: a write whose header was accepted and whose payload
+    /// is still arriving is abandoned. The address is inserted anew when it is used again.
+    pub fn av_remove(&mut self, fi_addr: u64) -> Result<(), BackendError> {
+        let mut a = fi_addr;
+        // SAFETY: `av` is open; `a` is one fi_addr_t this address vector returned, readable for the
+        // call; no flags.
+        let ret = unsafe { sys::kvx_fi_av_remove(self.av, &mut a, 1, 0) };
+        check("fi_av_remove", ret as isize, || format!("address {fi_addr}"))?;
+        self.av_known.retain(|_, v| *v != fi_addr);
+        Ok(())
     }
 
     /// Registers `mem` for local use and remote writes, honouring the provider's `mr_mode` (requested

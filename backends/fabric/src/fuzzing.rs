@@ -82,7 +82,15 @@ pub fn messages(data: &[u8]) -> bool {
                 None => accepted = false,
             },
             Kind::Auth => accepted &= wire::split_auth(body).is_some(),
-            Kind::Welcome => accepted &= body.is_empty(),
+            Kind::Welcome => match wire::split_welcome(body) {
+                Some((total, first)) => assert_eq!(wire::welcome(total, &first), body),
+                None => accepted = false,
+            },
+            Kind::Keys => match wire::split_keys(body) {
+                Some(k) => assert_eq!(wire::keys(&k), body),
+                None => accepted = false,
+            },
+
             Kind::Refused => match wire::split_refusal(body) {
                 Some(reason) => assert_eq!(wire::refusal(reason), body),
                 None => accepted = false,

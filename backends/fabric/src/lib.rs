@@ -14,9 +14,14 @@
 //!   has no CQ data, a message sent after the writes completed;
 //! - out-of-band notifications: `fi_send` messages into receive buffers each endpoint keeps posted,
 //!   fragmented with the toolkit's `Fragmenter` to the receiver's buffer size;
-//! - memory registration follows the provider's `mr_mode` bits; closing a registration revokes it at
-//!   every peer that connected here (acknowledged after their writes into it completed) before
-//!   `fi_close` of the MR;
+//! - memory registration follows the provider's `mr_mode` bits; a region is registered for local
+//!   use, and once more for each peer instance that connects, whose keys it gets in the connect's
+//!   answer; closing a registration revokes it at every peer that connected here (acknowledged
+//!   after their writes into it completed) before `fi_close` of the MRs;
+//! - cutting a peer off ([`kvxfer_core::KvTransferBackend::cut_off`]) closes that instance's keys,
+//!   drops its messages, refuses its hellos, and over `tcp;ofi_rxm` closes the connection
+//!   (`fi_av_remove` with `FI_AV_REMOVE_CLEANUP=1`, which stops a write already past the key check);
+//!   confirmed only where that is known to stop every write (see the README);
 //! - progress: a dedicated thread polls the completion queue; every wait has a deadline;
 //! - liveness: hello on connect, heartbeats, "gone" on drop; receivers report silent peers lost.
 //! - authentication: with a cluster secret ([`kvxfer_core::BackendConfig::secret`]) the hello starts

@@ -1,8 +1,9 @@
 //! What travels besides the data: the endpoint-metadata payload and the messages between endpoints.
 //!
 //! Every message is a 20-byte header (kind, sender nonce, receiver nonce, sequence) and a body.
-//! Header bytes: magic 0xfb, kind, 2 reserved bytes (written as 0, ignored when read), then the
-//! sender nonce (u32), the receiver nonce (u32) and the sequence (u64), little endian.
+//! Header bytes: magic 0xfb, kind, 2 flag bytes (0 but in a hello, see [`hello_flags`]; ignored by
+//! every other kind), then the sender nonce (u32), the receiver nonce (u32) and the sequence (u64),
+//! little endian.
 //! Notification bodies are fragments of the toolkit's [`kvxfer_core::toolkit::Fragmenter`] (sized to
 //! the receiver's posted buffers) and are put back together by its `Reassembler`; [`Staged`] pairs
 //! an attached notification with the remote-CQ-data token of its last write. A connect is an
@@ -84,12 +85,41 @@ pub enum Kind {
     Challenge = 9,
     /// The connector's proof (`seq`: the connection id; body: the proof).
     Auth = 10,
-    /// The connection is admitted (`seq`: the connection id; empty body).
+    /// The connection is admitted (`seq`: the connection id; body: [`welcome`], the remote keys
+    /// registered for the connecting instance alone, as many as fit, and their total; the rest
+    /// follow in [`Kind::Keys`] messages).
     Welcome = 11,
     /// The connection is refused (`seq`: the connection id, or 0 for an established connection the
     /// receiver closes after a forged notification; body: the reason, UTF-8).
     Refused = 12,
+    /// Remote keys for the connecting endpoint alone that did not fit in the welcome (`seq`: the
+    /// connection id; body: [`keys`]). A registration of each region per peer instance, so that
+    /// cutting one instance off revokes its keys only; the connector completes when it has them all.
+    Keys = 13,
 }
+
+/// Hello flag: the flag bytes carry the connector's capabilities (absent from older builds).
+pub const CAP_PRESENT: u8 = 0x80;
+/// Hello flag: the connector's writes carry `FI_DELIVERY_COMPLETE`.
+pub const CAP_DELIVERY_COMPLETE: u8 = 1;
+/// Hello flag: shm, and cross-memory attach is usable from the connector to the acceptor
+/// (`FI_SHM_DISABLE_CMA` and `FI_SHM_USE_DSA_SAR` unset, `process_vm_writev` permitted).
+pub const CAP_CMA: u8 = 2;
+
+/// The flag bytes of a hello: capabilities ([`CAP_PRESENT`] and the others) and the base-2
+/// logarithm of the connector's receive buffer size, rounded down (the acceptor's answer fits it).
+pub fn hello_flags(caps: u8, recv_buf: usize) -> [u8; 2] {
+    [caps | CAP_PRESENT, recv_buf.max(1).ilog2() as u8]
+}
+
+/// The capabilities and the receive buffer size (a lower bound) a hello's flag bytes announce;
+/// `None` from an older build.
+pub fn split_hello_flags(flags: [u8; 2]) -> Option<(u8, usize)> {
+    (flags[0] & CAP_PRESENT != 0 && flags[1] < 32).then(|| (flags[0] & !CAP_PRESENT, 1usize << flags[1]))
+}
+
+/// Bytes of one entry of a [`keys`] body.
+pub const KEY_ENTRY: usize = 28;
 
 impl Kind {
     fn from_u8(k: u8) -> Option<Self> {
@@ -106,6 +136,7 @@ impl Kind {
             10 => Kind::Auth,
             11 => Kind::Welcome,
             12 => Kind::Refused,
+            13 => Kind::Keys,
             _ => return None,
         })
     }
@@ -123,12 +154,19 @@ pub struct Header {
     pub dest: u32,
     /// Sequence (identity, CQ-data token or revoke number, by kind).
     pub seq: u64,
+    /// The flag bytes (meaningful in a hello only, [`hello_flags`]).
+    pub flags: [u8; 2],
 }
 
 /// A message: header and body.
 pub fn message(kind: Kind, nonce: u32, dest: u32, seq: u64, body: &[u8]) -> Vec<u8> {
+    message_flagged(kind, [0, 0], nonce, dest, seq, body)
+}
+
+/// A message with flag bytes (a hello's, [`hello_flags`]).
+pub fn message_flagged(kind: Kind, flags: [u8; 2], nonce: u32, dest: u32, seq: u64, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(HEADER + body.len());
-    f.extend_from_slice(&[MAGIC, kind as u8, 0, 0]);
+    f.extend_from_slice(&[MAGIC, kind as u8, flags[0], flags[1]]);
     f.extend_from_slice(&nonce.to_le_bytes());
     f.extend_from_slice(&dest.to_le_bytes());
     f.extend_from_slice(&seq.to_le_bytes());
@@ -222,6 +260,58 @@ pub fn split_refusal(body: &[u8]) -> Option<&str> {
     std::str::from_utf8(body).ok()
 }
 
+/// The body of a [`Kind::Keys`]: the entries (region id u32, length u64, key u64, base u64 each).
+pub fn keys(entries: &[RegionMeta]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(entries.len() * KEY_ENTRY);
+    for e in entries {
+        b.extend_from_slice(&e.id.to_le_bytes());
+        b.extend_from_slice(&e.len.to_le_bytes());
+        b.extend_from_slice(&e.key.to_le_bytes());
+        b.extend_from_slice(&e.base.to_le_bytes());
+    }
+    b
+}
+
+/// Parses a [`keys`] body (whole entries only).
+pub fn split_keys(body: &[u8]) -> Option<Vec<RegionMeta>> {
+    if body.len() % KEY_ENTRY != 0 {
+        return None;
+    }
+    let u64_at = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+    Some(
+        body.chunks_exact(KEY_ENTRY)
+            .map(|c| RegionMeta {
+                id: u32::from_le_bytes(c[..4].try_into().expect("4 bytes")),
+                len: u64_at(c, 4),
+                key: u64_at(c, 12),
+                base: u64_at(c, 20),
+            })
+            .collect(),
+    )
+}
+
+/// The body of a [`Kind::Welcome`]: the total number of keys handed out (u32) and the first of
+/// them ([`keys`] entries); empty when there are none (as older builds send it).
+pub fn welcome(total: u32, first: &[RegionMeta]) -> Vec<u8> {
+    if total == 0 {
+        return Vec::new();
+    }
+    let mut b = total.to_le_bytes().to_vec();
+    b.extend_from_slice(&keys(first));
+    b
+}
+
+/// Parses a [`welcome`] body: `(total, first keys)`.
+pub fn split_welcome(body: &[u8]) -> Option<(u32, Vec<RegionMeta>)> {
+    if body.is_empty() {
+        return Some((0, Vec::new()));
+    }
+    let (total, rest) = body.split_first_chunk::<4>()?;
+    let total = u32::from_le_bytes(*total);
+    let first = split_keys(rest)?;
+    (total > 0 && first.len() <= total as usize).then_some((total, first))
+}
+
 /// The body of a [`Kind::Revoke`]: a u32 (the region id) and the sender's address.
 pub fn hello(pid: u32, addr: &[u8]) -> Vec<u8> {
     let mut b = pid.to_le_bytes().to_vec();
@@ -246,7 +336,8 @@ pub fn parse(frame: &[u8]) -> Result<(Header, &[u8]), String> {
     let kind = Kind::from_u8(frame[1]).ok_or_else(|| format!("unknown message kind {}", frame[1]))?;
     let u32_at = |i: usize| u32::from_le_bytes(frame[i..i + 4].try_into().expect("4 bytes"));
     let seq = u64::from_le_bytes(frame[12..20].try_into().expect("8 bytes"));
-    Ok((Header { kind, nonce: u32_at(4), dest: u32_at(8), seq }, &frame[HEADER..]))
+    let flags = [frame[2], frame[3]];
+    Ok((Header { kind, nonce: u32_at(4), dest: u32_at(8), seq, flags }, &frame[HEADER..]))
 }
 
 /// Most staged notifications or unmatched tokens kept at once; beyond it the oldest are dropped.
@@ -301,7 +392,7 @@ mod tests {
     fn messages_round_trip_and_malformed_ones_are_errors() {
         let m = message(Kind::Revoke, 7, 9, 0x1234, &[1, 2, 3]);
         let (h, body) = parse(&m).unwrap();
-        assert_eq!(h, Header { kind: Kind::Revoke, nonce: 7, dest: 9, seq: 0x1234 });
+        assert_eq!(h, Header { kind: Kind::Revoke, nonce: 7, dest: 9, seq: 0x1234, flags: [0, 0] });
         assert_eq!(body, &[1, 2, 3]);
         assert!(parse(&[0; 10]).is_err());
         let mut bad = m.clone();

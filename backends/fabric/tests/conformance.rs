@@ -1,6 +1,7 @@
 //! The conformance suite on the libfabric backend, once per provider: `tcp` (tcp;ofi_rxm on
 //! 127.0.0.1) and `shm`. `KVXFER_FABRIC_PROVIDERS` (comma-separated) narrows or extends the list; the
-//! usual libtest arguments (filters, `--list`) apply to every provider's run.
+//! usual libtest arguments (filters, `--list`) apply to every provider's run. `FI_AV_REMOVE_CLEANUP=1`
+//! is set unless the environment has it (see the crate README, "Cutting a peer off").
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -45,6 +46,11 @@ impl BackendFactory for Fabric {
 }
 
 fn main() -> ExitCode {
+    // Before libfabric starts (it reads the variable once): cut-offs over tcp;ofi_rxm close the
+    // connection (fi_av_remove) and are confirmed; without it they are refused as unconfirmed.
+    if std::env::var_os("FI_AV_REMOVE_CLEANUP").is_none() {
+        std::env::set_var("FI_AV_REMOVE_CLEANUP", "1");
+    }
     let providers = std::env::var("KVXFER_FABRIC_PROVIDERS").unwrap_or_else(|_| "tcp,shm".into());
     let mut ok = true;
     for p in providers.split(',').map(str::trim).filter(|p| !p.is_empty()) {

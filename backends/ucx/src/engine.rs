@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::secret::{Exchange, NONCE_BYTES};
 use kvxfer_core::toolkit::{Drained, EventQueue, RegionRef, RegionTable, Segment};
-use kvxfer_core::{BackendError, BackendEvent, MemDesc, Notification, PeerId, RegionId, Secret, TransferState};
+use kvxfer_core::{BackendError, BackendEvent, CutOff, MemDesc, Notification, PeerId, RegionId, Secret, TransferState};
 use tokio::sync::oneshot;
 
 use crate::liveness::ProcId;
-use crate::ucp::{self, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker};
+use crate::ucp::{
+    self, ClosingEndpoint, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker,
+};
 use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
 use crate::NAME;
 
@@ -84,6 +86,8 @@ pub(crate) struct Shared {
     pub forged: AtomicU64,
     /// Messages dropped because their sender had not authenticated (with a secret).
     pub unauthenticated: AtomicU64,
+    /// Messages dropped because their sender's instance was cut off.
+    pub cut_dropped: AtomicU64,
 }
 
 impl Shared {
@@ -121,7 +125,68 @@ pub(crate) enum Cmd {
     Abort { peer: PeerId, job: u64 },
     Notify { peer: PeerId, bytes: Vec<u8>, reply: Reply },
     Disconnect { peer: PeerId, reply: Reply },
+    CutOff { peer: PeerId, reason: String, reply: Reply<CutOff> },
     Shutdown,
+}
+
+/// How long a cut-off waits for this endpoint's own requests to the peer that may still read our
+/// memory (puts), at most (and at most the operation timeout).
+const CUT_OFF_WAIT: Duration = Duration::from_secs(30);
+/// How long a closing endpoint is polled before it is let go.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// A peer instance this endpoint cut off.
+struct CutInfo {
+    /// Its worker address (to tell it once that it is refused).
+    addr: Option<Vec<u8>>,
+    /// It was told (after its first message since the cut-off).
+    told: bool,
+    /// Its revokes to acknowledge once our transfers to it are final (`None`: they are; answer at
+    /// once).
+    acks: Option<Vec<u64>>,
+    /// Nothing it sends can land here: every connection it made to us said it writes with active
+    /// messages, which this endpoint places itself (and drops from a cut-off instance).
+    confirmable: bool,
+    /// Its process, to notice it exit.
+    proc: Option<ProcId>,
+    /// It said goodbye with the shutdown flag: it ended its side of every connection (as for a
+    /// peer not cut off, closing regions stop waiting for it). Not proof that none of its puts is
+    /// still on the way (they may be queued in its UCX behind the goodbye), so no confirmation.
+    shut_down: bool,
+    /// Its process exited (boot id, pid and start time through `/proc`): it transmits nothing
+    /// more; what it transmitted before is placed by our progress.
+    dead: bool,
+    /// `dead`, and our worker was progressed until it had nothing left to do afterwards: every put
+    /// the instance ever transmitted is placed.
+    drained: bool,
+}
+
+impl CutInfo {
+    /// Nothing the instance sent or will send can land here any more.
+    fn confirmed(&self) -> bool {
+        self.confirmable || self.drained
+    }
+
+    /// Closing regions no longer wait for its acknowledgement.
+    fn done_with(&self) -> bool {
+        self.confirmed() || self.shut_down
+    }
+}
+
+/// A cut-off waiting for our own requests to the peer that may still read our memory.
+struct CutWait {
+    reply: Option<Reply<CutOff>>,
+    deadline: Instant,
+    instance: u64,
+    /// Put requests (and flushes) still in flight: the device or UCX may still read their source.
+    reqs: Vec<Request>,
+    /// The peer's jobs, made final (failed) once `reqs` are done.
+    jobs: Vec<Job>,
+    /// Disconnects of the peer under way, answered then too.
+    disconnects: Vec<Reply>,
+    why: String,
+    closed: usize,
+    failed: usize,
 }
 
 fn ffi(e: UcxError, peer: &str) -> BackendError {
@@ -480,6 +545,8 @@ impl Job {
 struct Peer {
     identity: u64,
     instance: u64,
+    /// Its worker address.
+    addr: Vec<u8>,
     proc: ProcId,
     shared: Arc<PeerShared>,
     remote: HashMap<RegionId, Rc<Remote>>,
@@ -551,6 +618,8 @@ impl Peer {
 struct Reverse {
     identity: u64,
     proc: ProcId,
+    /// Its worker address (from its hello).
+    addr: Vec<u8>,
     ep: Rc<Endpoint>,
     refs: u32,
     /// With a secret: the peer proved it on one of its connections (its messages are applied
@@ -613,6 +682,20 @@ struct Engine {
     pending: HashMap<(u64, u64), PendingAuth>,
     /// Instances refused for the endpoint's lifetime (they sent a forged notification).
     banned: HashSet<u64>,
+    /// Instances cut off ([`Engine::cut_off`]): nothing of theirs is applied any more.
+    cut: HashMap<u64, CutInfo>,
+    /// Our peer ids of cut-off instances.
+    cut_pids: HashMap<PeerId, u64>,
+    /// Instances that said hello without `am`: they write into our memory with `ucp_put_nbx`.
+    put_instances: HashSet<u64>,
+    /// Instances that said goodbye with the shutdown flag.
+    shut_down: HashSet<u64>,
+    /// Instances whose process exited.
+    dead: HashSet<u64>,
+    /// Cut-offs waiting for our own puts to the peer.
+    cut_waits: Vec<CutWait>,
+    /// Endpoints whose close is under way, polled until done or their deadline.
+    closing_eps: Vec<(ClosingEndpoint, Instant)>,
     headers: Headers,
     settings: Settings,
     shared: Arc<Shared>,
@@ -659,6 +742,13 @@ pub(crate) fn start(
                     refused: HashMap::new(),
                     pending: HashMap::new(),
                     banned: HashSet::new(),
+                    cut: HashMap::new(),
+                    cut_pids: HashMap::new(),
+                    put_instances: HashSet::new(),
+                    shut_down: HashSet::new(),
+                    dead: HashSet::new(),
+                    cut_waits: Vec::new(),
+                    closing_eps: Vec::new(),
                     headers,
                     settings,
                     shared,
@@ -818,6 +908,9 @@ impl Engine {
             Ok(h) => h,
             Err(e) => return tracing::warn!("ucx: dropping an active message: {e}"),
         };
+        if self.cut.contains_key(&h.instance) {
+            return self.on_cut_message(h, &m.data);
+        }
         let bad = |what: &str| tracing::warn!(identity = h.identity, "ucx: dropping a malformed {what}");
         // The connect-time exchange: answers are matched to our hello by instance and nonce, and
         // the proofs in them decide.
@@ -946,12 +1039,16 @@ impl Engine {
     fn on_hello(&mut self, h: Header, body: &[u8]) {
         let hello = match serde_json::from_slice::<Hello>(body)
             .map_err(|e| e.to_string())
-            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc, wire::unhex(&x.challenge)?, x.mm_seg)))
+            .and_then(|x| Ok((x.nonce, wire::unhex(&x.worker)?, x.proc, wire::unhex(&x.challenge)?, x.mm_seg, x.am)))
         {
             Ok(x) => x,
             Err(e) => return tracing::warn!(identity = h.identity, "ucx: dropping a malformed hello: {e}"),
         };
-        let (nonce, addr, proc, challenge, mm_seg) = hello;
+        let (nonce, addr, proc, challenge, mm_seg, am) = hello;
+        if !am {
+            // It may write into our memory with puts, which no cut-off of ours can stop.
+            self.put_instances.insert(h.instance);
+        }
         if proc.host == self.settings.proc.host && !crate::mmseg::compatible(self.settings.mm_seg, mm_seg) {
             let why = crate::mmseg::mismatch(self.settings.mm_seg, mm_seg);
             return self.refuse_hello(h, &addr, nonce, &why);
@@ -973,8 +1070,9 @@ impl Engine {
         let token = self.token(Token::Reverse(h.instance));
         match self.open_ep(addr, token) {
             Ok(ep) => {
-                self.reverse
-                    .insert(h.instance, Reverse { identity: h.identity, proc, ep: ep.clone(), refs: 1, authed });
+                let reverse =
+                    Reverse { identity: h.identity, proc, addr: addr.to_vec(), ep: ep.clone(), refs: 1, authed };
+                self.reverse.insert(h.instance, reverse);
                 Some(ep)
             }
             Err(e) => {
@@ -1005,9 +1103,24 @@ impl Engine {
     /// to the address it gave (closed after a flush).
     fn refuse_hello(&mut self, h: Header, addr: &[u8], nonce: u64, reason: &str) {
         tracing::warn!(identity = h.identity, "ucx: refusing a connection: {reason}");
+        self.send_once(addr, self.header(Kind::Refused, 0), wire::encode_refused(nonce, reason));
+    }
+
+    /// Sends one message on a short-lived endpoint to the worker at `addr`, closed (after the
+    /// message left) without blocking the loop.
+    fn send_once(&mut self, addr: &[u8], header: Vec<u8>, body: Vec<u8>) {
         let token = self.token(Token::Reverse(u64::MAX));
         if let Ok(ep) = self.open_ep(addr, token) {
-            self.send_loose(&ep, self.header(Kind::Refused, 0), wire::encode_refused(nonce, reason));
+            self.send_loose(&ep, header, body);
+            match Rc::try_unwrap(ep) {
+                Ok(ep) => {
+                    // Flushed: the message goes before the endpoint.
+                    if let Some(c) = ep.close_nb(false) {
+                        self.closing_eps.push((c, Instant::now() + CLOSE_WAIT));
+                    }
+                }
+                Err(rc) => drop(rc),
+            }
         }
         self.tokens.remove(&token);
     }
@@ -1219,6 +1332,7 @@ impl Engine {
             }
         }
         if shutdown {
+            self.shut_down.insert(h.instance);
             for p in self.peers.values_mut().filter(|p| p.instance == h.instance && p.lost.is_none()) {
                 p.set_lost("the peer endpoint shut down".into());
             }
@@ -1393,8 +1507,246 @@ impl Engine {
             }
         }
         for (instance, identity, reason) in lost {
+            self.dead.insert(instance);
             self.emit_lost(instance, identity, reason);
         }
+        for c in self.cut.values_mut().filter(|c| !c.dead) {
+            if c.proc.as_ref().is_some_and(|p| p.alive(&me) == Some(false)) {
+                c.dead = true;
+            }
+        }
+    }
+
+    /// A message from a cut-off instance: nothing of it is applied. A hello is refused (its
+    /// connect fails at once); the first other message since the cut-off gets a refusal, so the
+    /// instance fails its transfers to us instead of waiting for acknowledgements.
+    fn on_cut_message(&mut self, h: Header, body: &[u8]) {
+        self.shared.cut_dropped.fetch_add(1, Ordering::Relaxed);
+        let why = cut_refusal(h.identity, h.instance);
+        if h.kind == Kind::Hello {
+            if let Ok(x) = serde_json::from_slice::<Hello>(body) {
+                if let Ok(addr) = wire::unhex(&x.worker) {
+                    self.refuse_hello(h, &addr, x.nonce, &why);
+                }
+            }
+            return;
+        }
+        let Some(c) = self.cut.get_mut(&h.instance) else { return };
+        match h.kind {
+            Kind::Goodbye if h.flags & GOODBYE_SHUTDOWN != 0 => c.shut_down = true,
+            Kind::Revoke => {
+                // It closes a region: we write nothing into it any more (every transfer to it
+                // failed), which the acknowledgement says once those transfers are final.
+                let Some(seq) = wire::u64_at(body, 0) else { return };
+                match &mut c.acks {
+                    Some(later) => later.push(seq),
+                    None => {
+                        if let Some(addr) = c.addr.clone() {
+                            self.send_once(&addr, self.header(Kind::RevokeAck, 0), seq.to_le_bytes().to_vec());
+                        }
+                    }
+                }
+            }
+            Kind::RevokeAck | Kind::Refused | Kind::Goodbye => {}
+            _ => {
+                if std::mem::replace(&mut c.told, true) {
+                    return;
+                }
+                if let Some(addr) = c.addr.clone() {
+                    self.refuse_hello(h, &addr, 0, &why);
+                }
+            }
+        }
+    }
+
+    /// Cuts off the instance `pid` is connected to (see the crate README, "Cutting a peer off"):
+    /// from this call on nothing of it is applied (every message of it is dropped before it is
+    /// looked at: no data is placed, no notification delivered, no hello admitted); every endpoint
+    /// to it (ours and the one back to it) is closed; every transfer to it fails. Answered once no
+    /// put of ours to it is in flight: `Ok` when every connection it made to us said it writes
+    /// with active messages, else `Unsupported` (its `ucp_put_nbx` writes cannot be refused here).
+    fn cut_off(&mut self, pid: PeerId, reason: &str, reply: Reply<CutOff>) {
+        let instance = match (self.peers.get(&pid), self.cut_pids.get(&pid)) {
+            (Some(p), _) => p.instance,
+            (None, Some(i)) => {
+                let r = match self.cut.get(i) {
+                    Some(c) if c.confirmed() => Ok(CutOff { closed: 0, failed_transfers: 0, how: "already cut off" }),
+                    _ => Err(unconfirmed(*i)),
+                };
+                return drop(reply.send(r));
+            }
+            (None, None) => return drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer: pid }))),
+        };
+        if instance == self.settings.instance {
+            return drop(reply.send(Err(BackendError::Unsupported {
+                backend: NAME,
+                what: "cutting off this endpoint itself (a connection to itself)".into(),
+            })));
+        }
+        let why = format!("cut off: {reason}");
+        tracing::info!(instance, %reason, "ucx: cutting off a peer instance");
+        let confirmable = !self.put_instances.contains(&instance);
+        let proc = self.peers.values().find(|p| p.instance == instance).map(|p| p.proc.clone());
+        let proc = proc.or_else(|| self.reverse.get(&instance).map(|r| r.proc.clone()));
+        let me = self.settings.proc.clone();
+        let shut_down = self.shut_down.contains(&instance);
+        let dead = self.dead.contains(&instance) || proc.as_ref().is_some_and(|p| p.alive(&me) == Some(false));
+        // No loss is reported for it any more: the caller gave up on it already.
+        self.lost_instances.insert(instance);
+        self.pending.retain(|(i, _), _| *i != instance);
+        // Its revokes still waiting for our flushes: acknowledged once our transfers to it are final
+        // (below), on an endpoint of their own (ours to it are closed).
+        let revokes: Vec<u64> = self.acks.iter().filter(|a| a.instance == instance).map(|a| a.seq).collect();
+        self.acks.retain(|a| a.instance != instance);
+        self.refused.retain(|(i, _), _| *i != instance);
+        let mut addr = None;
+        let (mut closed, mut failed) = (0, 0);
+        let (mut reqs, mut jobs, mut disconnects) = (Vec::new(), Vec::new(), Vec::new());
+        let pids: Vec<PeerId> = self.peers.iter().filter(|(_, p)| p.instance == instance).map(|(k, _)| *k).collect();
+        for q in pids {
+            let Some(mut p) = self.peers.remove(&q) else { continue };
+            self.cut_pids.insert(q, instance);
+            self.tokens.retain(|_, t| !matches!(t, Token::Forward(x) if *x == q));
+            addr.get_or_insert_with(|| p.addr.clone());
+            *lock(&p.shared.lost) = Some(why.clone());
+            if let Some((_, r, _)) = p.connecting.take() {
+                let detail = cut_refusal(p.identity, instance);
+                let _ = r.send(Err(BackendError::Connect { backend: NAME, peer: desc(q, p.identity), detail }));
+            }
+            if let Some((r, ..)) = p.closing.take() {
+                disconnects.push(r);
+            }
+            for mut j in p.jobs.drain(..) {
+                if matches!(j.done, Some(Done::State(_))) {
+                    failed += 1;
+                }
+                j.segs.clear();
+                j.am = None;
+                // The remote keys go before the endpoint.
+                j.dsts.clear();
+                j.hot = None;
+                if !self.settings.am_data {
+                    // Puts may still read the source (pending in UCX, or zero-copy on the wire).
+                    reqs.append(&mut j.reqs);
+                    reqs.extend(j.flush.take());
+                }
+                // Active-message requests read only their own buffers (copied at post): released
+                // with the job (a request still in flight keeps its buffers until UCX is done).
+                j.reqs.clear();
+                j.am_req = None;
+                jobs.push(j);
+            }
+            p.remote.clear();
+            let ep = p.ep.clone();
+            drop(p);
+            self.close_ep(ep);
+            closed += 1;
+        }
+        if let Some(r) = self.reverse.remove(&instance) {
+            addr.get_or_insert_with(|| r.addr.clone());
+            self.tokens.retain(|_, t| !matches!(t, Token::Reverse(i) if *i == instance));
+            self.close_ep(r.ep);
+            closed += 1;
+        }
+        let info =
+            CutInfo { addr, told: false, acks: Some(revokes), confirmable, proc, shut_down, dead, drained: false };
+        self.cut.insert(instance, info);
+        let deadline = Instant::now() + self.settings.op_timeout.min(CUT_OFF_WAIT);
+        self.cut_waits.push(CutWait {
+            reply: Some(reply),
+            deadline,
+            instance,
+            reqs,
+            jobs,
+            disconnects,
+            why,
+            closed,
+            failed,
+        });
+        self.poll_cut_offs();
+    }
+
+    /// Closes an endpoint without blocking the loop (force-closed in peer error mode).
+    fn close_ep(&mut self, ep: Rc<Endpoint>) {
+        ep.mark_failed();
+        match Rc::try_unwrap(ep) {
+            Ok(ep) => {
+                if let Some(c) = ep.close_nb(true) {
+                    self.closing_eps.push((c, Instant::now() + CLOSE_WAIT));
+                }
+            }
+            // Still held (a control message under way): closed when the last holder lets go.
+            Err(rc) => drop(rc),
+        }
+    }
+
+    /// Answers cut-offs whose own puts are done (or past their deadline); polls closing endpoints.
+    fn poll_cut_offs(&mut self) -> bool {
+        let now = Instant::now();
+        self.closing_eps.retain(|(c, deadline)| !c.done() && now < *deadline);
+        if self.cut.values().any(|c| c.dead && !c.drained) {
+            // A dead instance transmits nothing more: once the worker has nothing left to do, every
+            // put it transmitted was placed (emulated puts are placed inside ucp_worker_progress).
+            let drained = (0..100_000).any(|_| self.worker.progress() == 0);
+            if drained {
+                for c in self.cut.values_mut().filter(|c| c.dead) {
+                    c.drained = true;
+                }
+            }
+        }
+        let cut = &mut self.cut;
+        let mut acks = Vec::new();
+        self.cut_waits.retain_mut(|w| {
+            w.reqs.retain(|r| r.poll("ucp_put_nbx/ucp_ep_flush_nbx").is_none());
+            if w.reqs.is_empty() {
+                // Our transfers to it are final: its revokes can be acknowledged.
+                if let Some(c) = cut.get_mut(&w.instance) {
+                    if let (Some(later), Some(addr)) = (c.acks.take(), c.addr.clone()) {
+                        acks.extend(later.into_iter().map(|seq| (addr.clone(), seq)));
+                    }
+                }
+            }
+            let settling = cut.get(&w.instance).is_some_and(|c| c.dead && !c.drained);
+            if w.reqs.is_empty() && !settling {
+                finish_cut_jobs(std::mem::take(&mut w.jobs), &w.why);
+                for d in w.disconnects.drain(..) {
+                    let _ = d.send(Ok(()));
+                }
+                if let Some(r) = w.reply.take() {
+                    let confirmed = cut.get(&w.instance).is_some_and(CutInfo::confirmed);
+                    let _ = r.send(if confirmed {
+                        Ok(CutOff {
+                            closed: w.closed,
+                            failed_transfers: w.failed,
+                            how: "instance refused (its messages dropped before they are applied: active-message \
+                                  data placed by this endpoint only), endpoints closed",
+                        })
+                    } else {
+                        Err(unconfirmed(w.instance))
+                    });
+                }
+                return false;
+            }
+            if now >= w.deadline {
+                if let Some(r) = w.reply.take() {
+                    let _ = r.send(Err(BackendError::Timeout {
+                        backend: NAME,
+                        what: format!(
+                            "{} put(s) of this endpoint to the cut-off instance {:#x} still in flight (they may still \
+                             read their source memory)",
+                            w.reqs.len(),
+                            w.instance
+                        ),
+                        after: CUT_OFF_WAIT,
+                    }));
+                }
+            }
+            true
+        });
+        for (addr, seq) in acks {
+            self.send_once(&addr, self.header(Kind::RevokeAck, 0), seq.to_le_bytes().to_vec());
+        }
+        !self.cut_waits.is_empty() || !self.closing_eps.is_empty()
     }
 
     fn token(&mut self, t: Token) -> u64 {
@@ -1448,6 +1800,7 @@ impl Engine {
                 }
                 _ => drop(reply.send(Err(BackendError::UnknownPeer { backend: NAME, peer }))),
             },
+            Cmd::CutOff { peer, reason, reply } => self.cut_off(peer, &reason, reply),
             Cmd::Shutdown => {}
         }
     }
@@ -1485,6 +1838,9 @@ impl Engine {
             && !crate::mmseg::compatible(self.settings.mm_seg, payload.mm_seg)
         {
             return drop(reply.send(Err(fail(crate::mmseg::mismatch(self.settings.mm_seg, payload.mm_seg)))));
+        }
+        if self.cut.contains_key(&payload.instance) {
+            return drop(reply.send(Err(fail(cut_refusal(identity, payload.instance)))));
         }
         let token = self.token(Token::Forward(pid));
         let ep = match self.open_ep(&worker_addr, token) {
@@ -1536,6 +1892,7 @@ impl Engine {
                 proc: self.settings.proc.clone(),
                 challenge: wire::hex(&challenge),
                 mm_seg: self.settings.mm_seg,
+                am: self.settings.am_data,
             };
             let body = serde_json::to_vec(&body).expect("a hello always encodes");
             if let Err(e) = ep.am_send(self.header(Kind::Hello, 0), body).map(|p| match p {
@@ -1550,6 +1907,7 @@ impl Engine {
         let peer = Peer {
             identity,
             instance: payload.instance,
+            addr: worker_addr,
             proc: payload.proc,
             shared,
             remote,
@@ -1695,6 +2053,7 @@ impl Engine {
             }
         }
         in_flight |= self.poll_closes();
+        in_flight |= self.poll_cut_offs();
         if !self.pending.is_empty() {
             self.expire_pending();
             in_flight = true;
@@ -1728,9 +2087,21 @@ impl Engine {
             }
             let connected_to_me = self.peers.values().any(|p| p.instance == me && p.lost.is_none());
             let reverse = &self.reverse;
+            let cut = &self.cut;
             let c = &mut self.closes[i];
             if let Some(w) = &mut c.waiting {
-                w.retain(|inst| if *inst == me { connected_to_me } else { reverse.contains_key(inst) });
+                // A cut-off instance whose puts could still land keeps the close waiting (it answers
+                // nothing any more, so the close times out and the memory is not freed).
+                let unconfirmed = |inst: &u64| cut.get(inst).is_some_and(|c| !c.done_with());
+                w.retain(
+                    |inst| {
+                        if *inst == me {
+                            connected_to_me
+                        } else {
+                            reverse.contains_key(inst) || unconfirmed(inst)
+                        }
+                    },
+                );
                 if w.is_empty() {
                     let c = self.closes.swap_remove(i);
                     // Unmapped when the last job holding it is gone (none: the region drained).
@@ -1779,6 +2150,18 @@ impl Engine {
         for c in self.closes.drain(..) {
             if let Some(r) = c.reply {
                 let _ = r.send(Err(BackendError::Closed { backend: NAME }));
+            }
+        }
+        for w in self.cut_waits.drain(..) {
+            let CutWait { reply, reqs, jobs, disconnects, why, .. } = w;
+            // The worker is going away: requests still in flight are released with it.
+            drop(reqs);
+            finish_cut_jobs(jobs, &why);
+            if let Some(r) = reply {
+                let _ = r.send(Err(BackendError::Closed { backend: NAME }));
+            }
+            for d in disconnects {
+                let _ = d.send(Ok(()));
             }
         }
         let bye = self.header(Kind::Goodbye, GOODBYE_SHUTDOWN);
@@ -1838,10 +2221,41 @@ impl Engine {
             | Cmd::Connect { reply, .. }
             | Cmd::Notify { reply, .. }
             | Cmd::Disconnect { reply, .. } => drop(reply.send(Err(closed()))),
+            Cmd::CutOff { reply, .. } => drop(reply.send(Err(closed()))),
             Cmd::Post(p) => drop(p.state.fail(closed())),
             // Region closes still go through the fence in shutdown.
             c @ Cmd::Close { .. } => self.handle(c),
             Cmd::Abort { .. } | Cmd::Shutdown => {}
         }
+    }
+}
+
+/// Fails the jobs of a cut-off peer (an aborted one ends `Aborted`).
+fn finish_cut_jobs(jobs: Vec<Job>, why: &str) {
+    for mut j in jobs {
+        let e = BackendError::PeerLost { backend: NAME, peer: "a cut-off peer".into(), detail: why.to_owned() };
+        j.finish(if j.abort { Outcome::Aborted } else { Outcome::Failed(e) });
+    }
+}
+
+fn cut_refusal(identity: u64, instance: u64) -> String {
+    format!(
+        "this endpoint cut off identity {identity:#x} instance {instance:#x} (it gave up on that peer); a restarted \
+         process is a new instance and may connect"
+    )
+}
+
+/// Why the cut-off of `instance` is not confirmed: it writes with puts.
+fn unconfirmed(instance: u64) -> BackendError {
+    BackendError::Unsupported {
+        backend: NAME,
+        what: format!(
+            "confirming the cut-off of instance {instance:#x}: it writes into this endpoint with ucp_put_nbx \
+             (data=put), and UCX 1.13 places those writes without a check this endpoint can make fail (emulated \
+             puts: ucp_put_handler does not check the remote key, and takes the writes of an endpoint that was \
+             closed; see the crate README, \"Cutting a peer off\"). Its connections are closed and it is refused, \
+             but the memory it could write must stay quarantined; run every rank with data=am for cut-offs that \
+             are confirmed"
+        ),
     }
 }

@@ -204,6 +204,7 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
         proc: proc_id(),
         challenge: wire::hex(&[0xc1; kvxfer_core::secret::NONCE_BYTES]),
         mm_seg: crate::mmseg::DEFAULT,
+        am: false,
     };
     let exchange = wire::exchange(
         [0xc1; kvxfer_core::secret::NONCE_BYTES],

@@ -40,6 +40,16 @@
 //! ([`UcxBackend::forged_notifications`]), the sender told and refused for the endpoint's lifetime,
 //! and `PeerLost` reported with the proved identity. Limits: see the crate README.
 //!
+//! # Cutting a peer off
+//! [`KvTransferBackend::cut_off`] records the peer's instance as cut off on the progress thread:
+//! from then on every active message carrying it is dropped before it is decoded (no data placed,
+//! nothing delivered, a reconnect refused), every endpoint to it is closed and every transfer to it
+//! fails. It is confirmed only for an instance that writes with active messages (`data=am`, which
+//! its hello says), because this endpoint places those bytes itself; an instance that writes with
+//! `ucp_put_nbx` is cut off the same way but answered `Unsupported`: UCX 1.13 places its emulated
+//! puts in `ucp_put_handler` without a check the receiver can make fail (no remote key is checked,
+//! and a closed endpoint still takes puts). See the crate README for the UCX source behind this.
+//!
 //! # Memory lifetime and abort
 //! - Closing a [`Registration`] removes the region from the table (new posts naming it fail with
 //!   `UnknownRegion`, the active-message receiver refuses data for it), waits until no local
@@ -67,7 +77,7 @@ use std::time::Duration;
 use kvxfer_core::backend::BoxFuture;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionTable};
 use kvxfer_core::{
-    AbortTransfer, BackendConfig, BackendError, BackendEvent, Capabilities, CloseRegistration, Completion,
+    AbortTransfer, BackendConfig, BackendError, BackendEvent, Capabilities, CloseRegistration, Completion, CutOff,
     EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration,
     Transfer, TransferState, WriteOp,
 };
@@ -247,12 +257,17 @@ impl UcxBackend {
             closed: AtomicBool::new(false),
             forged: AtomicU64::new(0),
             unauthenticated: AtomicU64::new(0),
+            cut_dropped: AtomicU64::new(0),
         });
         let (thread, cuda) = engine::start(s, rx, shared.clone())?;
         // Device memory only where UCX can register it and the data path never reads it from
         // the host (the active-message path copies through host guards).
         let memory = if cuda && !am_data { MemKinds::HOST.union(MemKinds::CUDA) } else { MemKinds::HOST };
+        // A cut-off is confirmable for peers that write with active messages (placed by this
+        // endpoint, which drops a cut instance's); UCX 1.13's emulated puts cannot be refused here.
+        // Peers of one cluster run the same `data` setting.
         let caps = Capabilities::new(true, true, true, !shm)
+            .with_cut_off_live(am_data)
             .with_memory(memory)
             .with_limits(Limits::new(MAX_OPS_PER_POST, MAX_NOTIFICATION_BYTES, MAX_REGIONS))
             .with_completion(Completion::Remote);
@@ -286,6 +301,16 @@ impl UcxBackend {
     /// Messages dropped because their sender had not authenticated (with a cluster secret).
     pub fn unauthenticated_messages(&self) -> u64 {
         self.shared.unauthenticated.load(Ordering::Relaxed)
+    }
+
+    /// Messages dropped because their sender's instance was cut off ([`KvTransferBackend::cut_off`]).
+    pub fn cut_off_messages(&self) -> u64 {
+        self.shared.cut_dropped.load(Ordering::Relaxed)
+    }
+
+    /// This endpoint's instance (random, drawn at creation; in its metadata and every message).
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     async fn call(
@@ -479,5 +504,21 @@ impl KvTransferBackend for UcxBackend {
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         self.peers.remove(peer)?;
         self.call(|reply| Cmd::Disconnect { peer, reply }).await
+    }
+
+    /// See the crate README, "Cutting a peer off": confirmed (`Ok`) when the peer instance writes
+    /// with active messages (`data=am`), which this endpoint places itself and drops from a cut-off
+    /// instance; `Unsupported` when it writes with `ucp_put_nbx` (the cut-off is done, but UCX 1.13
+    /// gives the receiver no way to refuse those writes).
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let (tx, rx) = oneshot::channel();
+        self.shared.send(Cmd::CutOff { peer, reason: reason.to_owned(), reply: tx })?;
+        // The progress thread answers by the cut-off's deadline (or drops the sender on exit).
+        let r = rx.await.map_err(|_| BackendError::Closed { backend: NAME })?;
+        if !matches!(r, Err(BackendError::UnknownPeer { .. })) {
+            // Cut off either way (confirmed or not): the id is gone.
+            let _ = self.peers.remove(peer);
+        }
+        r
     }
 }

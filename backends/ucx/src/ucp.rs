@@ -570,6 +570,59 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Starts closing the endpoint without waiting: with `force` (and in peer error mode, the only
+    /// one where UCX allows it) its lanes are discarded at once, what it still had to send is lost;
+    /// otherwise a flush close (what it has to send goes first). The returned [`ClosingEndpoint`]
+    /// is polled to its end. `None` when the close completed in the call.
+    pub fn close_nb(self, force: bool) -> Option<ClosingEndpoint> {
+        let this = std::mem::ManuallyDrop::new(self);
+        let mut params: sys::ucp_request_param_t = zeroed();
+        params.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        params.flags = if force && this.peer_errors { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 };
+        // SAFETY: the endpoint is live and closed once (ManuallyDrop: its Drop does not run); it is
+        // uniquely owned here, so no RemoteKey of it is left (each holds an Rc to it).
+        let p = unsafe { sys::ucp_ep_close_nbx(this.raw, &params) };
+        // SAFETY: moved out once; `this` is never used or dropped afterwards.
+        let worker = unsafe { std::ptr::read(&this.worker) };
+        if sys::ucs_ptr_is_ptr(p) {
+            return Some(ClosingEndpoint { req: p, err: this.err, worker });
+        }
+        // SAFETY: the close completed (or failed) in the call: UCX will not call the handler again.
+        drop(unsafe { Box::from_raw(this.err) });
+        None
+    }
+}
+
+/// An endpoint whose close is under way ([`Endpoint::close_nb`]).
+pub(crate) struct ClosingEndpoint {
+    req: sys::ucs_status_ptr_t,
+    err: *mut ErrArg,
+    worker: Rc<Worker>,
+}
+
+impl ClosingEndpoint {
+    /// Whether the close completed.
+    pub fn done(&self) -> bool {
+        // SAFETY: req is a live request until freed in Drop.
+        unsafe { sys::ucp_request_check_status(self.req) != sys::UCS_INPROGRESS as Status }
+    }
+}
+
+impl Drop for ClosingEndpoint {
+    fn drop(&mut self) {
+        let done = self.done();
+        // SAFETY: req came from ucp_ep_close_nbx; freed once (UCX finishes it itself if pending).
+        unsafe { sys::ucp_request_free(self.req) };
+        if done {
+            // SAFETY: the endpoint is closed, UCX will not call its error handler again.
+            drop(unsafe { Box::from_raw(self.err) });
+        }
+        // Otherwise the ErrArg is leaked: UCX may still call the handler until the worker is destroyed.
+        let _ = &self.worker;
+    }
+}
+
 impl Drop for Endpoint {
     fn drop(&mut self) {
         let mut params: sys::ucp_request_param_t = zeroed();

@@ -69,6 +69,11 @@ pub(crate) struct Hello {
     /// The connector's shared-memory segment size ([`crate::mmseg`]); 0 without shared memory.
     #[serde(default)]
     pub mm_seg: u64,
+    /// The connector writes with active messages (`data=am`), which the receiver places itself and
+    /// can refuse; false (or absent: an older build) means `ucp_put_nbx`, which it cannot refuse
+    /// (see the crate README, "Cutting a peer off"). Not serialized when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub am: bool,
 }
 
 /// Lower-case hex.

@@ -13,6 +13,15 @@
 //!   moves the QP to ERR and flushes later requests, posted receives, and its requests still
 //!   waiting at the peer;
 //! - a deregistered region's key is gone at once: a later WRITE with it fails (`REM_ACCESS_ERR`);
+//! - a request that reaches a QP in ERR (or RESET, INIT) is not executed: nothing is placed, and the
+//!   sender gets `RETRY_EXC_ERR` (a real responder in ERR drops every packet, so the requester
+//!   retries and gives up);
+//! - a network partition ([`partition`], [`heal`], test hooks): while it lasts, posted requests are
+//!   transmitted (their source bytes read at post time, as the DMA would) but held in the network;
+//!   on healing they arrive in order and are executed against the receiving QP's state *then*. A
+//!   sender whose QP enters ERR meanwhile gets its flush completions at once, but what it already
+//!   transmitted stays in the network and still arrives (packets in flight do not depend on the
+//!   sender's state): that is what a receiver's cut-off must stop;
 //! - completion channel events fire once per arming, like `ibv_req_notify_cq`;
 //! - a CQ overrun panics (the hardware would raise a fatal async event), so sizing bugs are loud.
 //!
@@ -138,6 +147,91 @@ pub fn invalidate_keys_at(addr: *const u8) -> usize {
     let before = f.mrs.len();
     f.mrs.retain(|_, m| m.upgrade().is_some_and(|m| !std::ptr::eq(m.mem.addr(), addr)));
     before - f.mrs.len()
+}
+
+/// A request transmitted during a partition, held in the network until [`heal`].
+struct OnWire {
+    from: Arc<QpShared>,
+    dest: u32,
+    wr_id: u64,
+    signaled: bool,
+    kind: SendKind,
+    data: Vec<u8>,
+    /// The sender's QP entered ERR meanwhile: its completion (a flush) was given already.
+    flushed: bool,
+}
+
+/// `Some` while the network is partitioned: what was transmitted meanwhile, in order.
+fn wire() -> MutexGuard<'static, Option<VecDeque<OnWire>>> {
+    static W: OnceLock<Mutex<Option<VecDeque<OnWire>>>> = OnceLock::new();
+    lock(W.get_or_init(|| Mutex::new(None)))
+}
+
+/// Test hook: partitions the model's network (every endpoint of the process). Requests posted from
+/// now on are transmitted but held in the network until [`heal`]; no completion comes for them
+/// meanwhile (unless their sender's QP enters ERR, which flushes them at the sender).
+pub fn partition() {
+    wire().get_or_insert_with(VecDeque::new);
+}
+
+/// Test hook: ends a [`partition`]. The held requests arrive in the order they were transmitted and
+/// execute against the receiving QP's state now (a QP in ERR drops them; a revoked key fails them).
+/// Returns how many were held.
+pub fn heal() -> usize {
+    let held = wire().take().unwrap_or_default();
+    let n = held.len();
+    let mut failed: Vec<Arc<QpShared>> = Vec::new();
+    for w in held {
+        let gone_wrong = failed.iter().any(|f| Arc::ptr_eq(f, &w.from));
+        if gone_wrong {
+            // Later requests of a sender whose earlier one failed: out of sequence at the receiver.
+            if !w.flushed {
+                w.from.send_cq.push(completion(w.wr_id, S_FLUSH, send_opcode(&w.kind), w.from.qpn));
+            }
+            continue;
+        }
+        let remote = fabric().qps.get(&w.dest).and_then(Weak::upgrade);
+        let result = match &remote {
+            None => Err(S_RETRY_EXC),
+            Some(r) => {
+                let mut rs = lock(&r.st);
+                let ready = rs.state == sys::ibv_qp_state::IBV_QPS_RTR || rs.state == sys::ibv_qp_state::IBV_QPS_RTS;
+                if !ready {
+                    Err(S_RETRY_EXC)
+                } else if !rs.pending.is_empty() || (needs_recv(&w.kind) && rs.recvs.is_empty()) {
+                    if w.flushed {
+                        // Receiver not ready and the sender stopped retrying: never executed.
+                        continue;
+                    }
+                    rs.pending.push_back(Inbound {
+                        from: w.from.clone(),
+                        wr_id: w.wr_id,
+                        signaled: w.signaled,
+                        kind: w.kind,
+                        data: w.data,
+                    });
+                    continue;
+                } else {
+                    r.deliver(&mut rs, w.kind, &w.data)
+                }
+            }
+        };
+        if w.flushed {
+            continue;
+        }
+        match result {
+            Ok(()) if w.signaled => w.from.send_cq.push(completion(w.wr_id, S_OK, send_opcode(&w.kind), w.from.qpn)),
+            Ok(()) => {}
+            Err(status) => {
+                w.from.send_cq.push(completion(w.wr_id, status, send_opcode(&w.kind), w.from.qpn));
+                failed.push(w.from.clone());
+            }
+        }
+    }
+    for f in failed {
+        f.enter_error();
+    }
+    n
 }
 
 /// A protection domain.
@@ -381,6 +475,13 @@ impl QpShared {
         for r in recvs {
             self.recv_cq.push(completion(r.wr_id, S_FLUSH, OP_RECV, self.qpn));
         }
+        // Requests of ours held in a partitioned network: flushed here, still on their way there.
+        if let Some(w) = wire().as_mut() {
+            for held in w.iter_mut().filter(|h| Arc::ptr_eq(&h.from, self) && !h.flushed) {
+                held.flushed = true;
+                self.send_cq.push(completion(held.wr_id, S_FLUSH, send_opcode(&held.kind), self.qpn));
+            }
+        }
         // Our own requests still waiting at the peer (RNR) are flushed with the send queue.
         let remote = fabric().qps.get(&dest).and_then(Weak::upgrade);
         if let Some(r) = remote.filter(|r| !Arc::ptr_eq(r, self)) {
@@ -580,6 +681,20 @@ impl QueuePair<Emulated> for Qp {
                 })?;
             }
             datas.push(data);
+        }
+        if let Some(w) = wire().as_mut() {
+            for (wr, data) in wrs.iter().zip(datas) {
+                w.push_back(OnWire {
+                    from: me.clone(),
+                    dest,
+                    wr_id: wr.wr_id,
+                    signaled: wr.signaled,
+                    kind: wr.kind,
+                    data,
+                    flushed: false,
+                });
+            }
+            return Ok(());
         }
         let remote = fabric().qps.get(&dest).and_then(Weak::upgrade);
         let mut failed = false;

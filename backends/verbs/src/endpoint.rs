@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::toolkit::{Drained, EventQueue, Fragmenter, PeerTable, Reassembler, RegionTable};
 use kvxfer_core::{
-    BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, EndpointMetadata, HostBuffer,
+    BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, CutOff, EndpointMetadata, HostBuffer,
     KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret, Transfer, TransferState,
     TransferStatus, WriteOp,
 };
@@ -179,6 +179,12 @@ pub(crate) struct Inner<V: Verbs> {
     limits: HandshakeLimits,
     /// (identity, instance) of peers refused for this endpoint's life (a forged notification).
     refused: Mutex<HashSet<(u64, u64)>>,
+    /// (identity, instance) of peers this endpoint cut off ([`KvTransferBackend::cut_off`]): no
+    /// handshake of theirs passes, in either direction. Held while a connection joins the peer table,
+    /// so a cut-off either sees the connection (and moves its QP to ERR) or the connection sees it.
+    cut: Mutex<HashSet<(u64, u64)>>,
+    /// Peer ids of connections closed by a cut-off (a later cut-off of one of them is confirmed at once).
+    cut_ids: Mutex<HashSet<PeerId>>,
     opts: Settings,
     ctx: Arc<V::Context>,
     pd: Arc<V::Pd>,
@@ -270,6 +276,8 @@ impl<V: Verbs> Endpoint<V> {
             counters: Arc::new(Counters::default()),
             limits: HandshakeLimits::new(opts.max_handshakes, opts.max_handshakes_per_source, "handshake_timeout_ms"),
             refused: Mutex::new(HashSet::new()),
+            cut: Mutex::new(HashSet::new()),
+            cut_ids: Mutex::new(HashSet::new()),
             ctx,
             pd,
             channel,
@@ -462,6 +470,9 @@ impl<V: Verbs> Inner<V> {
         tcp: TcpStream,
         label: String,
     ) -> Result<Arc<Peer<V>>, BackendError> {
+        if let Some(why) = self.cut_refusal(remote.identity, instance) {
+            return Err(BackendError::Connect { backend: NAME, peer: label, detail: why });
+        }
         let rq = RemoteQp { qp_num: remote.qp_num, psn: remote.psn, lid: remote.lid, gid: remote.gid, mtu: remote.mtu };
         let (a, m) = attrs::rtr(&self.local_port, &rq, &self.timing);
         half.qp.modify(&a, m, &format!("INIT to RTR towards {label}"))?;
@@ -514,7 +525,22 @@ impl<V: Verbs> Inner<V> {
             closing: AtomicBool::new(false),
             qp: half.qp,
         };
-        self.peers.insert_at(id, peer);
+        {
+            // Under the cut-off lock: a cut-off of this instance either finds the connection in the
+            // table or is seen here.
+            let cut = lock(&self.cut);
+            if cut.contains(&(peer.identity, instance)) {
+                drop(cut);
+                let (a, m) = attrs::error();
+                let _ = <V::Qp as QueuePair<V>>::modify(&peer.qp, &a, m, "to ERR: cut off during its handshake");
+                return Err(BackendError::Connect {
+                    backend: NAME,
+                    peer: peer.label.clone(),
+                    detail: cut_refusal(peer.identity, instance),
+                });
+            }
+            self.peers.insert_at(id, peer);
+        }
         let peer = self.peers.get(id)?;
         lock(&self.by_key).insert(half.key, peer.clone());
         Ok(peer)
@@ -628,6 +654,9 @@ impl<V: Verbs> Inner<V> {
         }
         if lock(&self.refused).contains(&(challenge.identity, challenge.instance)) {
             return refuse(s, "this endpoint refused the peer after a forged notification".to_owned());
+        }
+        if let Some(why) = self.cut_refusal(challenge.identity, challenge.instance) {
+            return refuse(s, why);
         }
         let x = proto::exchange(&open, &challenge);
         let proof = match (&self.secret, &challenge.proof) {
@@ -852,6 +881,9 @@ impl<V: Verbs> Inner<V> {
             );
             return refuse(s, why);
         }
+        if let Some(why) = self.cut_refusal(open.identity, open.instance) {
+            return refuse(s, why);
+        }
         let nonce = match kvxfer_core::secret::nonce() {
             Ok(n) => n,
             Err(e) => return refuse(s, format!("the accepting endpoint could not draw a challenge nonce: {e}")),
@@ -992,6 +1024,27 @@ impl<V: Verbs> Inner<V> {
         self.lose(peer, reason.clone());
         let _ = peer.send_frame(&Frame::Bye(reason));
         let _ = lock(&peer.tcp).shutdown(Shutdown::Both);
+    }
+
+    /// Why a handshake with (`identity`, `instance`) is refused: this endpoint cut that instance off.
+    fn cut_refusal(&self, identity: u64, instance: u64) -> Option<String> {
+        lock(&self.cut).contains(&(identity, instance)).then(|| cut_refusal(identity, instance))
+    }
+
+    /// Cuts one connection of a cut-off instance: its QP to ERR (from the `ibv_modify_qp`'s return
+    /// on, the NIC places none of the writes that arrive on it), its side channel shut (no more
+    /// frames either way, no goodbye), unposted requests dropped; posted ones end with their flush
+    /// completions. No loss is reported: the caller gave up on the peer already. Returns how many
+    /// jobs were not final.
+    fn cut_peer(&self, peer: &Arc<Peer<V>>, why: &str) -> Result<usize, BackendError> {
+        // First: the side-channel loop and `lose` then leave the peer alone.
+        peer.closing.store(true, Ordering::SeqCst);
+        let (a, m) = attrs::error();
+        peer.qp.modify(&a, m, &format!("to ERR: cutting off {}", peer.label))?;
+        let jobs = peer.cut(&format!("cut off: {why}"));
+        let _ = lock(&peer.tcp).shutdown(Shutdown::Both);
+        self.forget_in_revokes(peer.key);
+        Ok(jobs)
     }
 
     /// Tears a connection down from our side: goodbye, flush (posted requests end with their flush
@@ -1315,6 +1368,13 @@ impl<V: Verbs> CloseRegistration for Closer<V> {
     }
 }
 
+fn cut_refusal(identity: u64, instance: u64) -> String {
+    format!(
+        "this endpoint cut off identity {identity:#x} instance {instance:#x} (it gave up on that peer); a restarted \
+         process is a new instance and may connect"
+    )
+}
+
 /// Reads from a socket until a deadline however the bytes trickle in: each read waits at most what
 /// is left (its receive timeout set anew), and none starts once the deadline passed.
 struct Until<'a> {
@@ -1427,6 +1487,63 @@ impl<V: Verbs> KvTransferBackend for Endpoint<V> {
 
     async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
         Ok(self.inner.events.recv(max_wait).await)
+    }
+
+    /// Cuts the peer's instance off (see the crate README, "Cutting a peer off"): every queue pair
+    /// of that instance, in both directions, goes to ERR (the NIC drops every write that arrives on
+    /// it afterwards, and its remote keys reach our memory through no other queue pair), its side
+    /// channels are shut and its handshakes refused for this endpoint's life; the call resolves once
+    /// every transfer to it is final (their posted requests flushed: the NIC reads no more of our
+    /// memory for them), bounded by `timeout_ms`.
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let inner = &self.inner;
+        let p = match inner.peers.get(peer) {
+            Ok(p) => p,
+            // Cut off already (this id, or another connection of the same instance): still confirmed.
+            Err(_) if lock(&inner.cut_ids).contains(&peer) => {
+                return Ok(CutOff { closed: 0, failed_transfers: 0, how: "already cut off" });
+            }
+            Err(e) => return Err(e),
+        };
+        let who = (p.identity, p.instance);
+        let victims: Vec<Arc<Peer<V>>> = {
+            let mut cut = lock(&inner.cut);
+            cut.insert(who);
+            inner.peers.all().into_iter().filter(|(_, q)| (q.identity, q.instance) == who).map(|(_, q)| q).collect()
+        };
+        tracing::info!(peer = %p.label, instance = who.1, %reason, connections = victims.len(), "cutting off");
+        let mut failed = 0;
+        let mut error = None;
+        lock(&inner.cut_ids).extend(victims.iter().map(|q| q.id));
+        for q in &victims {
+            let _ = inner.peers.remove(q.id);
+            match inner.cut_peer(q, reason) {
+                Ok(n) => failed += n,
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = error {
+            // A queue pair that did not reach ERR may still take writes: not confirmed.
+            return Err(e);
+        }
+        let deadline = Instant::now() + inner.opts.timeout;
+        for q in &victims {
+            if !q.wait_idle(deadline).await {
+                return Err(inner.timeout_error(format!(
+                    "the flush completions of the transfers to the cut-off {} (the device may still read their \
+                     source memory)",
+                    q.label
+                )));
+            }
+            inner.forget_key(q);
+        }
+        Ok(CutOff {
+            closed: victims.len(),
+            failed_transfers: failed,
+            how: "queue pairs moved to the error state, side channels shut, instance refused at the handshake",
+        })
     }
 
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {

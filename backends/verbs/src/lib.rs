@@ -34,8 +34,8 @@ use std::time::Duration;
 
 use kvxfer_core::toolkit::{Options, FRAGMENT_HEADER};
 use kvxfer_core::{
-    BackendConfig, BackendError, BackendEvent, Capabilities, Completion, EndpointMetadata, KvTransferBackend, Limits,
-    MemDesc, MemKinds, Notification, PeerId, RegionId, Registration, Transfer, WriteOp,
+    BackendConfig, BackendError, BackendEvent, Capabilities, Completion, CutOff, EndpointMetadata, KvTransferBackend,
+    Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration, Transfer, WriteOp,
 };
 
 pub mod attrs;
@@ -290,6 +290,9 @@ impl KvTransferBackend for VerbsBackend {
     async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
         self.ep.disconnect(peer).await
     }
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        self.ep.cut_off(peer, reason).await
+    }
 }
 
 /// Builds an endpoint ([`VerbsBackend::new`]).
@@ -307,6 +310,10 @@ pub fn create_emulated(config: &BackendConfig) -> Result<Arc<dyn KvTransferBacke
 #[cfg(feature = "emulator")]
 #[doc(hidden)]
 pub use emu::invalidate_keys_at as emulated_invalidate_keys_at;
+
+#[cfg(feature = "emulator")]
+#[doc(hidden)]
+pub use emu::{heal as emulated_heal, partition as emulated_partition};
 
 /// Why this host cannot run the verbs backend with `config`'s device selection, or `None` when a
 /// device opens and its port is active (always `None` for the model). Used by the conformance

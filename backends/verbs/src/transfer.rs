@@ -484,6 +484,18 @@ impl<V: Verbs> Peer<V> {
         });
     }
 
+    /// The peer is cut off (its queue pair is in the error state): no new job is taken, queued
+    /// requests are dropped and jobs with nothing posted fail now; the others fail when the flush
+    /// completions of their posted requests arrive. Returns how many jobs were not final.
+    pub(crate) fn cut(&self, why: &str) -> usize {
+        self.with_send(|st| {
+            let n = st.jobs.len();
+            st.lost.get_or_insert_with(|| why.to_owned());
+            self.fail_unposted(st);
+            n
+        })
+    }
+
     /// Fails every job now (the endpoint or connection is torn down and no completion will come).
     pub(crate) fn abandon(&self, why: &str) -> usize {
         self.with_send(|st| self.abandon_locked(st, why))

@@ -56,6 +56,14 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
+    // libfabric reads FI_AV_REMOVE_CLEANUP once, when it starts: with it, removing a peer that this
+    // rank cut off closes its tcp connection, which is what makes the fabric backend's cut-off
+    // confirmable on `tcp;ofi_rxm` (SEMANTICS §6). Set here, before any thread exists; an
+    // operator's own value is kept, and child processes (the demo's workers) inherit it.
+    #[cfg(feature = "fabric")]
+    if std::env::var_os("FI_AV_REMOVE_CLEANUP").is_none() {
+        std::env::set_var("FI_AV_REMOVE_CLEANUP", "1");
+    }
     init_logging();
     match Cli::parse().command {
         Command::Plan(args) => plan::run(&args),
