@@ -86,9 +86,12 @@ run cuda-driver 45 required -- "$G/bin/cuda-driver" --nocapture --test-threads=1
 
 run gpu-xfer 180 required -- "$PY" scripts/gpu_xfer.py --timeout 165 --json "$LOGS/gpu_xfer.json" ${KVXFER_GPU_XFER_ARGS:-}
 
-# The same cuda-ipc transfers with one driver call per copy (the copy kernel off): before/after.
-run gpu-xfer-no-kernel 60 optional -- env KVXFER_CUDA_COPY_KERNEL=0 "$PY" scripts/gpu_xfer.py --timeout 50 \
-  --configs cuda-ipc/cuda --json "$LOGS/gpu_xfer_no_kernel.json"
+# The copy kernel (crates/cuda/src/kernel.rs, off by default until this passes on a GPU): the cuda-ipc
+# transfers, every byte checked, beside the default path's figures above; then its conformance suite.
+run gpu-xfer-kernel 60 required -- env KVXFER_CUDA_COPY_KERNEL=1 "$PY" scripts/gpu_xfer.py --timeout 50 \
+  --configs cuda-ipc/cuda --json "$LOGS/gpu_xfer_kernel.json"
+run conformance-cuda-ipc-kernel 120 required -- env KVXFER_CUDA_COPY_KERNEL=1 "$G/bin/conformance-cuda-ipc" \
+  --test-threads=8 --quiet
 
 run conformance-cuda-ipc 120 required -- "$G/bin/conformance-cuda-ipc" --test-threads=8 --quiet
 
@@ -105,8 +108,8 @@ printf '%s\n' "${SUMMARY[@]}"
 grep -h "summary:" "$LOGS"/conformance-*.log 2>/dev/null
 echo "--- gpu_xfer"
 sed -n '/^==== gpu_xfer/,$p' "$LOGS/gpu-xfer.log" 2>/dev/null | grep -v '^\[' | head -40
-echo "--- gpu_xfer, cuda-ipc with the copy kernel off"
-sed -n '/^==== gpu_xfer/,$p' "$LOGS/gpu-xfer-no-kernel.log" 2>/dev/null | grep -E "cuda-ipc" | head -4
+echo "--- gpu_xfer, cuda-ipc with the copy kernel on (KVXFER_CUDA_COPY_KERNEL=1)"
+sed -n '/^==== gpu_xfer/,$p' "$LOGS/gpu-xfer-kernel.log" 2>/dev/null | grep -E "cuda-ipc|OK|WRONG" | head -6
 grep -h "^ERROR\|WRONG BYTES\|panicked" "$LOGS"/*.log 2>/dev/null | head -20
 # The device runner brings back what is under $OUT: every log and the measurements.
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then

@@ -11,16 +11,18 @@
 //! host memory with `cuMemcpyHtoDAsync` (the driver stages a pageable source before it returns).
 //!
 //! The kernel is PTX, compiled by the driver for the device on first use per context (no NVRTC and
-//! no CUDA toolkit needed). Where any of this is missing (the emulated driver, an old driver
-//! without stream-ordered allocation), or `KVXFER_CUDA_COPY_KERNEL=0`, plans use one copy call per
-//! copy as before.
+//! no CUDA toolkit needed). It is **off unless `KVXFER_CUDA_COPY_KERNEL=1`**: written after the only
+//! GPU run of its session, it has not run on a GPU yet (`scripts/gpu-check.sh` runs the cuda-ipc
+//! transfers and conformance suite with it on, byte for byte, beside the default path). Where it is
+//! off or anything it needs is missing (the emulated driver, an old driver without stream-ordered
+//! allocation), plans use one copy call per copy.
 
 use std::ffi::{c_uint, c_void, CString};
 
 use crate::ffi::{CuDevicePtr, CuResult, CuStream};
 use crate::CudaError;
 
-/// The environment variable that turns the kernel off (`0`): every copy is then a driver call.
+/// The environment variable that turns the kernel on (`1`); otherwise every copy is a driver call.
 pub const ENV: &str = "KVXFER_CUDA_COPY_KERNEL";
 
 /// `CUmodule`.
@@ -73,9 +75,9 @@ impl KernelApi {
     }
 }
 
-/// Whether the environment allows the kernel (`KVXFER_CUDA_COPY_KERNEL` unset or not `0`).
+/// Whether the environment turns the kernel on (`KVXFER_CUDA_COPY_KERNEL=1`).
 pub(crate) fn enabled() -> bool {
-    std::env::var(ENV).map_or(true, |v| v.trim() != "0")
+    std::env::var(ENV).is_ok_and(|v| v.trim() == "1")
 }
 
 /// The copy kernel's entry point in a context (a loaded module's function; the module is kept for

@@ -428,8 +428,8 @@ impl Context {
     }
 
     /// The copy kernel of this context, loaded on first use (the context must be current); `None`
-    /// where the driver lacks the entry points, `KVXFER_CUDA_COPY_KERNEL=0`, or loading failed (logged
-    /// once).
+    /// unless `KVXFER_CUDA_COPY_KERNEL=1`, where the driver lacks the entry points, or where loading
+    /// failed (logged once).
     pub(crate) fn copy_kernel(&self) -> Option<kernel::CopyKernel> {
         *self.copy_kernel.get_or_init(|| {
             let k = self.driver.kernels()?;
