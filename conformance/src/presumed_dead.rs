@@ -13,7 +13,8 @@
 //!   B's memory is still the snapshot and no notification of A's reached B after the cut. Then a new
 //!   endpoint with A's identity connects to B and its write lands.
 //! - `presumed_dead::cut_off_is_idempotent_and_bounded`: cutting off an unknown peer is a typed
-//!   error at once, and a cut-off of an idle peer returns within the bound.
+//!   error at once, a cut-off of an idle peer returns within the bound, and a second one of the same
+//!   id answers at once (`UnknownPeer`, or the first outcome where the backend remembers it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -140,9 +141,11 @@ pub(crate) async fn nothing_lands_after_cut_off(f: Arc<dyn BackendFactory>, _: N
         let _ = tokio::time::timeout(Duration::from_secs(2), a.notify(p, &note)).await;
     }
     let delivered = notes_from(b.as_ref(), A_ID, PAUSE).await?;
-    // Every transfer of A's ends one way or another (none may hang), and still nothing landed.
+    // Every transfer of A's ends one way or another (none may hang: at the latest by A's own
+    // transport deadline), and still nothing landed.
     for t in a_ts.iter().chain(&more).chain(&late) {
-        if let Err(BackendError::Timeout { .. }) = t.wait(deadline(30)).await {
+        let _ = t.wait(deadline(60)).await;
+        if !t.status().is_final() {
             return Err(format!("A's transfer to the endpoint that cut it off never ended: {t:?}"));
         }
     }
@@ -222,8 +225,10 @@ pub(crate) async fn cut_off_is_idempotent_and_bounded(
     if t0.elapsed() > CUT_BOUND {
         return Err("cut_off of an idle peer took longer than its bound".into());
     }
+    // Idempotent, at once: the id is unknown now, or the backend remembers the cut instance.
+    let t1 = Instant::now();
     match b.cut_off(p, "again").await {
-        Err(BackendError::UnknownPeer { .. }) => Ok(()),
-        other => Err(format!("a second cut_off of the same id: expected UnknownPeer, got {other:?}")),
+        Err(BackendError::UnknownPeer { .. }) | Ok(_) if t1.elapsed() < Duration::from_secs(1) => Ok(()),
+        other => Err(format!("a second cut_off of the same id: expected UnknownPeer or Ok at once, got {other:?}")),
     }
 }

@@ -945,7 +945,9 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     ///
     /// `Ok` is the confirmation: from its return on, no byte the cut-off instance sent or will send
     /// can land in this endpoint's registered memory, and no transfer to it reads local memory.
-    /// [`CutOff`] says how the backend made it so. `peer` becomes unknown.
+    /// [`CutOff`] says how the backend made it so. `peer` becomes unknown to posts; a second
+    /// `cut_off` of it answers at once, with [`BackendError::UnknownPeer`] or (a backend that
+    /// remembers the instances it cut off) the first call's outcome.
     ///
     /// Other instances of the same identity are untouched: a restarted process (a new endpoint,
     /// published under a new epoch) connects, and is connected to, as a new peer. An instance is
