@@ -178,6 +178,15 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
     let secret = kvxfer_core::Secret::new(b"fuzz seed secret".to_vec()).expect("non-empty");
     let challenge = wire::challenge(&exchange.acceptor_nonce, &exchange.acceptor_proof(&secret));
     let proof = exchange.connector_proof(&secret);
+    // The per-instance remote keys of a welcome and the keys that did not fit in it.
+    let region_keys: Vec<wire::RegionMeta> = (0..3u32)
+        .map(|i| wire::RegionMeta {
+            id: i,
+            len: 1 << 20,
+            key: 0x00c0_ffee_0000 + u64::from(i),
+            base: 0x7f00_0000_0000 + u64::from(i) * (1 << 20),
+        })
+        .collect();
     vec![
         ("notify".to_owned(), join(&[msg(Kind::Notify, 0, &whole[0])])),
         ("notify-fragmented".to_owned(), join(&fragmented)),
@@ -193,6 +202,13 @@ pub fn message_seeds() -> Vec<(String, Vec<u8>)> {
                 msg(Kind::Challenge, 0x0c0c_0c0c, &challenge),
                 msg(Kind::Auth, 0x0c0c_0c0c, &proof),
                 msg(Kind::Welcome, 0x0c0c_0c0c, &[]),
+            ]),
+        ),
+        (
+            "welcome-keys".to_owned(),
+            join(&[
+                msg(Kind::Welcome, 0x0c0c_0c0c, &wire::welcome(3, &region_keys[..2])),
+                msg(Kind::Keys, 0x0c0c_0c0c, &wire::keys(&region_keys[2..])),
             ]),
         ),
         (

@@ -88,7 +88,7 @@ pub fn parse_seconds(s: &str) -> Result<f64, String> {
 /// Parses a number of seconds in [0, 86400] (0: off).
 pub fn parse_seconds_or_zero(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
-        Ok(v) if v == 0.0 => Ok(0.0),
+        Ok(0.0) => Ok(0.0),
         _ => parse_seconds(s).map_err(|_| format!("`{s}` is not a number of seconds in [0, {MAX_SECONDS}]")),
     }
 }
