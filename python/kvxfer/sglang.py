@@ -88,9 +88,6 @@ except Exception:  # noqa: BLE001 - any import failure means: no usable SGLang h
 
 
 BACKEND_NAME = "kvxfer"
-HOST_ONLY_BACKENDS = ("tcp", "local")
-
-
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else None
@@ -341,10 +338,8 @@ class KvxferKVManager(BaseKVManager):
         self.timeout_s = float(os.environ.get("KVXFER_TIMEOUT_S", "60"))
         device = str(_resolved(server_args, "device", "cuda") or "cuda")
         self.mem_kind = "host" if device == "cpu" else "cuda"
-        if self.mem_kind == "cuda" and self.backend in HOST_ONLY_BACKENDS:
-            raise kvxfer.KvxferError(
-                f"kvxfer: SGLang's KV cache is in GPU memory (--device {device}), but the {self.backend} backend moves "
-                "host memory only: set KVXFER_BACKEND=ucx (kvxfer built with --features ucx) or run on CPU")
+        # Whether the backend takes GPU memory is the agent's to say: its start() refuses, naming the
+        # backends compiled in that can (tcp and local need the CUDA driver on this host).
         self.groups = self._groups(args)
         self.prefill_dp = (_resolved(server_args, "dp_size", 1) or 1) if self.role == "prefill" and _dp_attention(
             server_args) else (_env_int("KVXFER_PREFILL_DP") or 1)

@@ -171,9 +171,6 @@ def _layer_number(name: str, fallback: int) -> int:
     return int(m[-1]) if m else fallback
 
 
-HOST_ONLY_BACKENDS = ("tcp", "local")
-
-
 def page_geometry(view) -> tuple[str, int, int, int, int]:
     """(layout, blocks, local heads, block size, C) of one vLLM 0.33 per-layer ``[B, H, N, C]`` view, or
     ``KvxferError`` naming the strides when its pages are not contiguous ``[H, N, C]`` (kvxfer ``hnd``) or
@@ -301,10 +298,8 @@ class KvxferConnector(KVConnectorBase_V1):
         first = views[0]
         kind, device = _kind(first)
         backend = str(self.extra.get("backend", "tcp"))
-        if kind == "cuda" and backend in HOST_ONLY_BACKENDS:
-            raise kvxfer.KvxferError(
-                f"kvxfer: vLLM's KV cache is on cuda:{device}, but the {backend} backend moves host memory only; "
-                "use \"backend\": \"ucx\" (kvxfer built with --features ucx) or a CPU vLLM")
+        # Whether the backend takes this memory (CUDA: tcp and local with a driver, cuda-ipc, ucx built
+        # with CUDA) is the agent's to say: its start() refuses, naming the backends compiled in that can.
         geo = [page_geometry(v) for v in views]
         layout, blocks, heads, n, c = geo[0]
         if any(g != geo[0] for g in geo[1:]):
