@@ -1,6 +1,6 @@
 //! `kvxfer plan`: prints what every prefill rank writes into every decode rank for one request chunk.
 //!
-//! The table (default) is for people; `--format json` is a public interface documented in the README:
+//! The table (default) is for people; `--format json` is a public interface documented in docs/cli.md:
 //!
 //! ```text
 //! {"transfers":[{"src":{"tp":0,"pp":0},"dst":{"tp":0,"pp":0},"ops":[{"src_region":{"layer":0,"kind":"k"},

@@ -52,7 +52,7 @@ const EXE: &str = env!("CARGO_BIN_EXE_kvxfer");
 /// expired by the service within the TTL (keep-alives every TTL/3).
 const TTL: Duration = Duration::from_secs(2);
 /// A dead or frozen peer is named (the survivor's `peer_lost` line, or an error naming the rank)
-/// within the lease TTL + 1 s: the store's expiry and the watch's delivery (README, "Leases"; the
+/// within the lease TTL + 1 s: the store's expiry and the watch's delivery (docs/operations.md, "Leases"; the
 /// bound `metadata.rs` holds the workers to).
 const NAMED_BOUND: Duration = Duration::from_secs(3);
 /// A survivor that named its lost peer exits within: the verdict wait (TTL + 1 s), the agent's

@@ -78,7 +78,7 @@ pub mod backends {
     }
 }
 
-/// The README's Rust blocks, compiled and run as doctests (the "Embedding kvxfer in an engine" example).
+/// docs/engine-api.md's Rust blocks, compiled and run as doctests (the "Embedding kvxfer in an engine" example).
 #[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
+#[doc = include_str!("../../../docs/engine-api.md")]
 pub struct ReadmeDoctests;

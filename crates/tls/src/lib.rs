@@ -15,8 +15,8 @@
 //! certificate it signed, valid for `kvxfer`, `localhost` and `127.0.0.1`; write it out with
 //! [`Generated::write_to`] to hand it to other processes).
 //!
-//! What TLS costs is measured by `kvxfer bench` (tcp backend, `tls=on` next to plaintext); see the
-//! root README.
+//! What TLS costs is measured by `kvxfer bench` (tcp backend, `tls=on` next to plaintext); see
+//! docs/operations.md (Security).
 
 use std::fmt;
 use std::path::{Path, PathBuf};

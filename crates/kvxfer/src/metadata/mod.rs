@@ -17,7 +17,7 @@
 //! ([`MemberEvent::Left`]). A rank that comes back registers under a new lease, and its epoch (the
 //! store revision that created its record) is higher than any before.
 //!
-//! Key layout under the prefix (see the README's "Metadata stores" section):
+//! Key layout under the prefix (see docs/operations.md, "Metadata stores"):
 //!
 //! ```text
 //! <prefix>/ranks/<role>/<tp>.<pp>   the rank's record (registration, left flag), under its lease
