@@ -6,8 +6,8 @@
 //! - [`tracker`]: the sans-IO completion tracker (SEMANTICS §5).
 //! - [`notify`]: typed notifications and their binary codec.
 //! - [`backend`]: the [`KvTransferBackend`] trait, capabilities, and the `inventory` registry.
-//! - [`mem`]: memory descriptors with a kind, and the memory-lifetime rules (the crate's only
-//!   `unsafe`, behind [`MemDesc::from_raw_parts`]).
+//! - [`mem`]: memory descriptors with a kind, and the memory-lifetime rules (`unsafe` behind
+//!   [`MemDesc::from_raw_parts`]; the crate's other `unsafe` is `CudaHandle::from_raw` in [`order`]).
 //! - [`secret`]: the cluster's shared secret and the keyed proofs of every authenticated channel.
 //! - [`toolkit`]: what every backend needs (region and peer tables, event queue, options,
 //!   op segmentation, notification fragments), written once.
