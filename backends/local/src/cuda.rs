@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvxfer_core::{BackendError, MemKind, Notification, TransferState};
 use kvxfer_cuda::{context, CopyPlan, CudaError, Pending, Shape, Stream};
 
-use crate::{Endpoint, Resolved, NAME};
+use crate::{DeviceWrite, Endpoint, Resolved, NAME};
 
 /// Bytes queued per plan.
 const PLAN_BYTES: u64 = 64 << 20;
@@ -102,6 +102,19 @@ async fn settle(stream: &Stream, p: Pending) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// [`settle`] of a plan writing into a peer's memory. The admission ends with the copy; if the copy
+/// did not complete (its deadline passed), it stays admitted, so a cut-off of this endpoint cannot
+/// be confirmed and the peer's pages stay quarantined rather than reported safe.
+async fn settle_admitted(stream: &Stream, (p, admitted): (Pending, DeviceWrite)) -> Result<(), BackendError> {
+    match settle(stream, p).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            std::mem::forget(admitted);
+            Err(e)
+        }
+    }
+}
+
 /// Runs `task` (a host transfer) once `gate` (the send's GPU order) completed, waiting on the host:
 /// host memory the engine fills with its own GPU copy is read only after that copy.
 pub(crate) async fn after_gate(
@@ -145,7 +158,8 @@ pub(crate) async fn run(
             return;
         }
     }
-    let mut queued: VecDeque<Pending> = VecDeque::new();
+    // Each queued plan with its admission into the destination's memory (see `DeviceWrite`).
+    let mut queued: VecDeque<(Pending, DeviceWrite)> = VecDeque::new();
     let mut outcome: Result<(), BackendError> = Ok(());
     'ops: for r in &ops {
         let mut plans = Vec::new();
@@ -157,15 +171,30 @@ pub(crate) async fn run(
             if state.abort_requested() {
                 break 'ops;
             }
+            let Some(dst_ep) = to.upgrade() else {
+                outcome = Err(BackendError::PeerLost {
+                    backend: NAME,
+                    peer: "local peer".into(),
+                    detail: "dropped during the transfer".into(),
+                });
+                break 'ops;
+            };
+            let admitted = match dst_ep.begin_device_write(&from) {
+                Ok(a) => a,
+                Err(e) => {
+                    outcome = Err(e);
+                    break 'ops;
+                }
+            };
             match stream.submit(plan) {
-                Ok(p) => queued.push_back(p),
+                Ok(p) => queued.push_back((p, admitted)),
                 Err(e) => {
                     outcome = Err(failed("queueing CUDA copies", e));
                     break 'ops;
                 }
             }
             while queued.len() > IN_FLIGHT {
-                if let Err(e) = settle(&stream, queued.pop_front().expect("non-empty")).await {
+                if let Err(e) = settle_admitted(&stream, queued.pop_front().expect("non-empty")).await {
                     outcome = Err(e);
                     break 'ops;
                 }
@@ -174,7 +203,7 @@ pub(crate) async fn run(
     }
     // Nothing queued may be left running when the state turns final.
     while let Some(p) = queued.pop_front() {
-        if let Err(e) = settle(&stream, p).await {
+        if let Err(e) = settle_admitted(&stream, p).await {
             outcome = outcome.and(Err(e));
         }
     }

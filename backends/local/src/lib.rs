@@ -21,12 +21,15 @@
 //! endpoints it cut off behind a read-write lock. Every copy step into an endpoint's memory, and
 //! every delivery of a notification, holds that lock for reading and checks the set first; the
 //! cut-off takes it for writing, so it returns only after the copy step under way (at most 1 MiB)
-//! ended, and no later step, notification or connect of the cut-off endpoint gets through.
+//! ended, and no later step, notification or connect of the cut-off endpoint gets through. CUDA
+//! copies run on a stream after the step that queued them: each is admitted under the same lock and
+//! counted until it completed, and the cut-off also waits for the cut-off endpoint's count to reach
+//! zero (a copy that never completes keeps it from being confirmed: the pages stay quarantined).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::backend::EndpointMetadata;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionRef, RegionTable};
@@ -44,6 +47,9 @@ pub const NAME: &str = "local";
 
 /// Bytes copied per step of a transfer task (an abort takes effect between two steps).
 const STEP: u64 = 1 << 20;
+/// How long a cut-off waits for the cut-off endpoint's device copies into this memory to end (one
+/// plan's copies: a CUDA copy deadline of its own bounds each).
+const CUT_OFF_DEVICE_WAIT: Duration = Duration::from_secs(30);
 
 /// What the local backend supports.
 pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, false, false).with_limits(Limits::new(
@@ -95,11 +101,64 @@ struct Endpoint {
     /// Endpoints (by id) this one cut off: no copy into our memory, notification or connect of
     /// theirs gets through. Readers hold it across each copy step into our memory.
     cut: std::sync::RwLock<std::collections::HashSet<u64>>,
+    /// Device copies into our memory queued and not yet complete, by source endpoint id. CUDA
+    /// copies run after the step that queued them, so a cut-off also waits for these to end.
+    device_writes: Mutex<HashMap<u64, usize>>,
+    /// Signalled whenever a device copy into our memory ended.
+    device_write_ended: tokio::sync::Notify,
     /// Forged notifications refused.
     forged: AtomicU64,
 }
 
+/// One device copy of endpoint `from` into `ep`'s memory, admitted by [`Endpoint::begin_device_write`]
+/// and under way until dropped (drop it only once the copy completed).
+pub(crate) struct DeviceWrite {
+    ep: Arc<Endpoint>,
+    from: u64,
+}
+
+impl Drop for DeviceWrite {
+    fn drop(&mut self) {
+        let mut m = lock(&self.ep.device_writes);
+        if let Some(n) = m.get_mut(&self.from) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.from);
+            }
+        }
+        drop(m);
+        self.ep.device_write_ended.notify_waiters();
+    }
+}
+
 impl Endpoint {
+    /// Admits one device copy of `from` into this endpoint's memory, refused once this endpoint cut
+    /// `from` off. Hold the returned guard until the copy completed.
+    pub(crate) fn begin_device_write(self: &Arc<Self>, from: &Endpoint) -> Result<DeviceWrite, BackendError> {
+        let cut = self.cut.read().unwrap_or_else(|p| p.into_inner());
+        if cut.contains(&from.id) {
+            return Err(cut_off_error(self, from));
+        }
+        *lock(&self.device_writes).entry(from.id).or_default() += 1;
+        Ok(DeviceWrite { ep: Arc::clone(self), from: from.id })
+    }
+
+    /// Whether every device copy of endpoint `from` into this memory ended by `deadline` (called
+    /// once `from` is cut off, so that no new one is admitted).
+    async fn device_writes_ended(&self, from: u64, deadline: Instant) -> bool {
+        loop {
+            let ended = self.device_write_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if !lock(&self.device_writes).contains_key(&from) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline.into(), ended).await.is_err() {
+                return !lock(&self.device_writes).contains_key(&from);
+            }
+        }
+    }
+
     /// Delivers `n` from `from` (what the receiving side of a connection does): with a secret, a
     /// notification not keyed with the sender's identity is refused and the sender cut off.
     fn deliver(&self, from: &Endpoint, n: Notification) -> Result<(), BackendError> {
@@ -180,6 +239,8 @@ impl LocalBackend {
             secret,
             refused: Mutex::new(Vec::new()),
             cut: std::sync::RwLock::new(std::collections::HashSet::new()),
+            device_writes: Mutex::new(HashMap::new()),
+            device_write_ended: tokio::sync::Notify::new(),
             forged: AtomicU64::new(0),
         });
         lock(endpoints()).insert(ep.id, Arc::downgrade(&ep));
@@ -511,6 +572,14 @@ impl KvTransferBackend for LocalBackend {
         if let Some(other) = p.ep.upgrade() {
             // Waits for a copy step of the peer into our memory under way, then refuses every later one.
             self.ep.cut.write().unwrap_or_else(|p| p.into_inner()).insert(other.id);
+            // Device copies of the peer's already queued on a CUDA stream: waited for.
+            if !self.ep.device_writes_ended(other.id, Instant::now() + CUT_OFF_DEVICE_WAIT).await {
+                return Err(BackendError::Timeout {
+                    backend: NAME,
+                    what: format!("the CUDA copies of cut-off endpoint {} into this memory", other.id),
+                    after: CUT_OFF_DEVICE_WAIT,
+                });
+            }
         }
         Ok(CutOff { closed: 1, failed_transfers: failed, how: "peer endpoint refused under the copy lock" })
     }

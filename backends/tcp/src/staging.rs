@@ -361,6 +361,29 @@ pub(crate) struct Receiving {
     landing: VecDeque<Landing>,
 }
 
+/// How long a receiving stream that ends waits for its queued host-to-device copies.
+const LANDING_ON_EXIT: Duration = Duration::from_secs(30);
+
+impl Drop for Receiving {
+    /// A stream leaving its frame loop (closed, failed, or its peer cut off) waits for the copies it
+    /// queued into device memory: the stream counts as closed (what a cut-off waits for) only once
+    /// nothing it read can still land. The wait is the copies' own (microseconds to milliseconds
+    /// for 1 MiB frames), blocking this task's thread.
+    fn drop(&mut self) {
+        let Some(slots) = self.slots.as_ref() else { return };
+        for l in self.landing.drain(..) {
+            if let Err(e) = l.pending.wait_blocking(&slots.stream, Instant::now() + LANDING_ON_EXIT) {
+                tracing::error!(
+                    target: "kvxfer_tcp",
+                    chunk = l.chunk,
+                    "a frame's copy into CUDA memory did not complete within {LANDING_ON_EXIT:?} after its stream \
+                     ended ({e}): its bytes may still land"
+                );
+            }
+        }
+    }
+}
+
 enum Next {
     Read(std::io::Result<usize>),
     Landed(Result<(), CudaError>),

@@ -58,6 +58,10 @@ pub struct Mirror {
     /// The mirrors of connected peers in this process: a transfer to one is done only once its
     /// bytes were mirrored back to the peer's host memory.
     peers: Mutex<HashMap<PeerId, Weak<Inner>>>,
+    /// The tasks that settle this endpoint's forwarded transfers, by peer: `cut_off` returns only
+    /// once those to the cut-off peer ended, so the transfers it hands out are final by then, as the
+    /// backend's own are.
+    forwards: Mutex<HashMap<PeerId, Vec<tokio::task::JoinHandle<()>>>>,
 }
 
 impl std::fmt::Debug for Mirror {
@@ -78,7 +82,7 @@ impl Mirror {
         let ctx = context(device)?;
         let stream = Stream::new(&ctx)?;
         let inner = Arc::new(Inner { ctx, stream, regions: Mutex::new(HashMap::new()) });
-        Ok(Arc::new(Mirror { backend, inner, peers: Mutex::new(HashMap::new()) }))
+        Ok(Arc::new(Mirror { backend, inner, peers: Mutex::new(HashMap::new()), forwards: Mutex::new(HashMap::new()) }))
     }
 }
 
@@ -294,7 +298,7 @@ impl KvTransferBackend for Mirror {
         let t = Arc::new(t);
         let state = TransferState::new(self.name(), peer);
         let (s, inner, target) = (Arc::clone(&state), Arc::clone(&t), lock(&self.peers).get(&peer).cloned());
-        rt.spawn(async move {
+        let task = rt.spawn(async move {
             let end = settle(&inner).await;
             match end {
                 TransferStatus::Done => {
@@ -321,6 +325,11 @@ impl KvTransferBackend for Mirror {
                 }
             }
         });
+        let mut forwards = lock(&self.forwards);
+        let tasks = forwards.entry(peer).or_default();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
+        drop(forwards);
         Ok(Transfer::new(state, Arc::new(Forward(t)), bytes))
     }
 
@@ -341,6 +350,21 @@ impl KvTransferBackend for Mirror {
     }
 
     async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<kvxfer_core::CutOff, BackendError> {
-        self.backend.cut_off(peer, reason).await
+        let cut = self.backend.cut_off(peer, reason).await?;
+        // The backend's transfers to the peer are final now; so are ours once their tasks saw it
+        // (each ends as soon as its transfer is final: bounded well below FORWARD).
+        let tasks = lock(&self.forwards).remove(&peer).unwrap_or_default();
+        let deadline = Instant::now() + SYNC_DEADLINE;
+        for t in tasks {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if tokio::time::timeout(left, t).await.is_err() {
+                return Err(BackendError::Timeout {
+                    backend: "mirror",
+                    what: "the mirrored transfers to a cut-off peer".into(),
+                    after: SYNC_DEADLINE,
+                });
+            }
+        }
+        Ok(cut)
     }
 }
