@@ -22,8 +22,8 @@
 //! one is refused naming authentication, a forged notification is never delivered and its connection
 //! is reported lost; skipped for backends that do not authenticate).
 //!
-//! Feature `cuda`: the [`cuda`] module, the suite with every pool in CUDA memory behind the device
-//! mirror ([`cuda::run_main_cuda`]) and the GPU-ordered send check ([`cuda::gpu_order_check`]).
+//! Feature `cuda`: the `cuda` module, the suite with every pool in CUDA memory behind the device
+//! mirror (`cuda::run_main_cuda`) and the GPU-ordered send check (`cuda::gpu_order_check`).
 
 use std::collections::HashMap;
 use std::process::ExitCode;
