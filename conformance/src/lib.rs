@@ -21,6 +21,9 @@
 //! heterogeneous TP); and `auth` (with the cluster secret: one secret connects, a wrong or missing
 //! one is refused naming authentication, a forged notification is never delivered and its connection
 //! is reported lost; skipped for backends that do not authenticate).
+//!
+//! Feature `cuda`: the `cuda` module, the suite with every pool in CUDA memory behind the device
+//! mirror (`cuda::run_main_cuda`) and the GPU-ordered send check (`cuda::gpu_order_check`).
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -38,6 +41,8 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 mod auth;
 mod contract;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod lifecycle;
 mod presumed_dead;
 
