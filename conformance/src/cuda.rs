@@ -134,9 +134,9 @@ fn read(stream: &Stream, src: &MemDesc) -> Vec<u8> {
 
 /// GPU-ordered sends on CUDA pools (emulated driver), between two endpoints made by `create`
 /// (identities 1 and 2): the engine's stream is busy (a stalled "kernel", then the copy that
-/// produces the KV) when the send is posted with its event; the bytes that land are the produced
-/// ones, and the host was not blocked (post returns at once). The same send from a host pool waits
-/// for the event on the host.
+/// produces the KV) when the send is posted, once ordered after an event recorded on that stream
+/// and once after the stream itself (`GpuOrder::AfterEvent`, `GpuOrder::AfterStream`); each time the
+/// bytes that land are the produced ones, and the host was not blocked (post returns at once).
 ///
 /// Panics on any failure; call it from a multi-threaded tokio test
 /// (`#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`).
