@@ -773,7 +773,14 @@ impl KvTransferBackend for TcpBackend {
         let streams =
             self.shared.cut_off(identity, instance, deadline).await.map_err(|open| BackendError::Timeout {
                 backend: NAME,
-                what: format!("stopping {open} incoming stream(s) of the cut-off {peer} (identity {identity:#x})"),
+                what: if open == 0 {
+                    format!(
+                        "waiting for copies into CUDA memory of bytes from the cut-off {peer} (identity \
+                         {identity:#x}): one outlived its wait and may still land"
+                    )
+                } else {
+                    format!("stopping {open} incoming stream(s) of the cut-off {peer} (identity {identity:#x})")
+                },
                 after: self.opts.timeout.min(Duration::from_secs(30)),
             })?;
         for x in &live {

@@ -113,11 +113,13 @@ pub(crate) struct Shared {
     tasks: Mutex<Vec<AbortHandle>>,
 }
 
-/// Incoming links, and the peer instances cut off (identity, instance), which no stream may join.
+/// Incoming links, the peer instances cut off (identity, instance), which no stream may join, and
+/// the instances whose bytes may still land from a device copy that outlived its stream's wait.
 #[derive(Default)]
 struct Books {
     links: HashMap<u64, InLink>,
     banned: std::collections::HashSet<(u64, u64)>,
+    unlanded: std::collections::HashSet<(u64, u64)>,
 }
 
 impl Shared {
@@ -253,7 +255,8 @@ impl Shared {
     /// handshake any more), every stream of its links told to stop (no loss is reported: the
     /// caller gave up on it already). Resolves with the number of streams stopped once every one
     /// of them left its frame loop (nothing it reads is placed any more), or `Err` with the number
-    /// still running at `deadline`.
+    /// still running at `deadline`, or `Err(0)` when a device copy of the instance's bytes outlived
+    /// its stream's wait (see [`Shared::copies_outstanding`]): those bytes may still land.
     pub async fn cut_off(&self, identity: u64, instance: u64, deadline: Instant) -> Result<usize, usize> {
         let stopped = {
             let mut books = lock(&self.links);
@@ -277,12 +280,21 @@ impl Shared {
                 .map(|l| l.open as usize)
                 .sum();
             if open == 0 {
+                if lock(&self.links).unlanded.contains(&(identity, instance)) {
+                    return Err(0);
+                }
                 return Ok(stopped);
             }
             if tokio::time::timeout_at(deadline.into(), closed).await.is_err() {
                 return Err(open);
             }
         }
+    }
+
+    /// Records that a stream of the peer instance ended while a copy of its bytes into device memory
+    /// was still queued past its wait: no cut-off of that instance can be confirmed any more.
+    fn copies_outstanding(&self, identity: u64, instance: u64) {
+        lock(&self.links).unlanded.insert((identity, instance));
     }
 
     /// Whether the peer instance was cut off.
@@ -546,10 +558,18 @@ async fn serve(shared: Arc<Shared>, stream: Conn, addr: SocketAddr, hello: Hello
             std::future::pending::<()>().await;
         }
     };
+    // Frames into CUDA memory, staged through pinned slots (crate::staging); it outlives the frame
+    // loop so that the copies it queued are waited for below, whichever way the loop ended.
+    let mut staged = crate::staging::Receiving::default();
     let ending = tokio::select! {
-        r = serve_frames(&shared, &hello, &mut r, &mut w, &stop) => r,
+        r = serve_frames(&shared, &hello, &mut r, &mut w, &stop, &mut staged) => r,
         () = killed => Err(Ending::Killed),
     };
+    if !staged.finish() {
+        // A copy into device memory outlived its wait: bytes of this instance may still land, so no
+        // cut-off of it may be confirmed (its pages stay quarantined).
+        shared.copies_outstanding(hello.identity, hello.instance);
+    }
     match ending {
         Ok(()) | Err(Ending::Killed) => {}
         Err(Ending::Lost(reason)) => shared.lost(hello.link, format!("{peer}: {reason}")),
@@ -647,10 +667,9 @@ async fn serve_frames(
     r: &mut Rx,
     w: &mut Tx,
     stop: &watch::Receiver<bool>,
+    staged: &mut crate::staging::Receiving,
 ) -> Result<(), Ending> {
     let (t, poll) = (shared.timeout, shared.poll);
-    // Frames into CUDA memory, staged through pinned slots (crate::staging).
-    let mut staged = crate::staging::Receiving::default();
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
         // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
@@ -723,5 +742,30 @@ async fn serve_frames(
                 return Err(WireError(format!("{:?} frames only travel from receiver to sender", h.ty)).into())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared() -> Shared {
+        let regions = RegionTable::new(crate::NAME, 4);
+        Shared::new(1, [0; wire::TOKEN_LEN], 2, regions, Arc::new(EventQueue::new()), Duration::from_secs(1))
+    }
+
+    #[tokio::test]
+    async fn a_cut_off_is_confirmed_only_while_no_device_copy_of_the_instance_outlived_its_wait() {
+        let s = shared();
+        let soon = Instant::now() + Duration::from_millis(50);
+        // No stream of (7, 8) is open and no copy of it is outstanding: confirmed, nothing stopped.
+        assert_eq!(s.cut_off(7, 8, soon).await, Ok(0));
+        assert!(s.is_cut_off(7, 8));
+        // A copy of (7, 9)'s bytes outlived its stream's wait: its cut-off is refused (quarantine),
+        // now and later, while another instance of the same identity is unaffected.
+        s.copies_outstanding(7, 9);
+        assert_eq!(s.cut_off(7, 9, soon).await, Err(0));
+        assert_eq!(s.cut_off(7, 9, Instant::now() + Duration::from_millis(50)).await, Err(0));
+        assert_eq!(s.cut_off(7, 10, Instant::now() + Duration::from_millis(50)).await, Ok(0));
     }
 }

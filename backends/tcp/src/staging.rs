@@ -364,23 +364,36 @@ pub(crate) struct Receiving {
 /// How long a receiving stream that ends waits for its queued host-to-device copies.
 const LANDING_ON_EXIT: Duration = Duration::from_secs(30);
 
-impl Drop for Receiving {
-    /// A stream leaving its frame loop (closed, failed, or its peer cut off) waits for the copies it
-    /// queued into device memory: the stream counts as closed (what a cut-off waits for) only once
-    /// nothing it read can still land. The wait is the copies' own (microseconds to milliseconds
-    /// for 1 MiB frames), blocking this task's thread.
-    fn drop(&mut self) {
-        let Some(slots) = self.slots.as_ref() else { return };
+impl Receiving {
+    /// Waits for the copies this stream queued into device memory, once its frame loop ended
+    /// (closed, failed, or its peer cut off): the stream counts as closed (what a cut-off waits
+    /// for) only once nothing it read can still land. The wait is the copies' own (microseconds to
+    /// milliseconds for 1 MiB frames), blocking this task's thread, and bounded by
+    /// [`LANDING_ON_EXIT`] per copy. Returns `false` when a copy did not complete in time: its
+    /// bytes may still land, and the caller must not let a cut-off of this peer be confirmed.
+    pub(crate) fn finish(&mut self) -> bool {
+        let Some(slots) = self.slots.as_ref() else { return true };
+        let mut landed = true;
         for l in self.landing.drain(..) {
             if let Err(e) = l.pending.wait_blocking(&slots.stream, Instant::now() + LANDING_ON_EXIT) {
+                landed = false;
                 tracing::error!(
                     target: "kvxfer_tcp",
                     chunk = l.chunk,
                     "a frame's copy into CUDA memory did not complete within {LANDING_ON_EXIT:?} after its stream \
-                     ended ({e}): its bytes may still land"
+                     ended ({e}): its bytes may still land, so a cut-off of its peer cannot be confirmed"
                 );
             }
         }
+        landed
+    }
+}
+
+impl Drop for Receiving {
+    /// A stream dropped without [`Receiving::finish`] (its task aborted at shutdown) still waits for
+    /// its queued copies, so that its slots are not reused or freed under a running copy.
+    fn drop(&mut self) {
+        let _ = self.finish();
     }
 }
 
