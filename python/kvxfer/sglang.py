@@ -445,14 +445,16 @@ class KvxferKVManager(BaseKVManager):
                     if g.name == "kv" and getattr(args, "aux_data_ptrs", None):
                         agent.register_aux(ptrs=list(args.aux_data_ptrs), lens=list(args.aux_data_lens),
                                            item_lens=list(args.aux_item_lens))
-                    # The prefill may start before its bootstrap service listens: retry for a while, then
-                    # raise the last cause (a failed start keeps its setup, so the cause repeats).
+                    # The prefill may start before its bootstrap service listens: retry while the store
+                    # is unreachable, for a while, then raise the last cause (a failed start keeps its
+                    # setup, so the cause repeats). Any other start failure (memory the backend does not
+                    # take, a bad configuration) reaches SGLang at once.
                     deadline = time.monotonic() + wait_s
                     while True:
                         try:
                             agent.start()
                             break
-                        except kvxfer.KvxferError as e:
+                        except kvxfer.StoreUnreachable as e:
                             if time.monotonic() > deadline:
                                 raise
                             logger.info("kvxfer: %s agent not started yet (%s); retrying", g.name, e)

@@ -47,6 +47,15 @@ create_exception!(
     "A kvxfer failure: the message is the Rust error (it names the rank, the peer and the request)."
 );
 
+create_exception!(
+    _native,
+    StoreUnreachable,
+    KvxferError,
+    "`Agent.start()` could not reach the metadata store (the bootstrap service or etcd): the one start \
+     failure that a retry can fix, once the store is up. Every other start failure is a plain \
+     `KvxferError`, which retrying does not fix."
+);
+
 /// `KVPoll` values (SGLang's `disaggregation/base/conn.py`).
 mod kvpoll {
     pub const FAILED: i32 = 0;
@@ -956,6 +965,9 @@ impl Agent {
                         let hints: Vec<String> = kinds.into_iter().map(cuda::capable_backends).collect();
                         return Err(err(format!("{msg}; {}", hints.join("; "))));
                     }
+                    if matches!(e, kvxfer::engine::EngineError::StoreUnreachable { .. }) {
+                        return Err(StoreUnreachable::new_err(e.to_string()));
+                    }
                     return Err(err(e));
                 }
             };
@@ -1535,6 +1547,7 @@ fn backends() -> Vec<&'static str> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvxferError", m.py().get_type::<KvxferError>())?;
+    m.add("StoreUnreachable", m.py().get_type::<StoreUnreachable>())?;
     m.add_class::<Topology>()?;
     m.add_class::<BootstrapServer>()?;
     m.add_class::<Agent>()?;

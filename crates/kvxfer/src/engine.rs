@@ -256,6 +256,18 @@ pub enum EngineError {
         /// What failed.
         detail: String,
     },
+    /// The metadata store could not be reached, or did not answer, while this rank started. No agent
+    /// was made (its endpoint was closed again): start again once the store is up (an engine may start a rank before the bootstrap service listens). Every other
+    /// start failure is [`EngineError::Setup`], which a retry does not fix.
+    #[error("{role} rank {rank}: {detail}")]
+    StoreUnreachable {
+        /// Side.
+        role: Side,
+        /// Rank.
+        rank: RankId,
+        /// The store, the call and the cause.
+        detail: String,
+    },
     /// The call does not fit this rank's role.
     #[error("{role} rank {rank}: {call} is a {needs} call")]
     WrongRole {
@@ -591,10 +603,20 @@ impl Agent {
             label: cfg.label.clone(),
         };
         // A rank restarted right after a crash finds its old record until the old lease expires.
+        // An unreachable store is the one start failure a retry can fix: it says so by its variant.
+        let store_failed = |e: &crate::metadata::StoreError| match e {
+            crate::metadata::StoreError::Unavailable { .. } | crate::metadata::StoreError::Timeout { .. } => {
+                EngineError::StoreUnreachable { role, rank, detail: e.to_string() }
+            }
+            e => setup(e.to_string()),
+        };
         let membership = Membership::join_waiting(Arc::clone(&store), me.clone(), cfg.lease_ttl, rejoin_wait(&cfg))
             .await
-            .map_err(|e| setup(e.to_string()))?;
-        let (watch, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| setup(e.to_string()))?;
+            .map_err(|e| match &e {
+                crate::metadata::MetadataError::Store(se) => store_failed(se),
+                _ => setup(e.to_string()),
+            })?;
+        let (watch, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| store_failed(&e))?;
         let epoch = membership.epoch();
         let peers: BTreeMap<RankId, Peer> = match role {
             Side::Prefill => topo.receivers(rank),

@@ -375,6 +375,30 @@ async fn misuse_is_refused_with_a_clear_error() {
     shutdown(c).await;
 }
 
+/// A start that cannot reach its store says so by its variant (the one start failure a retry fixes),
+/// and the same agent starts once the store is up; a start failure a retry does not fix is `Setup`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_without_its_store_is_store_unreachable_and_a_later_start_succeeds() {
+    use kvxfer::engine::EngineError;
+    let t = topo(1, 1, 1);
+    // A port that was free a moment ago: nothing listens there.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let c = config(Side::Prefill, 0, &t, &addr, NotifyStyle::Attached, "local");
+    let started = Instant::now();
+    let e = Agent::start(c.clone(), KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap_err();
+    assert!(matches!(e, EngineError::StoreUnreachable { .. }), "{e:?}");
+    assert!(e.to_string().starts_with("prefill rank 0/0: ") && e.to_string().contains(&addr), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let server = BootstrapServer::start(&addr).await.unwrap();
+    let a = Agent::start(c, KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap();
+    let mut bad = config(Side::Decode, 0, &t, &addr, NotifyStyle::Attached, "local");
+    bad.backend = "no-such-backend".into();
+    let e = Agent::start(bad, KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap_err();
+    assert!(matches!(e, EngineError::Setup { .. }), "{e:?}");
+    a.shutdown(soon()).await.unwrap();
+    drop(server);
+}
+
 /// Defect 5 of the engine API issue: an abort neither told the senders nor waited for their writes,
 /// so pages reused after it could be overwritten. Over tcp (writes really are in flight): once the
 /// aborted request is `Failed` with `pages_reusable`, pages reset to the sentinel stay so.
