@@ -1971,6 +1971,112 @@ impl FabricBackend {
     }
 
     /// Waits for a job's state; the error of a job that did not finish by the deadline.
+    /// One try of [`KvTransferBackend::connect`] (`p`: the peer's validated payload).
+    async fn connect_once(&self, peer: &EndpointMetadata, p: Payload) -> Result<PeerId, Attempt> {
+        let connect_err = |detail: String| BackendError::Connect {
+            backend: NAME,
+            peer: format!("identity {:#x}", peer.identity),
+            detail,
+        };
+        let challenge = kvxfer_core::secret::nonce()
+            .map_err(|e| Attempt::Failed(connect_err(format!("no challenge nonce: {e}"))))?;
+        let conn = u64::from_le_bytes(
+            kvxfer_core::secret::nonce().map_err(|e| Attempt::Failed(connect_err(format!("no connection id: {e}"))))?
+                [..8]
+                .try_into()
+                .expect("8 bytes"),
+        )
+        .max(1);
+        let (done, answer) = oneshot::channel();
+        let (id, target, state) = {
+            let mut st = self.inner.lock();
+            let fi_addr = match st.addrs.get(&p.addr) {
+                Some(a) => *a,
+                None => {
+                    let a = st.ep.av_insert(&p.addr).map_err(|e| Attempt::Failed(connect_err(e.to_string())))?;
+                    st.addrs.insert(p.addr.clone(), a);
+                    a
+                }
+            };
+            let target = Peer {
+                identity: peer.identity,
+                fi_addr,
+                addr: p.addr,
+                nonce: p.nonce,
+                pid: p.pid,
+                provider: p.provider,
+                cq_data: p.cq_data,
+                frag: self.inner.fragmenter(p.recv_buf as usize),
+                // The keys come with the answer (registered for us alone); the metadata's are local.
+                regions: Mutex::new(HashMap::new()),
+                lost: AtomicBool::new(false),
+                authed: AtomicBool::new(false),
+            };
+            // Known from now on (the caller learns the id only when the hello arrived).
+            let id = self.inner.peers.reserve();
+            self.inner.peers.insert_at(id, target);
+            let target = self.inner.peers.get(id).map_err(Attempt::Failed)?;
+            // Introduce ourselves (pid and address, so the peer can revoke its regions here, and a
+            // fresh challenge) and wait for the hello to be delivered: an unreachable peer fails here.
+            let mut caps = 0;
+            if st.ep.delivery_complete_requested() {
+                caps |= wire::CAP_DELIVERY_COMPLETE;
+            }
+            let shm = self.inner.info.provider == "shm";
+            if shm && !env_flag("FI_SHM_DISABLE_CMA") && !env_flag("FI_SHM_USE_DSA_SAR") && cma_permitted(target.pid) {
+                caps |= wire::CAP_CMA;
+            }
+            let hello = wire::message_flagged(
+                Kind::Hello,
+                wire::hello_flags(caps, st.ep.recv_buf_size()),
+                self.inner.nonce,
+                target.nonce,
+                self.inner.identity,
+                &wire::greeting(std::process::id(), conn, &challenge, st.ep.name()),
+            );
+            st.connecting.insert(
+                conn,
+                Connecting { peer: target.clone(), challenge, done, keys: HashMap::new(), expected: None },
+            );
+            let phases = vec![Phase { items: VecDeque::from([Item::Send(hello)]), ordered: true }];
+            let state = self.inner.submit(&mut st, id, target.clone(), phases, Vec::new(), Vec::new());
+            (id, target, state)
+        };
+        let fail = |detail: String| {
+            let _ = self.inner.peers.remove(id);
+            let mut st = self.inner.lock();
+            st.connecting.remove(&conn);
+            // A peer without a secret admitted us already: tell it this connection ends.
+            if !self.inner.peers.all().iter().any(|(_, q)| q.fi_addr == target.fi_addr) && target.gone().is_none() {
+                st.queue(
+                    target.fi_addr,
+                    wire::message(Kind::Bye, self.inner.nonce, target.nonce, self.inner.identity, &[]),
+                );
+            }
+            drop(st);
+            self.inner.wake();
+            connect_err(detail)
+        };
+        if let Err(e) = self.settle(&state, id, "the hello to a new peer").await {
+            // `lost` is set only by a completion that reported a connection loss.
+            let closed = target.lost.load(Ordering::Acquire);
+            let e = fail(format!("the first message did not arrive: {e}"));
+            return Err(if closed { Attempt::LinkClosed(e) } else { Attempt::Failed(e) });
+        }
+        // The answer: a welcome, or (with a secret) the exchange first; bounded by the timeout.
+        match tokio::time::timeout(self.inner.opts.timeout, answer).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(why))) => return Err(Attempt::Failed(fail(why))),
+            Ok(Err(_)) => return Err(Attempt::Failed(fail("the endpoint closed while connecting".into()))),
+            Err(_) => {
+                let why = format!("no answer to the hello within {:?}", self.inner.opts.timeout);
+                return Err(Attempt::Failed(fail(why)));
+            }
+        }
+        tracing::debug!(target: "kvxfer_fabric", "connected {}", target.describe(id));
+        Ok(id)
+    }
+
     async fn settle(&self, state: &TransferState, peer: PeerId, what: &str) -> Result<(), BackendError> {
         // The job has the same deadline and stops itself; allow its completions a moment beyond it.
         let deadline = Instant::now() + self.inner.opts.timeout + Duration::from_secs(1);
@@ -1981,6 +2087,22 @@ impl FabricBackend {
             TransferStatus::InFlight => {
                 Err(BackendError::Timeout { backend: NAME, what: what.to_owned(), after: self.inner.opts.timeout })
             }
+        }
+    }
+}
+
+/// How one connect try ended, when it failed.
+enum Attempt {
+    /// The hello failed on a connection the peer had closed: worth one more try.
+    LinkClosed(BackendError),
+    /// Anything else: final.
+    Failed(BackendError),
+}
+
+impl Attempt {
+    fn into_error(self) -> BackendError {
+        match self {
+            Attempt::LinkClosed(e) | Attempt::Failed(e) => e,
         }
     }
 }
@@ -2081,102 +2203,18 @@ impl KvTransferBackend for FabricBackend {
         if p.addr.is_empty() || (p.recv_buf as usize) < min_buf {
             return Err(bad(format!("empty address or receive buffers of {} bytes", p.recv_buf)));
         }
-        let connect_err = |detail: String| BackendError::Connect {
-            backend: NAME,
-            peer: format!("identity {:#x}", peer.identity),
-            detail,
-        };
-        let challenge = kvxfer_core::secret::nonce().map_err(|e| connect_err(format!("no challenge nonce: {e}")))?;
-        let conn = u64::from_le_bytes(
-            kvxfer_core::secret::nonce().map_err(|e| connect_err(format!("no connection id: {e}")))?[..8]
-                .try_into()
-                .expect("8 bytes"),
-        )
-        .max(1);
-        let (done, answer) = oneshot::channel();
-        let (id, target, state) = {
-            let mut st = self.inner.lock();
-            let fi_addr = match st.addrs.get(&p.addr) {
-                Some(a) => *a,
-                None => {
-                    let a = st.ep.av_insert(&p.addr).map_err(|e| connect_err(e.to_string()))?;
-                    st.addrs.insert(p.addr.clone(), a);
-                    a
-                }
-            };
-            let target = Peer {
-                identity: peer.identity,
-                fi_addr,
-                addr: p.addr,
-                nonce: p.nonce,
-                pid: p.pid,
-                provider: p.provider,
-                cq_data: p.cq_data,
-                frag: self.inner.fragmenter(p.recv_buf as usize),
-                // The keys come with the answer (registered for us alone); the metadata's are local.
-                regions: Mutex::new(HashMap::new()),
-                lost: AtomicBool::new(false),
-                authed: AtomicBool::new(false),
-            };
-            // Known from now on (the caller learns the id only when the hello arrived).
-            let id = self.inner.peers.reserve();
-            self.inner.peers.insert_at(id, target);
-            let target = self.inner.peers.get(id)?;
-            // Introduce ourselves (pid and address, so the peer can revoke its regions here, and a
-            // fresh challenge) and wait for the hello to be delivered: an unreachable peer fails here.
-            let mut caps = 0;
-            if st.ep.delivery_complete_requested() {
-                caps |= wire::CAP_DELIVERY_COMPLETE;
+        // A hello that went out on a connection the peer had closed (it cut this instance off, or
+        // closed its side of the link) can fail with a connection error before ofi_rxm has taken
+        // the close in; sent again, it opens a new connection and gets the peer's real answer (a
+        // welcome, or a refusal that says why).
+        match self.connect_once(peer, p.clone()).await {
+            Err(Attempt::LinkClosed(e)) => {
+                tracing::debug!(target: "kvxfer_fabric", "the hello met a closed connection ({e}); sending it again");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                self.connect_once(peer, p).await.map_err(Attempt::into_error)
             }
-            let shm = self.inner.info.provider == "shm";
-            if shm && !env_flag("FI_SHM_DISABLE_CMA") && !env_flag("FI_SHM_USE_DSA_SAR") && cma_permitted(target.pid) {
-                caps |= wire::CAP_CMA;
-            }
-            let hello = wire::message_flagged(
-                Kind::Hello,
-                wire::hello_flags(caps, st.ep.recv_buf_size()),
-                self.inner.nonce,
-                target.nonce,
-                self.inner.identity,
-                &wire::greeting(std::process::id(), conn, &challenge, st.ep.name()),
-            );
-            st.connecting.insert(
-                conn,
-                Connecting { peer: target.clone(), challenge, done, keys: HashMap::new(), expected: None },
-            );
-            let phases = vec![Phase { items: VecDeque::from([Item::Send(hello)]), ordered: true }];
-            let state = self.inner.submit(&mut st, id, target.clone(), phases, Vec::new(), Vec::new());
-            (id, target, state)
-        };
-        let fail = |detail: String| {
-            let _ = self.inner.peers.remove(id);
-            let mut st = self.inner.lock();
-            st.connecting.remove(&conn);
-            // A peer without a secret admitted us already: tell it this connection ends.
-            if !self.inner.peers.all().iter().any(|(_, q)| q.fi_addr == target.fi_addr) && target.gone().is_none() {
-                st.queue(
-                    target.fi_addr,
-                    wire::message(Kind::Bye, self.inner.nonce, target.nonce, self.inner.identity, &[]),
-                );
-            }
-            drop(st);
-            self.inner.wake();
-            connect_err(detail)
-        };
-        if let Err(e) = self.settle(&state, id, "the hello to a new peer").await {
-            return Err(fail(format!("the first message did not arrive: {e}")));
+            other => other.map_err(Attempt::into_error),
         }
-        // The answer: a welcome, or (with a secret) the exchange first; bounded by the timeout.
-        match tokio::time::timeout(self.inner.opts.timeout, answer).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(why))) => return Err(fail(why)),
-            Ok(Err(_)) => return Err(fail("the endpoint closed while connecting".into())),
-            Err(_) => {
-                return Err(fail(format!("no answer to the hello within {:?}", self.inner.opts.timeout)));
-            }
-        }
-        tracing::debug!(target: "kvxfer_fabric", "connected {}", target.describe(id));
-        Ok(id)
     }
 
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
