@@ -2143,7 +2143,13 @@ impl Engine {
         while Instant::now() < deadline {
             self.progress_all();
             let busy = self.poll_all();
-            if !busy || (self.closes.is_empty() && self.peers.values().all(|p| p.jobs.is_empty())) {
+            // Endpoints closing after one message (refusals, acknowledgements) finish their close
+            // too: a peer still answering such an endpoint's wireup when this worker is gone fails
+            // to connect back, and UCX 1.13 aborts that peer's process on the reply it then purges
+            // (ucp_request.c: "got REP message"; the assertion was removed in later UCX releases).
+            let idle =
+                self.closes.is_empty() && self.peers.values().all(|p| p.jobs.is_empty()) && self.closing_eps.is_empty();
+            if !busy || idle {
                 break;
             }
         }
