@@ -1970,7 +1970,6 @@ impl FabricBackend {
         std::thread::sleep(d);
     }
 
-    /// Waits for a job's state; the error of a job that did not finish by the deadline.
     /// One try of [`KvTransferBackend::connect`] (`p`: the peer's validated payload).
     async fn connect_once(&self, peer: &EndpointMetadata, p: Payload) -> Result<PeerId, Attempt> {
         let connect_err = |detail: String| BackendError::Connect {
@@ -2077,6 +2076,7 @@ impl FabricBackend {
         Ok(id)
     }
 
+    /// Waits for a job's state; the error of a job that did not finish by the deadline.
     async fn settle(&self, state: &TransferState, peer: PeerId, what: &str) -> Result<(), BackendError> {
         // The job has the same deadline and stops itself; allow its completions a moment beyond it.
         let deadline = Instant::now() + self.inner.opts.timeout + Duration::from_secs(1);
