@@ -18,9 +18,13 @@
 //! locally) and plain socket (the same byte count, one busy-polling stream with 1 MiB writes);
 //! median and best. After the timed runs every byte of the peer's regions is compared (64-bit hash
 //! of each region) with the memcpy result, which applied the same ops to the same source.
+//!
+//! `--plot FILE.svg` (raw workloads) also writes the medians as an SVG chart: GB/s against block
+//! size (log scale), one series per measured thing ([`plot_svg`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -101,6 +105,11 @@ pub struct BenchArgs {
     /// Output format.
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
+    /// Also write an SVG chart of the medians to FILE: GB/s against block size (log scale), one
+    /// series per measured thing (the backend, memcpy, the plain socket, the library's own tool).
+    /// Raw workloads only (a --model run has no block size).
+    #[arg(long, value_name = "FILE.svg", conflicts_with = "model")]
+    pub plot: Option<PathBuf>,
 }
 
 /// Arguments of the hidden `kvxfer bench-peer` (the receiving process).
@@ -135,6 +144,9 @@ fn rate(bytes: u64, secs: &mut [f64]) -> Rate {
 pub struct CaseResult {
     /// What ran.
     pub name: String,
+    /// The raw workload's block size (`None`: model-shaped); for `--plot`, not in the JSON.
+    #[serde(skip)]
+    pub block: Option<u64>,
     /// Bytes per request.
     pub bytes: u64,
     /// Ops per request (one `write`).
@@ -835,11 +847,43 @@ impl Drop for Peer {
     }
 }
 
+/// Refuses a `--plot` path that cannot be written, before the bench runs for minutes.
+fn check_plot_path(path: &Path) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!("--plot {}: is a directory; give a file name such as bench.svg", path.display()));
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(format!(
+            "--plot {}: the directory {} does not exist; create it first",
+            path.display(),
+            parent.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Runs the bench.
 pub fn run(args: &BenchArgs) -> ExitCode {
+    if let Some(path) = &args.plot {
+        if let Err(e) = check_plot_path(path) {
+            eprintln!("kvxfer bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     match bench(args) {
         Ok(results) => {
             let ok = results.iter().all(|r| r.verified);
+            if let Some(path) = &args.plot {
+                if !ok {
+                    eprintln!("kvxfer bench: not writing {}: the bytes did not verify", path.display());
+                } else if let Err(e) = plot_svg(args, &results).and_then(|svg| {
+                    std::fs::write(path, svg).map_err(|e| format!("cannot write --plot {}: {e}", path.display()))
+                }) {
+                    eprintln!("kvxfer bench: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
             match args.format {
                 Format::Json => println!(
                     "{}",
@@ -1127,6 +1171,7 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
         });
         results.push(CaseResult {
             name: wl.name.clone(),
+            block: wl.block,
             bytes,
             ops: wl.ops() as u64,
             runs: args.runs,
@@ -1145,6 +1190,124 @@ fn bench(args: &BenchArgs) -> Result<Vec<CaseResult>, String> {
     drop(plain);
     drop(peer);
     Ok(results)
+}
+
+/// Block size in binary units for an axis label (`4 KiB`, `1.5 MiB`).
+fn human_f(b: f64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let (mut v, mut u) = (b, 0);
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if (v - v.round()).abs() < 1e-6 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Series colours, in series order: the backend, the plain socket, memcpy, native tools.
+const COLORS: [plotters::style::RGBColor; 6] = [
+    plotters::style::RGBColor(0x1f, 0x5f, 0xa8),
+    plotters::style::RGBColor(0xe0, 0x7b, 0x10),
+    plotters::style::RGBColor(0x2c, 0x9a, 0x2c),
+    plotters::style::RGBColor(0xc6, 0x28, 0x28),
+    plotters::style::RGBColor(0x7b, 0x4f, 0xb0),
+    plotters::style::RGBColor(0x55, 0x55, 0x55),
+];
+
+/// One line of the chart: a name and its (block size, median GB/s) points.
+type Series = (String, Vec<(f64, f64)>);
+
+/// The series of a run: the backend, memcpy, the plain socket, and each native tool that measured
+/// at least one block size; cases without a block size (model-shaped) are left out.
+fn plot_series(backend: &str, results: &[CaseResult]) -> Vec<Series> {
+    let raw: Vec<(f64, &CaseResult)> = results.iter().filter_map(|r| r.block.map(|b| (b as f64, r))).collect();
+    let mut series: Vec<Series> = vec![
+        (format!("kvxfer {backend}"), raw.iter().map(|(b, r)| (*b, r.backend.median_gbps)).collect()),
+        (
+            "plain socket (loopback, busy-polling)".to_owned(),
+            raw.iter().map(|(b, r)| (*b, r.socket.median_gbps)).collect(),
+        ),
+        ("memcpy (one process)".to_owned(), raw.iter().map(|(b, r)| (*b, r.memcpy.median_gbps)).collect()),
+    ];
+    for (b, r) in &raw {
+        let Some(n) = &r.native else { continue };
+        let Some(g) = n.median_gbps else { continue };
+        match series.iter_mut().find(|(name, _)| *name == n.tool) {
+            Some((_, pts)) => pts.push((*b, g)),
+            None => series.push((n.tool.clone(), vec![(*b, g)])),
+        }
+    }
+    series.retain(|(_, pts)| !pts.is_empty());
+    series
+}
+
+/// The chart of a run as an SVG document: median GB/s (y) against block size (x, log scale, ticks
+/// at the measured sizes), one line with points per series, a legend, axis labels.
+pub fn plot_svg(args: &BenchArgs, results: &[CaseResult]) -> Result<String, String> {
+    use plotters::prelude::*;
+
+    let series = plot_series(&args.backend, results);
+    let mut blocks: Vec<f64> = results.iter().filter_map(|r| r.block.map(|b| b as f64)).collect();
+    blocks.sort_by(f64::total_cmp);
+    blocks.dedup();
+    let (Some(&lo), Some(&hi)) = (blocks.first(), blocks.last()) else {
+        return Err("nothing to plot: no case has a block size (--plot draws raw --block workloads)".into());
+    };
+    let top = series.iter().flat_map(|(_, p)| p.iter().map(|x| x.1)).filter(|g| g.is_finite()).fold(0.0, f64::max);
+    let top = if top > 0.0 { top * 1.25 } else { 1.0 };
+    let runs = args.runs;
+    let caption = format!(
+        "kvxfer bench: {}, {} per case{}, two processes over loopback",
+        args.backend,
+        human(args.total),
+        if args.shuffle { ", shuffled" } else { "" }
+    );
+    let e = |e: DrawingAreaErrorKind<_>| format!("drawing the chart: {e}");
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (960, 600)).into_drawing_area();
+        root.fill(&WHITE).map_err(e)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 20))
+            .margin(18)
+            .x_label_area_size(52)
+            .y_label_area_size(70)
+            // A factor of 2 of room on each side, so a single block size still has an axis.
+            .build_cartesian_2d((lo / 2.0..hi * 2.0).log_scale().with_key_points(blocks.clone()), 0.0..top)
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("block size (bytes per op; log scale)")
+            .y_desc(format!("GB/s (1e9 bytes/s), median of {runs} run(s)"))
+            .x_label_formatter(&|v| human_f(*v))
+            .y_label_formatter(&|v| format!("{v:.1}"))
+            .axis_desc_style(("sans-serif", 16))
+            .label_style(("sans-serif", 13))
+            .draw()
+            .map_err(e)?;
+        for (i, (name, points)) in series.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+                .map_err(e)?
+                .label(name.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(e)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(e)?;
+        root.present().map_err(e)?;
+    }
+    Ok(out)
 }
 
 fn print_table(backend: &str, results: &[CaseResult]) {
@@ -1216,6 +1379,95 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("1X").is_err());
         assert!(parse_size("M").is_err());
+    }
+
+    fn case(block: Option<u64>, gbps: f64, native: Option<NativeBaseline>) -> CaseResult {
+        let r = Rate { median_gbps: gbps, best_gbps: gbps * 1.1 };
+        CaseResult {
+            name: "case".into(),
+            block,
+            bytes: 1 << 20,
+            ops: 1,
+            runs: 1,
+            backend: r,
+            session: None,
+            session_vs_raw: None,
+            memcpy: Rate { median_gbps: gbps * 10.0, best_gbps: gbps * 11.0 },
+            socket: Rate { median_gbps: gbps * 2.0, best_gbps: gbps * 2.1 },
+            ratio_vs_socket: 0.5,
+            ratio_vs_memcpy: 0.1,
+            verified: true,
+            core_rtt_ns: (None, None),
+            native,
+        }
+    }
+
+    fn args(a: &[&str]) -> BenchArgs {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        Cli::try_parse_from(std::iter::once("bench").chain(a.iter().copied())).unwrap().a
+    }
+
+    #[test]
+    fn plot_has_a_series_per_measured_thing() {
+        let native = |g: Option<f64>| NativeBaseline {
+            tool: "ucx_perftest <put>".into(),
+            median_gbps: g,
+            best_gbps: g,
+            error: g.is_none().then(|| "no such tool".to_owned()),
+            ratio: None,
+        };
+        let results = [case(Some(4096), 1.0, Some(native(None))), case(Some(1 << 20), 3.0, Some(native(Some(5.0))))];
+        let svg = plot_svg(&args(&["--backend", "ucx", "--block", "4K,1M"]), &results).unwrap();
+        for label in
+            ["kvxfer ucx", "plain socket (loopback, busy-polling)", "memcpy (one process)", "ucx_perftest &lt;put&gt;"]
+        {
+            assert!(svg.contains(label), "{label} missing: {svg}");
+        }
+        // Two points for each of three series, one for the tool (its 4K run failed).
+        assert_eq!(svg.matches("<circle").count(), 7, "{svg}");
+        assert!(svg.contains("4 KiB") && svg.contains("1 MiB"), "{svg}");
+
+        // One block size: still a chart with one point per series.
+        let svg = plot_svg(&args(&[]), &[case(Some(1 << 20), 2.0, None)]).unwrap();
+        assert_eq!(svg.matches("<circle").count(), 3, "{svg}");
+        assert!(svg.contains("kvxfer tcp"));
+
+        // Model-shaped cases have no block size.
+        let e = plot_svg(&args(&[]), &[case(None, 2.0, None)]).unwrap_err();
+        assert!(e.contains("no case has a block size"), "{e}");
+    }
+
+    #[test]
+    fn human_axis_sizes() {
+        assert_eq!(human_f(4096.0), "4 KiB");
+        assert_eq!(human_f(1536.0), "1.5 KiB");
+        assert_eq!(human_f(512.0), "512 B");
+        assert_eq!(human_f(16.0 * 1024.0 * 1024.0), "16 MiB");
+    }
+
+    #[test]
+    fn bench_has_no_svg_format_and_plot_paths_are_checked() {
+        use clap::Parser;
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let e = Cli::try_parse_from(["bench", "--format", "svg"]).unwrap_err().to_string();
+        assert!(e.contains("invalid value 'svg'"), "{e}");
+        let e = Cli::try_parse_from(["bench", "--model", "llama3-8b", "--plot", "x.svg"]).unwrap_err().to_string();
+        assert!(e.contains("cannot be used with"), "{e}");
+        let dir = std::env::temp_dir();
+        assert!(check_plot_path(&dir).unwrap_err().contains("is a directory"));
+        let e = check_plot_path(&dir.join("kvxfer-no-such-dir").join("x.svg")).unwrap_err();
+        assert!(e.contains("does not exist"), "{e}");
+        check_plot_path(&dir.join("bench.svg")).unwrap();
+        check_plot_path(Path::new("bench.svg")).unwrap();
     }
 
     #[test]

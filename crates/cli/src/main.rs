@@ -9,6 +9,7 @@ mod bootstrap;
 mod demo;
 mod model;
 mod plan;
+mod svg;
 mod worker;
 
 /// Moves KV cache between prefill and decode workers of disaggregated LLM serving.

@@ -1,6 +1,7 @@
 //! `kvxfer plan`: prints what every prefill rank writes into every decode rank for one request chunk.
 //!
-//! The table (default) is for people; `--format json` is a public interface documented in docs/cli.md:
+//! The table (default) is for people; `--format svg` draws the P x D head map ([`crate::svg`]);
+//! `--format json` is a public interface documented in docs/cli.md:
 //!
 //! ```text
 //! {"transfers":[{"src":{"tp":0,"pp":0},"dst":{"tp":0,"pp":0},"ops":[{"src_region":{"layer":0,"kind":"k"},
@@ -21,7 +22,7 @@ use kvxfer_core::{Attention, KvSpec, Layout, Side, SideSpec, Topology};
 use serde::ser::{SerializeMap, SerializeStruct};
 use serde::{Serialize, Serializer};
 
-use crate::model::StageLayersArgs;
+use crate::model::{Preset, StageLayersArgs};
 
 /// Page layout as a command-line value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -41,13 +42,25 @@ impl From<LayoutArg> for Layout {
     }
 }
 
-/// Output format of `kvxfer plan`.
+/// Output format of `kvxfer demo` and `kvxfer bench` (`kvxfer plan` has [`PlanFormat`], which adds SVG).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
+    /// A readable table.
+    Table,
+    /// One JSON document (see docs/cli.md).
+    Json,
+}
+
+/// Output format of `kvxfer plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlanFormat {
     /// A readable table per (prefill rank, decode rank) pair, with totals.
     Table,
     /// The documented JSON object (every op expanded).
     Json,
+    /// The P x D head map as an SVG picture: ranks as boxes with their heads, one edge per pair
+    /// that moves bytes, labelled with its heads and bytes.
+    Svg,
 }
 
 /// A comma-separated page list; `a-b` stands for the pages `a..=b`.
@@ -90,6 +103,11 @@ fn parse_page_list(s: &str) -> Result<PageList, String> {
     Ok(PageList(out))
 }
 
+/// `--page-size` with `--model` when not given (as `kvxfer demo`).
+pub const MODEL_PAGE_SIZE: u32 = 16;
+/// `--dtype-bytes` with `--model` when not given: the presets are bf16.
+pub const MODEL_DTYPE_BYTES: u32 = 2;
+
 /// Arguments of `kvxfer plan`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
@@ -99,24 +117,29 @@ pub struct PlanArgs {
     /// Decode attention TP size D.
     #[arg(long)]
     pub decode_tp: u32,
-    /// Total KV heads H of the model (num_key_value_heads). Not with --mla.
-    #[arg(long, required_unless_present = "mla", conflicts_with = "mla")]
+    /// A model preset for the KV shape (heads and head dims or the MLA latent, layers; bf16), as in
+    /// `kvxfer demo`. Instead of --kv-heads/--head-dim/--v-head-dim/--mla/--latent-dim; --layers,
+    /// --page-size [default 16] and --dtype-bytes [default 2] override the preset.
+    #[arg(long, value_enum)]
+    pub model: Option<Preset>,
+    /// Total KV heads H of the model (num_key_value_heads). Not with --mla or --model.
+    #[arg(long, required_unless_present_any = ["mla", "model"], conflicts_with_all = ["mla", "model"])]
     pub kv_heads: Option<u32>,
-    /// Elements per K head. Not with --mla.
-    #[arg(long, required_unless_present = "mla", conflicts_with = "mla")]
+    /// Elements per K head. Not with --mla or --model.
+    #[arg(long, required_unless_present_any = ["mla", "model"], conflicts_with_all = ["mla", "model"])]
     pub head_dim: Option<u32>,
-    /// Elements per V head [default: --head-dim].
-    #[arg(long, conflicts_with = "mla")]
+    /// Elements per V head [default: --head-dim]. Not with --mla or --model.
+    #[arg(long, conflicts_with_all = ["mla", "model"])]
     pub v_head_dim: Option<u32>,
-    /// Layers of the model that carry KV (all stages together).
-    #[arg(long)]
-    pub layers: u32,
-    /// Tokens per page.
-    #[arg(long)]
-    pub page_size: u32,
-    /// Bytes per element (2 for bf16/fp16, 1 for fp8).
-    #[arg(long)]
-    pub dtype_bytes: u32,
+    /// Layers of the model that carry KV (all stages together) [with --model: the preset's].
+    #[arg(long, required_unless_present = "model")]
+    pub layers: Option<u32>,
+    /// Tokens per page [with --model: 16].
+    #[arg(long, required_unless_present = "model")]
+    pub page_size: Option<u32>,
+    /// Bytes per element (2 for bf16/fp16, 1 for fp8) [with --model: 2].
+    #[arg(long, required_unless_present = "model")]
+    pub dtype_bytes: Option<u32>,
     /// Source (prefill) pages of the chunk, comma-separated; `a-b` means a..=b.
     #[arg(long, value_parser = parse_page_list, allow_hyphen_values = true)]
     pub src_pages: PageList,
@@ -135,23 +158,34 @@ pub struct PlanArgs {
     /// Page layout of both KV pools.
     #[arg(long, value_enum, default_value_t = LayoutArg::Nhd)]
     pub layout: LayoutArg,
-    /// Multi-head latent attention: one latent per token per layer, identical on every TP rank.
-    #[arg(long, requires = "latent_dim")]
+    /// Multi-head latent attention: one latent per token per layer, identical on every TP rank. Not
+    /// with --model (the preset says whether the model uses MLA).
+    #[arg(long, requires = "latent_dim", conflicts_with = "model")]
     pub mla: bool,
     /// Elements of the MLA latent (kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3).
     #[arg(long, requires = "mla")]
     pub latent_dim: Option<u32>,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
+    #[arg(long, value_enum, default_value_t = PlanFormat::Table)]
+    pub format: PlanFormat,
     /// Table only: most ops printed per pair (0 prints all); totals always count every op.
     #[arg(long, default_value_t = 32)]
     pub max_rows: u64,
 }
 
 impl PlanArgs {
-    /// The KV spec both sides share.
+    /// The KV spec both sides share: the preset's shape with `--model`, else the explicit flags.
     pub fn kv_spec(&self) -> KvSpec {
+        if let Some(preset) = self.model {
+            let (attention, layers) = preset.shape();
+            return KvSpec {
+                attention,
+                layers: self.layers.unwrap_or(layers),
+                dtype_bytes: self.dtype_bytes.unwrap_or(MODEL_DTYPE_BYTES),
+                page_size: self.page_size.unwrap_or(MODEL_PAGE_SIZE),
+                layout: self.layout.into(),
+            };
+        }
         let attention = match (self.mla, self.latent_dim) {
             (true, Some(latent_dim)) => Attention::Mla { latent_dim },
             // clap enforces kv_heads/head_dim without --mla and latent_dim with it; 0 is rejected by the
@@ -166,11 +200,12 @@ impl PlanArgs {
                 }
             }
         };
+        // clap requires these without --model; 0 is rejected by the topology, naming the field.
         KvSpec {
             attention,
-            layers: self.layers,
-            dtype_bytes: self.dtype_bytes,
-            page_size: self.page_size,
+            layers: self.layers.unwrap_or(0),
+            dtype_bytes: self.dtype_bytes.unwrap_or(0),
+            page_size: self.page_size.unwrap_or(0),
             layout: self.layout.into(),
         }
     }
@@ -198,8 +233,11 @@ pub fn run(args: &PlanArgs) -> ExitCode {
     let stdout = io::stdout();
     let mut out = io::BufWriter::with_capacity(1 << 16, stdout.lock());
     let res = match args.format {
-        Format::Json => write_json(&mut out, &topo, &plan),
-        Format::Table => write_table(&mut out, &topo, &plan, args),
+        PlanFormat::Json => write_json(&mut out, &topo, &plan),
+        PlanFormat::Table => write_table(&mut out, &topo, &plan, args),
+        PlanFormat::Svg => {
+            out.write_all(crate::svg::plan_svg(&topo, &plan, args.model.map(Preset::name).as_deref()).as_bytes())
+        }
     }
     .and_then(|()| out.flush());
     match res {
@@ -282,7 +320,8 @@ impl Serialize for ExpectedSenders<'_> {
     }
 }
 
-fn human_bytes(b: u64) -> String {
+/// `b` bytes in binary units with two decimals (`2.50 MiB`; bytes below 1 KiB exactly: `512 B`).
+pub(crate) fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;
@@ -306,7 +345,9 @@ fn stage_layers(topo: &Topology, side: Side, sep: &str) -> Option<String> {
     Some(counts.iter().map(u32::to_string).collect::<Vec<_>>().join(sep))
 }
 
-fn describe(topo: &Topology) -> String {
+/// One line naming the configuration: both sides' TP x PP (and uneven stage layers), the attention
+/// shape, layers, dtype, page size, layout.
+pub(crate) fn describe(topo: &Topology) -> String {
     let kv = topo.kv();
     let p = topo.parallel(Side::Prefill);
     let d = topo.parallel(Side::Decode);
@@ -422,4 +463,62 @@ pub fn write_table(out: &mut impl Write, topo: &Topology, plan: &ChunkPlan, args
         writeln!(out, "  decode {d}: {} from {} sender(s): {}", human_bytes(recv), keys.len(), keys.join(", "))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: PlanArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<PlanArgs, String> {
+        let pages = ["--src-pages", "0-3", "--dst-pages", "4-7", "--prefill-tp", "8", "--decode-tp", "2"];
+        Cli::try_parse_from(std::iter::once("plan").chain(pages).chain(args.iter().copied()))
+            .map(|c| c.a)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn model_presets_give_the_shape_and_flags_override_the_rest() {
+        let a = parse(&["--model", "llama3-70b"]).unwrap();
+        let kv = a.kv_spec();
+        assert_eq!(kv.attention, Attention::Gqa { kv_heads: 8, head_dim_k: 128, head_dim_v: 128 });
+        assert_eq!((kv.layers, kv.page_size, kv.dtype_bytes), (80, MODEL_PAGE_SIZE, MODEL_DTYPE_BYTES));
+        let a = parse(&["--model", "deepseek-v3", "--layers", "4", "--page-size", "64", "--dtype-bytes", "1"]).unwrap();
+        let kv = a.kv_spec();
+        assert_eq!(kv.attention, Attention::Mla { latent_dim: 576 });
+        assert_eq!((kv.layers, kv.page_size, kv.dtype_bytes), (4, 64, 1));
+        // The preset and the model shape flags exclude each other, by name.
+        for shape in
+            [&["--kv-heads", "8"][..], &["--head-dim", "64"], &["--v-head-dim", "64"], &["--mla", "--latent-dim", "8"]]
+        {
+            let e = parse(&[&["--model", "llama3-8b"][..], shape].concat()).unwrap_err();
+            assert!(e.contains("cannot be used with") && e.contains("--model"), "{shape:?}: {e}");
+        }
+        // Without --model the explicit shape stays required, as before.
+        let e = parse(&["--kv-heads", "8", "--head-dim", "128"]).unwrap_err();
+        assert!(e.contains("--layers") && e.contains("--page-size") && e.contains("--dtype-bytes"), "{e}");
+        let a = parse(&[
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--layers",
+            "2",
+            "--page-size",
+            "16",
+            "--dtype-bytes",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(a.topology().unwrap().kv().layers, 2);
+        assert_eq!(a.format, PlanFormat::Table);
+        assert_eq!(parse(&["--model", "qwen3-8b", "--format", "svg"]).unwrap().format, PlanFormat::Svg);
+    }
 }
