@@ -34,8 +34,8 @@ use kvxfer_core::{
 use tokio::sync::oneshot;
 
 use crate::ffi::{
-    cma_permitted, env_flag, Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo, RdmEndpoint,
-    RemoteIov, Waker,
+    cma_permitted, env_flag, AvRemoved, Event, FiError, Hints, LocalRange, MrHandle, MrInfo, PostError, ProviderInfo,
+    RdmEndpoint, RemoteIov, Waker,
 };
 use crate::wire::{self, Kind, Payload, RegionMeta, Staged, WIRE_VERSION};
 use crate::NAME;
@@ -322,6 +322,19 @@ struct Cutting {
     unconfirmed: Option<String>,
     provider: String,
 }
+
+/// Why a cut-off is not confirmed on `tcp;ofi_rxm` when this endpoint takes writes carrying remote
+/// CQ data (`attached=cq-data`; `auto` chooses messages there for this reason). Closing a connection
+/// on which such a write is half received makes libfabric 1.17's tcp provider report the cancelled
+/// receive with no context, and `ofi_rxm` dereferences it (`rxm_handle_comp_error`): the process
+/// dies of SIGSEGV inside `fi_av_remove`. Measured here: 3 of 3 cut-offs of a writer stopped in the
+/// middle of a CQ-data write (`tests/cut_off.rs`, 2026-12-05); the chaos case
+/// `presumed_dead_link_healed` met it in 1 run of 21. So the connection is left open and the cut-off
+/// reported unconfirmed (the engine quarantines the pages) instead.
+const CQ_DATA_CUT_OFF: &str =
+    "tcp;ofi_rxm with attached=cq-data: the connection is not closed (libfabric 1.17 crashes \
+     closing a connection on which a write carrying remote CQ data is half received), so a write accepted before the \
+     cut-off may still be placed; use attached=auto or attached=message for confirmed cut-offs";
 
 /// Whether `FI_AV_REMOVE_CLEANUP` was in the environment when this crate first opened an endpoint
 /// in this process (libfabric reads it once, when it starts: with it, `fi_av_remove` makes
@@ -1004,7 +1017,11 @@ impl State {
             h.retain(|a, _| !fi_addrs.contains(a));
         }
         // Writes already past the key check.
-        let unconfirmed = if keys_given { self.stop_accepted_writes(&provider, nonce, pid, &fi_addrs) } else { None };
+        let unconfirmed = if keys_given {
+            self.stop_accepted_writes(&provider, inner.cq_data_local, nonce, pid, &fi_addrs)
+        } else {
+            None
+        };
         for (id, p) in &forward {
             let _ = inner.peers.remove(*id);
             self.cut_ids.insert(*id, nonce);
@@ -1055,11 +1072,13 @@ impl State {
     fn stop_accepted_writes(
         &mut self,
         provider: &str,
+        cq_data: bool,
         nonce: u32,
         pid: Option<u32>,
         fi_addrs: &HashSet<u64>,
     ) -> Option<String> {
         match provider {
+            "tcp;ofi_rxm" if cq_data => Some(CQ_DATA_CUT_OFF.to_owned()),
             "tcp;ofi_rxm" => {
                 if !av_remove_cleanup() {
                     return Some(
@@ -1072,8 +1091,16 @@ impl State {
                 }
                 let mut failed = Vec::new();
                 for a in fi_addrs {
-                    if let Err(e) = self.ep.av_remove(*a) {
-                        failed.push(e.to_string());
+                    // The probe, if the provider may hold no connection to it (see `av_remove`): a
+                    // heartbeat, harmless wherever it lands.
+                    let probe = wire::message(Kind::Heartbeat, self.nonce, nonce, self.identity, &[]);
+                    match self.ep.av_remove(*a, probe, USER_CONTROL) {
+                        Ok(AvRemoved::Removed) => {}
+                        Ok(AvRemoved::NoConnection) => tracing::info!(
+                            target: "kvxfer_fabric",
+                            "cut-off of instance {nonce:#x}: no connection to close at address {a} (a post to it fails at once)"
+                        ),
+                        Err(e) => failed.push(e.to_string()),
                     }
                     self.addrs.retain(|_, v| v != a);
                 }
@@ -1833,7 +1860,8 @@ impl FabricBackend {
         let info = ep.info().clone();
         let cq_data_local = match opts.attached {
             AttachedMode::Message => false,
-            AttachedMode::Auto => info.cq_data_size >= 8,
+            // Not on tcp;ofi_rxm: see `CQ_DATA_CUT_OFF`.
+            AttachedMode::Auto => info.cq_data_size >= 8 && info.provider != "tcp;ofi_rxm",
             AttachedMode::CqData if info.cq_data_size >= 8 => true,
             AttachedMode::CqData => {
                 return Err(config_err(format!(
@@ -1847,7 +1875,7 @@ impl FabricBackend {
         // connection is closed) and on shm without what lets a write bypass the key check here;
         // elsewhere it is refused and the engine quarantines (see `stop_accepted_writes`).
         let cut_off_live = match info.provider.as_str() {
-            "tcp;ofi_rxm" => av_remove_cleanup(),
+            "tcp;ofi_rxm" => av_remove_cleanup() && !cq_data_local,
             "shm" => !(env_flag("FI_SHM_DISABLE_CMA") || env_flag("FI_SHM_USE_DSA_SAR")),
             _ => false,
         };

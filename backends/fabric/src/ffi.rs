@@ -17,7 +17,7 @@
 //! borrow rules do exactly that; the backend keeps the endpoint in a mutex.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_void, CStr, CString};
 use std::fmt;
 use std::ptr;
@@ -435,6 +435,17 @@ pub struct RemoteIov {
     pub key: u64,
 }
 
+/// What [`Endpoint::av_remove`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AvRemoved {
+    /// The address was removed (and on `tcp;ofi_rxm` with `FI_AV_REMOVE_CLEANUP`, its connection
+    /// closed).
+    Removed,
+    /// The provider holds no connection to it (a post to it fails at once), so there was nothing to
+    /// close; the address stays in the address vector (libfabric 1.17 crashes removing it).
+    NoConnection,
+}
+
 /// Why a post did not go out.
 #[derive(Debug)]
 pub enum PostError {
@@ -464,6 +475,13 @@ pub struct Endpoint {
     /// duplicates included, against its 256-peer limit, so re-inserting the addresses of recycled
     /// peers once per use made `fi_av_insert` fail after 256 uses of a recycled endpoint.
     av_known: HashMap<Vec<u8>, u64>,
+    /// Destinations whose last post failed at once with an error other than `-FI_EAGAIN`. On
+    /// `tcp;ofi_rxm` such a failure (a connect the kernel refused in the call, e.g. `ENETUNREACH` while
+    /// the link is down) leaves libfabric 1.17's connection object for that peer idle, without an
+    /// endpoint, and `fi_av_remove` under `FI_AV_REMOVE_CLEANUP` then closes that missing endpoint and
+    /// crashes the process (`rxm_av_remove_handler` -> `rxm_close_conn` -> `fi_close(NULL)`; later
+    /// releases check for it). [`Endpoint::av_remove`] reads this set.
+    unconnected: HashSet<u64>,
     /// In-flight operations by context address. Dropped after the handles are closed (Drop below).
     ops: HashMap<usize, Op>,
     recv_slab: Option<(MemDesc, MrHandle, usize)>,
@@ -662,6 +680,7 @@ impl Endpoint {
             next_key: 1,
             name: Vec::new(),
             av_known: HashMap::new(),
+            unconnected: HashSet::new(),
             ops: HashMap::new(),
             recv_slab: None,
             unposted: Vec::new(),
@@ -869,14 +888,31 @@ impl Endpoint {
     /// `FI_AV_REMOVE_CLEANUP` in effect (read by libfabric once, at its initialisation) this closes
     /// the connection to that peer in the call: a write whose header was accepted and whose payload
     /// is still arriving is abandoned. The address is inserted anew when it is used again.
-    pub fn av_remove(&mut self, fi_addr: u64) -> Result<(), BackendError> {
+    ///
+    /// When the last post to `fi_addr` failed at once (see `unconnected`), `probe` (a message the
+    /// peer may receive harmlessly) is posted first, with `user`: if that fails at once too, the
+    /// provider holds no connection to the peer, nothing is removed (removing would crash libfabric
+    /// 1.17) and [`AvRemoved::NoConnection`] says so; otherwise the connection now being made or
+    /// used is closed by the removal as usual.
+    pub fn av_remove(&mut self, fi_addr: u64, probe: Vec<u8>, user: u64) -> Result<AvRemoved, BackendError> {
+        if self.unconnected.contains(&fi_addr) && matches!(self.send(fi_addr, probe, user), Err(PostError::Failed(_))) {
+            self.av_known.retain(|_, v| *v != fi_addr);
+            return Ok(AvRemoved::NoConnection);
+        }
+        self.unconnected.remove(&fi_addr);
         let mut a = fi_addr;
         // SAFETY: `av` is open; `a` is one fi_addr_t this address vector returned, readable for the
         // call; no flags.
         let ret = unsafe { sys::kvx_fi_av_remove(self.av, &mut a, 1, 0) };
         check("fi_av_remove", ret as isize, || format!("address {fi_addr}"))?;
         self.av_known.retain(|_, v| *v != fi_addr);
-        Ok(())
+        Ok(AvRemoved::Removed)
+    }
+
+    /// Whether the last post to `dest` failed at once with an error other than `-FI_EAGAIN` (on
+    /// `tcp;ofi_rxm`: the provider then holds no connection to it).
+    pub fn post_failed_at_once(&self, dest: u64) -> bool {
+        self.unconnected.contains(&dest)
     }
 
     /// Registers `mem` for local use and remote writes, honouring the provider's `mr_mode` (requested
@@ -906,7 +942,23 @@ impl Endpoint {
         self.ops.insert(addr, Op { ctx, user, keep, generation, bytes });
     }
 
-    fn post_ret(call: &'static str, ret: isize, ctx: impl FnOnce() -> String) -> Result<(), PostError> {
+    /// A post's return value as a result, noting for `dest` whether it failed at once.
+    fn post_ret(
+        &mut self,
+        dest: u64,
+        call: &'static str,
+        ret: isize,
+        ctx: impl FnOnce() -> String,
+    ) -> Result<(), PostError> {
+        if ret == EAGAIN || ret == 0 {
+            self.unconnected.remove(&dest);
+        } else {
+            self.unconnected.insert(dest);
+        }
+        Self::post_result(call, ret, ctx)
+    }
+
+    fn post_result(call: &'static str, ret: isize, ctx: impl FnOnce() -> String) -> Result<(), PostError> {
         if ret == EAGAIN {
             return Err(PostError::Again);
         }
@@ -971,7 +1023,7 @@ impl Endpoint {
         // the completion is read (or the endpoint is closed).
         let ret = unsafe { sys::kvx_fi_writemsg(self.ep, &msg, flags) };
         let total: u64 = local.iter().map(|l| l.len).sum();
-        Self::post_ret("fi_writemsg", ret, || format!("{} iovs, {total} bytes", local.len()))?;
+        self.post_ret(dest, "fi_writemsg", ret, || format!("{} iovs, {total} bytes", local.len()))?;
         self.track(ctx, user, Keep::Regions(keep), total);
         Ok(())
     }
@@ -993,7 +1045,7 @@ impl Endpoint {
                 (&mut *ctx as *mut OpContext).cast(),
             )
         };
-        Self::post_ret("fi_write", ret, || format!("{} bytes", local.len))?;
+        self.post_ret(dest, "fi_write", ret, || format!("{} bytes", local.len))?;
         self.track(ctx, user, Keep::Regions(vec![m]), local.len);
         Ok(())
     }
@@ -1015,7 +1067,7 @@ impl Endpoint {
         // keeps alive) and the context are stored in `ops` until the completion is read.
         let ret =
             unsafe { sys::kvx_fi_send(self.ep, ptr_.cast(), len, desc, dest, (&mut *ctx as *mut OpContext).cast()) };
-        if let Err(e) = Self::post_ret("fi_send", ret, || format!("{len} bytes")) {
+        if let Err(e) = self.post_ret(dest, "fi_send", ret, || format!("{len} bytes")) {
             if let Some(h) = mr {
                 self.dereg(h);
             }
@@ -1056,7 +1108,7 @@ impl Endpoint {
         let ret = unsafe {
             sys::kvx_fi_recv(self.ep, p.cast(), size, desc, FI_ADDR_UNSPEC, (&mut *ctx as *mut OpContext).cast())
         };
-        Self::post_ret("fi_recv", ret, || format!("{size} bytes"))?;
+        Self::post_result("fi_recv", ret, || format!("{size} bytes"))?;
         self.track(ctx, 0, Keep::Recv(slot), 0);
         Ok(())
     }

@@ -14,8 +14,22 @@
 //!   (`SIGCONT`) and keeps writing: B's region must not change after the cut-off returned. Over tcp
 //!   a piece A was in the middle of sending when it stopped has passed the key check at B and is
 //!   placed as its payload arrives, unless the connection is closed.
+//! - `stopped_writer_notified_tcp`: the same with an attached notification on every write (B on
+//!   `attached=auto`, which takes no remote CQ data over tcp: see `cq_data_tcp`).
+//! - `cq_data_tcp`: over `tcp;ofi_rxm`, `attached=auto` takes no remote CQ data and confirms
+//!   cut-offs; `attached=cq-data` reports them unconfirmed (libfabric 1.17 crashes closing a
+//!   connection on which a CQ-data write is half received: 3 of 3 rounds of the notified writer
+//!   with B on `cq-data` died of SIGSEGV in `fi_av_remove`, 2026-12-05).
 //! - `tcp_without_cleanup`: this binary again without `FI_AV_REMOVE_CLEANUP`: the cut-off is carried
 //!   out but not confirmed (`Unsupported`).
+//! - `unreachable_tcp` (in a child, so a crash is reported as one): removing an address whose
+//!   connect failed in the call. A send to an address the kernel will not route a TCP connection to
+//!   (a multicast address: `connect` fails at once with `ENETUNREACH`, as it does for a peer behind
+//!   a link that is down) leaves libfabric 1.17's `ofi_rxm` with an idle connection object and no
+//!   endpoint, and a plain `fi_av_remove` under `FI_AV_REMOVE_CLEANUP` then dies of SIGSEGV (the
+//!   chaos case `presumed_dead_link_healed` met it: the decode cut off the partitioned prefill).
+//!   `Endpoint::av_remove` must see that no connection exists and remove nothing; an address whose
+//!   connection is being made is removed as usual.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -23,7 +37,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer_core::{
-    BackendConfig, BackendError, EndpointMetadata, HostBuffer, KvTransferBackend, MemDesc, RegionId, WriteOp,
+    BackendConfig, BackendError, EndpointMetadata, HostBuffer, KvTransferBackend, MemDesc, Notification, RankId,
+    RegionId, RequestId, SenderKey, WriteOp,
 };
 use kvxfer_fabric::FabricBackend;
 
@@ -183,8 +198,9 @@ fn read_line_with(out: &mut BufReader<std::process::ChildStdout>, tag: &str) -> 
 
 /// The writer process: registers two 1 MiB sources (0x11, 0x22), prints its metadata, reads B's,
 /// connects, then writes them in turn into three 1 MiB slots of B's region until 30 s passed
-/// (errors and all).
-async fn writer(provider: &str) {
+/// (errors and all); with `notify`, each write carries an attached notification (a write carrying
+/// remote CQ data where B takes those).
+async fn writer(provider: &str, notify: bool) {
     let a = endpoint(provider, 1);
     let mut one = HostBuffer::filled(1 << 20, 0x11);
     let mut two = HostBuffer::filled(1 << 20, 0x22);
@@ -207,7 +223,8 @@ async fn writer(provider: &str) {
         let src = if i % 2 == 0 { RegionId(1) } else { RegionId(3) };
         // Three slots, two patterns: each slot gets the other pattern on its next visit.
         let op = WriteOp::contiguous(src, 0, RegionId(2), (i % 3) << 20, 1 << 20);
-        match a.post(peer, &[op], None) {
+        let n = Notification::chunk(RequestId(i), SenderKey::of(RankId::new(0, 0)), 0, false);
+        match a.post(peer, &[op], notify.then_some(&n)) {
             Ok(t) => window.push_back(t),
             Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
         }
@@ -221,9 +238,9 @@ async fn writer(provider: &str) {
 }
 
 /// One round; `Ok(true)` when a piece was half placed at the cut-off.
-async fn stopped_writer_round(provider: &str) -> Result<bool, String> {
+async fn stopped_writer_round(provider: &str, notify: bool) -> Result<bool, String> {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .env(ROLE, format!("writer:{provider}"))
+        .env(ROLE, format!("{}:{provider}", if notify { "writer+notify" } else { "writer" }))
         .env("FI_AV_REMOVE_CLEANUP", "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -278,10 +295,10 @@ async fn stopped_writer_round(provider: &str) -> Result<bool, String> {
 /// four): that is the round in which only closing the connection keeps the rest of the piece out.
 /// shm places a piece whole within one progress call (cross-memory attach), so one round there (and
 /// its endpoints are recycled in-process: a later round's B would inherit the killed writer).
-async fn stopped_writer(provider: &str) -> Result<(), String> {
+async fn stopped_writer(provider: &str, notify: bool) -> Result<(), String> {
     let rounds = if provider == "shm" { 1 } else { 4 };
     for round in 1..=rounds {
-        if stopped_writer_round(provider).await? {
+        if stopped_writer_round(provider, notify).await? {
             eprintln!("fabric({provider}): round {round} cut the writer off in the middle of a piece; nothing landed");
             return Ok(());
         }
@@ -315,6 +332,98 @@ async fn without_cleanup() -> Result<(), String> {
     Ok(())
 }
 
+/// `attached=auto` over `tcp;ofi_rxm` takes no remote CQ data (a cut-off that closes a connection
+/// with a CQ-data write half received crashes libfabric 1.17: 3 of 3 rounds of
+/// `stopped_writer_notified_tcp` with B on `attached=cq-data` died of SIGSEGV before this), so its
+/// cut-offs are confirmable; with `attached=cq-data` they are carried out, not confirmed, and
+/// nothing crashes.
+async fn cq_data_tcp() -> Result<(), String> {
+    let auto = endpoint("tcp", 7);
+    if auto.attached_uses_cq_data() || !auto.capabilities().cut_off_live {
+        return Err(format!(
+            "tcp;ofi_rxm attached=auto: uses CQ data {}, cut_off_live {}",
+            auto.attached_uses_cq_data(),
+            auto.capabilities().cut_off_live
+        ));
+    }
+    let c = |id| config("tcp", id).with("attached", "cq-data");
+    let a = Arc::new(FabricBackend::new(&c(1)).map_err(|e| e.to_string())?);
+    let b = Arc::new(FabricBackend::new(&c(2)).map_err(|e| e.to_string())?);
+    if !b.attached_uses_cq_data() || b.capabilities().cut_off_live {
+        return Err("tcp;ofi_rxm attached=cq-data: expected CQ data and no live cut-off".into());
+    }
+    let mut src = HostBuffer::filled(1 << 20, 1);
+    let mut dst = HostBuffer::zeroed(1 << 20);
+    let _s = a.register(RegionId(1), src.desc()).await.unwrap();
+    let _d = b.register(RegionId(2), dst.desc()).await.unwrap();
+    let ab = a.connect(&b.metadata().unwrap()).await.map_err(|e| e.to_string())?;
+    let ba = b.connect(&a.metadata().unwrap()).await.map_err(|e| e.to_string())?;
+    let n = Notification::chunk(RequestId(1), SenderKey::of(RankId::new(0, 0)), 0, true);
+    let op = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, 1 << 20);
+    a.post(ab, &[op], Some(&n)).unwrap().wait(soon()).await.map_err(|e| format!("the CQ-data write: {e}"))?;
+    match b.cut_off(ba, "test").await {
+        Err(BackendError::Unsupported { what, .. }) if what.contains("attached=cq-data") => Ok(()),
+        other => Err(format!("expected Unsupported naming attached=cq-data, got {other:?}")),
+    }
+}
+
+/// In a child: see `unreachable_tcp`.
+fn unreachable() -> Result<(), String> {
+    use kvxfer_fabric::ffi::{AvRemoved, Hints, PostError, RdmEndpoint};
+    let hints = Hints { provider: Some("tcp;ofi_rxm".into()), node: Some("127.0.0.1".into()), wait_fd: false };
+    let mut a = RdmEndpoint::open(&hints).map_err(|e| format!("opening A: {e}"))?;
+    let b = RdmEndpoint::open(&hints).map_err(|e| format!("opening B: {e}"))?;
+    // B's address (a sockaddr_in: family, port, IPv4 address) with a multicast address instead.
+    let mut name = b.name().to_vec();
+    if name.len() < 8 || name[4..8] != [127, 0, 0, 1] {
+        return Err(format!("B's address is not an IPv4 sockaddr on 127.0.0.1: {name:?}"));
+    }
+    name[4..8].copy_from_slice(&[224, 0, 0, 1]);
+    let lost = a.av_insert(&name).map_err(|e| format!("inserting the unreachable address: {e}"))?;
+    for i in 0..3 {
+        match a.send(lost, vec![0; 8], 0) {
+            Err(PostError::Failed(_)) => {}
+            Err(PostError::Again) => return Err(format!("send {i} to 224.0.0.1: -FI_EAGAIN, expected a failure")),
+            Ok(()) => return Err(format!("send {i} to 224.0.0.1 was accepted, expected a failure")),
+        }
+    }
+    if !a.post_failed_at_once(lost) {
+        return Err("the failed sends are not noted".into());
+    }
+    match a.av_remove(lost, vec![0; 8], 0) {
+        Ok(AvRemoved::NoConnection) => {}
+        other => return Err(format!("removing the unreachable address: expected NoConnection, got {other:?}")),
+    }
+    // A reachable address, its connection being made: removed as usual.
+    let live = a.av_insert(b.name()).map_err(|e| format!("inserting B: {e}"))?;
+    match a.send(live, vec![0; 8], 0) {
+        Ok(()) | Err(PostError::Again) => {}
+        Err(PostError::Failed(e)) => return Err(format!("send to B: {e}")),
+    }
+    match a.av_remove(live, vec![0; 8], 0) {
+        Ok(AvRemoved::Removed) => Ok(()),
+        other => Err(format!("removing B: expected Removed, got {other:?}")),
+    }
+}
+
+fn unreachable_tcp() -> Result<(), String> {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .env(ROLE, "unreachable")
+        .env("FI_AV_REMOVE_CLEANUP", "1")
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "the child ended with {}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 fn tcp_without_cleanup() -> Result<(), String> {
     let out = Command::new(std::env::current_exe().unwrap())
         .env(ROLE, "no-cleanup")
@@ -336,9 +445,19 @@ fn main() -> ExitCode {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     match role.as_deref() {
-        Some(r) if r.starts_with("writer:") => {
-            rt.block_on(writer(&r["writer:".len()..]));
+        Some(r) if r.starts_with("writer:") || r.starts_with("writer+notify:") => {
+            let (kind, provider) = r.split_once(':').unwrap_or_default();
+            rt.block_on(writer(provider, kind == "writer+notify"));
             return ExitCode::SUCCESS;
+        }
+        Some("unreachable") => {
+            return match unreachable() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::FAILURE
+                }
+            };
         }
         Some("no-cleanup") => {
             return match rt.block_on(without_cleanup()) {
@@ -356,9 +475,12 @@ fn main() -> ExitCode {
     let cases: Vec<Case<'_>> = vec![
         ("in_process_tcp", Box::new(|| rt.block_on(in_process("tcp")))),
         ("in_process_shm", Box::new(|| rt.block_on(in_process("shm")))),
-        ("stopped_writer_tcp", Box::new(|| rt.block_on(stopped_writer("tcp")))),
-        ("stopped_writer_shm", Box::new(|| rt.block_on(stopped_writer("shm")))),
+        ("stopped_writer_tcp", Box::new(|| rt.block_on(stopped_writer("tcp", false)))),
+        ("stopped_writer_shm", Box::new(|| rt.block_on(stopped_writer("shm", false)))),
+        ("stopped_writer_notified_tcp", Box::new(|| rt.block_on(stopped_writer("tcp", true)))),
+        ("cq_data_tcp", Box::new(|| rt.block_on(cq_data_tcp()))),
         ("tcp_without_cleanup", Box::new(tcp_without_cleanup)),
+        ("unreachable_tcp", Box::new(unreachable_tcp)),
     ];
     let mut failed = 0;
     let mut ran = 0;
