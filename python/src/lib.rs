@@ -1066,6 +1066,12 @@ impl Agent {
         })
     }
 
+    /// Every metric of this agent now, in the OpenMetrics text format (what Prometheus scrapes; names
+    /// and meanings in docs/operations.md): serve it from the engine's own metrics endpoint.
+    fn metrics(&self) -> PyResult<String> {
+        guarded("metrics", || self.running("metrics", |r| Ok(r.agent.as_ref().expect("checked").metrics())))
+    }
+
     /// Stops (GIL released): fails the requests still active (telling the peers), leaves the cluster, closes
     /// the registrations and stops the runtime; then lets go of the buffers it kept alive. Idempotent.
     #[pyo3(signature = (timeout_s=10.0))]

@@ -190,9 +190,20 @@ def test_request_lifecycle_in_one_process():
             assert r2.poll() == KVPoll.Failed and "abort" in str(r2.failure_exception())
             r2.clear()
             assert dec.active_requests() == 0 and pre.active_requests() == 0
+            # The agents' metrics (OpenMetrics text) count the same: one success on each side, the
+            # decode's abort of r2 as a failure with the cause `aborted`.
+            dm, pm = dec.metrics(), pre.metrics()
+            assert dm.endswith("# EOF\n") and pm.endswith("# EOF\n")
+            assert 'kvxfer_requests_total{role="decode",tp="0",pp="0",outcome="success"} 1' in dm, dm
+            assert 'kvxfer_requests_total{role="decode",tp="0",pp="0",outcome="failed"} 1' in dm, dm
+            assert 'kvxfer_request_failures_total{role="decode",tp="0",pp="0",cause="aborted"} 1' in dm, dm
+            assert 'kvxfer_requests_total{role="prefill",tp="0",pp="0",outcome="success"} 1' in pm, pm
+            assert 'kvxfer_request_duration_seconds_count{role="prefill",tp="0",pp="0",outcome="success"} 1' in pm
         finally:
             pre.close()
             dec.close()
+        with pytest.raises(kvxfer.KvxferError, match="metrics"):
+            dec.metrics()
 
 
 def test_clear_while_writes_may_land_releases_after_the_fence():

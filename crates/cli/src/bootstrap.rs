@@ -61,6 +61,11 @@ pub struct BootstrapArgs {
     /// The cluster CA certificate (PEM): the only root trusted for clients' certificates.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<PathBuf>,
+    /// Serve the service's counters (connections, ranks, waits, refusals; OpenMetrics text) at
+    /// `http://ADDR/metrics`. Plain HTTP without the secret: listen on an address only your
+    /// monitoring reaches.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// The TLS setup of the flags, else of the environment, else none.
@@ -161,6 +166,19 @@ pub fn run(args: &BootstrapArgs) -> ExitCode {
             }
         };
         println!("bootstrap listening on {}", server.addr());
+        let server = std::sync::Arc::new(server);
+        if let Some(listen) = &args.metrics_listen {
+            let s = std::sync::Arc::clone(&server);
+            match crate::metrics_http::serve(listen, std::sync::Arc::new(move || kvxfer::metrics::encode_bootstrap(&s.stats())))
+                .await
+            {
+                Ok(a) => eprintln!("kvxfer bootstrap: metrics at http://{a}/metrics"),
+                Err(e) => {
+                    eprintln!("kvxfer bootstrap: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         if with_tls {
             eprintln!("kvxfer bootstrap: TLS on every connection (clients need a certificate of the same cluster CA)");
         }

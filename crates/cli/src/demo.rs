@@ -2,8 +2,9 @@
 //! of requests for a real model shape, every decode byte verified, a progress bar and a summary.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::mpsc;
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::bootstrap::{BootstrapServer, ServerConfig};
@@ -44,6 +45,38 @@ pub struct DemoArgs {
     /// `--abort-rate F` and `--layerwise`, passed on to every worker.
     #[command(flatten)]
     pub run: RunArgs,
+    /// Serve the metrics of every worker, merged into one OpenMetrics exposition, at
+    /// `http://ADDR/metrics` (`127.0.0.1:0` picks a port; the address is printed on stderr). A
+    /// worker's metrics are scraped live while it runs and once more when it reports its summary
+    /// (its final figures).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// With `--metrics-listen`: after the summary, keep serving the final metrics this many seconds,
+    /// or until standard input is closed, whichever comes first.
+    #[arg(long, default_value_t = 0.0, value_parser = crate::model::parse_seconds_or_zero, requires = "metrics_listen")]
+    pub metrics_linger_s: f64,
+}
+
+/// What the demo knows of one worker's metrics: where it serves them and, once it reported its
+/// summary, its final exposition.
+#[derive(Debug, Clone, Default)]
+struct WorkerMetrics {
+    addr: Option<SocketAddr>,
+    last: Option<String>,
+}
+
+/// How long one scrape of a worker may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The merged exposition: final texts of the workers that finished, live scrapes of the others
+/// (a worker that does not answer in time is left out of this scrape).
+fn merged_metrics(board: &Mutex<Vec<WorkerMetrics>>) -> String {
+    let board = board.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let texts: Vec<String> = board
+        .iter()
+        .filter_map(|m| m.last.clone().or_else(|| crate::metrics_http::scrape(m.addr?, SCRAPE_TIMEOUT).ok()))
+        .collect();
+    crate::metrics_http::merge(&texts)
 }
 
 /// One rank's line in the summary.
@@ -146,6 +179,8 @@ struct Worker {
     name: String,
     decode: bool,
     child: Child,
+    /// Its standard input (with `--metrics-listen`): closed once its final metrics were scraped.
+    stdin: Option<ChildStdin>,
     status: Option<std::process::ExitStatus>,
     /// The demo killed it (after another worker failed, or at the run's deadline).
     stopped_by_demo: bool,
@@ -247,6 +282,17 @@ pub fn run(args: &DemoArgs) -> ExitCode {
             }
         },
     };
+    let board: Arc<Mutex<Vec<WorkerMetrics>>> = Arc::default();
+    if let Some(listen) = &args.metrics_listen {
+        let b = Arc::clone(&board);
+        match rt.block_on(crate::metrics_http::serve(listen, Arc::new(move || merged_metrics(&b)))) {
+            Ok(a) => eprintln!("kvxfer demo: metrics of every worker at http://{a}/metrics"),
+            Err(e) => {
+                eprintln!("kvxfer demo: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let exe = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
@@ -281,9 +327,16 @@ pub fn run(args: &DemoArgs) -> ExitCode {
         if args.inject_wrong_byte {
             cmd.arg("--inject-wrong-byte");
         }
+        if args.metrics_listen.is_some() {
+            // The worker serves its metrics on a port of its own and, after its summary, keeps
+            // serving until the demo closes its standard input (once it took the final scrape).
+            cmd.args(["--metrics-listen", "127.0.0.1:0", "--metrics-hold"]).stdin(Stdio::piped());
+        }
         match cmd.spawn() {
             Ok(mut child) => {
                 let out = child.stdout.take().expect("piped stdout");
+                let stdin = child.stdin.take();
+                board.lock().unwrap_or_else(|p| p.into_inner()).push(WorkerMetrics::default());
                 let tx = tx.clone();
                 std::thread::spawn(move || {
                     for line in BufReader::new(out).lines() {
@@ -297,6 +350,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                     name: format!("{side} {rank}"),
                     decode: *side == Side::Decode,
                     child,
+                    stdin,
                     status: None,
                     stopped_by_demo: false,
                 });
@@ -332,9 +386,24 @@ pub fn run(args: &DemoArgs) -> ExitCode {
                         pb.inc(1);
                         pb.set_message("(failures)");
                     }
-                    Some("summary") => match serde_json::from_value::<WorkerSummary>(v["summary"].clone()) {
-                        Ok(s) => summaries.push(s),
-                        Err(e) => errors.push(format!("{}: unreadable summary: {e}", workers[i].name)),
+                    Some("summary") => {
+                        match serde_json::from_value::<WorkerSummary>(v["summary"].clone()) {
+                            Ok(s) => summaries.push(s),
+                            Err(e) => errors.push(format!("{}: unreadable summary: {e}", workers[i].name)),
+                        }
+                        // Its final metrics, then let it go.
+                        let addr = board.lock().unwrap_or_else(|p| p.into_inner())[i].addr;
+                        if let Some(a) = addr {
+                            match crate::metrics_http::scrape(a, SCRAPE_TIMEOUT) {
+                                Ok(t) => board.lock().unwrap_or_else(|p| p.into_inner())[i].last = Some(t),
+                                Err(e) => errors.push(format!("{}: final metrics: {e}", workers[i].name)),
+                            }
+                        }
+                        workers[i].stdin.take();
+                    }
+                    Some("metrics") => match v["addr"].as_str().map(str::parse::<SocketAddr>) {
+                        Some(Ok(a)) => board.lock().unwrap_or_else(|p| p.into_inner())[i].addr = Some(a),
+                        _ => errors.push(format!("{}: unreadable metrics address in {line}", workers[i].name)),
                     },
                     Some("error") => {
                         errors.push(format!("{}: {}", workers[i].name, v["message"].as_str().unwrap_or("?")))
@@ -399,6 +468,11 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&summary).expect("summary serializes")),
         Format::Table => print_table(&summary),
+    }
+    if args.metrics_listen.is_some() && args.metrics_linger_s > 0.0 {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        crate::metrics_http::hold(Duration::from_secs_f64(args.metrics_linger_s));
     }
     if summary.ok {
         ExitCode::SUCCESS

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bootstrap;
 mod demo;
+mod metrics_http;
 mod model;
 mod plan;
 mod svg;

@@ -135,6 +135,16 @@ pub struct WorkerArgs {
     /// any byte that got past the fence.
     #[arg(long, default_value_t = 0.0, value_parser = crate::model::parse_seconds_or_zero)]
     pub linger_s: f64,
+    /// Serve this rank's metrics (OpenMetrics text, see docs/operations.md) at `http://ADDR/metrics`
+    /// while the worker runs; `127.0.0.1:0` picks a port. The address bound is printed as a
+    /// progress line (`{"kind":"metrics","addr":...}`). After the requests ended the figures stay
+    /// those of the end of the run.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// With `--metrics-listen`: after printing the summary, keep serving the final metrics until
+    /// standard input is closed (at most 30 s). `demo` sets it to take each worker's final scrape.
+    #[arg(long, hide = true, requires = "metrics_listen")]
+    pub metrics_hold: bool,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -197,10 +207,14 @@ pub fn run(args: &WorkerArgs) -> ExitCode {
     };
     let role = Side::from(args.role);
     let rank = RankId::new(args.tp_rank, args.pp_stage);
-    match rt.block_on(worker(args)) {
+    let served = Arc::new(Served::default());
+    match rt.block_on(worker(args, &served)) {
         Ok(s) => {
             let ok = s.errors.is_empty();
             progress(json!({"kind": "summary", "summary": s}));
+            if args.metrics_hold {
+                crate::metrics_http::hold(METRICS_HOLD);
+            }
             if ok {
                 ExitCode::SUCCESS
             } else {
@@ -224,6 +238,42 @@ fn progress(v: serde_json::Value) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{v}").and_then(|()| out.flush());
+}
+
+/// How long `--metrics-hold` keeps serving after the summary at most.
+const METRICS_HOLD: Duration = Duration::from_secs(30);
+
+/// What `--metrics-listen` serves: the live agent's metrics while the run goes on, then the final
+/// figures taken before the agent shut down.
+struct Served {
+    state: Mutex<(std::sync::Weak<Ctx>, String)>,
+}
+
+impl Default for Served {
+    fn default() -> Self {
+        Self { state: Mutex::new((std::sync::Weak::new(), "# EOF\n".to_owned())) }
+    }
+}
+
+impl Served {
+    fn text(&self) -> String {
+        // Held while encoding, so `detach` waits for a scrape in progress: afterwards no scrape
+        // holds the context (the agent's shutdown needs it alone).
+        let state = lock(&self.state);
+        match state.0.upgrade() {
+            Some(ctx) => ctx.agent.metrics(),
+            None => state.1.clone(),
+        }
+    }
+
+    fn attach(&self, ctx: &Arc<Ctx>) {
+        lock(&self.state).0 = Arc::downgrade(ctx);
+    }
+
+    fn detach(&self, ctx: &Ctx) {
+        let last = ctx.agent.metrics();
+        *lock(&self.state) = (std::sync::Weak::new(), last);
+    }
 }
 
 /// How often the worker checks that its parent (`--parent-pid`) is alive.
@@ -378,10 +428,15 @@ impl Ctx {
     }
 }
 
-async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
+async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary, String> {
     let (w, side, rank) = (&args.workload, Side::from(args.role), RankId::new(args.tp_rank, args.pp_stage));
     let topo = w.topology()?;
     topo.check_rank(side, rank).map_err(|e| e.to_string())?;
+    if let Some(listen) = &args.metrics_listen {
+        let s = Arc::clone(served);
+        let addr = crate::metrics_http::serve(listen, Arc::new(move || s.text())).await?;
+        progress(json!({"kind": "metrics", "addr": addr.to_string()}));
+    }
     let wait = Duration::from_secs_f64(args.timeout_s);
     let ttl = Duration::from_secs_f64(args.lease_ttl_s.max(0.1));
     let addr = match (&args.metadata, &args.bootstrap) {
@@ -432,7 +487,9 @@ async fn worker(args: &WorkerArgs) -> Result<WorkerSummary, String> {
         summary: Mutex::new(summary),
         stop: AtomicBool::new(false),
     });
+    served.attach(&ctx);
     let result = run_slots(&ctx, &*store, side, wait).await;
+    served.detach(&ctx);
     let mut s = lock(&ctx.summary).clone();
     s.errors.extend(result.err().into_iter().chain(report.fatal()));
     // A peer was lost (the transport may see it first): wait, bounded, for the store to name it.

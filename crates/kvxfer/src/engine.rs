@@ -90,6 +90,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bootstrap::Registration as RankRegistration;
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
+use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
 use crate::session::{Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window};
 
 /// The identity a rank's endpoint carries (in [`BackendConfig::identity`] and in lost-peer events):
@@ -406,8 +407,8 @@ pub struct AgentStats {
     pub aborts_received: u64,
     /// Fences sent (prefill) or received (decode).
     pub fences: u64,
-    /// Peers given up on (lease expired, transport lost them, replaced by a new epoch, or this
-    /// rank's own membership lost).
+    /// Peers given up on (left the cluster, lease expired, transport lost them, replaced by a new
+    /// epoch, or this rank's own membership lost).
     pub peers_lost: u64,
     /// Peers given up on whose cut-off the backend confirmed.
     pub cut_offs: u64,
@@ -455,12 +456,16 @@ struct SendReq {
     last_posted: bool,
     aux_sent: bool,
     failure: Option<String>,
+    /// Why it failed, for the metrics (set with `failure`).
+    cause: Option<Cause>,
     /// Decode ranks that asked to abort: they get `Fenced` once nothing is in flight.
     abort_from: BTreeSet<RankId>,
     /// Whether the outcome (failure or fence) has been sent to the receivers.
     told: bool,
     cancel: Cancel,
     created: Option<Instant>,
+    /// When the first chunk (or layer part) was posted: where the prefill latency starts.
+    first_post: Option<Instant>,
     done: bool,
 }
 
@@ -472,6 +477,8 @@ struct RecvReq {
     /// A failure before the handoff (nothing to fence).
     early_failure: Option<String>,
     counted: bool,
+    /// When the engine handed the request off, and the bytes its pages take on this rank.
+    handed_off: Option<(Instant, u64)>,
 }
 
 /// What the agent knows of one peer rank.
@@ -500,6 +507,12 @@ struct Inner {
     stats: Mutex<AgentStats>,
     /// Peers whose cut-off could not be confirmed, with why (see the module docs).
     quarantine: Mutex<BTreeMap<RankId, String>>,
+    /// Latency, bytes and failure causes, recorded as requests end (see [`crate::metrics`]).
+    recorder: Recorder,
+    /// Bytes of one page across this rank's pool (every layer of its stage, every kind).
+    page_bytes: u64,
+    /// Bytes of KV pool registered with the backend.
+    registered_bytes: u64,
     wake: tokio::sync::Notify,
     stop: Cancel,
     handle: tokio::runtime::Handle,
@@ -513,6 +526,7 @@ pub struct Agent {
     memory: Vec<PoolMemory>,
     registrations: Vec<kvxfer_core::Registration>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    metrics: AgentMetrics,
 }
 
 impl fmt::Debug for Agent {
@@ -567,6 +581,8 @@ impl Agent {
                 (pool, Vec::new(), regs)
             }
         };
+        let page_bytes: u64 = pool.buffers.iter().map(|b| topo.buffer_bytes(role, b.buffer.kind, 1)).sum();
+        let registered_bytes: u64 = pool.buffers.iter().map(|b| b.len).sum();
         let (sender, receiver) = match role {
             Side::Prefill => (
                 Some(
@@ -640,6 +656,9 @@ impl Agent {
             epoch,
             stats: Mutex::new(AgentStats::default()),
             quarantine: Mutex::new(BTreeMap::new()),
+            recorder: Recorder::new(),
+            page_bytes,
+            registered_bytes,
             wake: tokio::sync::Notify::new(),
             stop: Cancel::new(),
             handle: tokio::runtime::Handle::current(),
@@ -650,7 +669,8 @@ impl Agent {
             tokio::spawn(Arc::clone(&inner).connect_and_watch(store, me, watch)),
             tokio::spawn(Arc::clone(&inner).watch_health(membership.health())),
         ];
-        Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, tasks })
+        let metrics = AgentMetrics::new(role, rank, &inner.recorder, &inner);
+        Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, tasks, metrics })
     }
 
     /// This rank's side.
@@ -720,7 +740,13 @@ impl Agent {
         }
         recvs.insert(
             room,
-            RecvReq { generation: None, abort_sent: BTreeSet::new(), early_failure: None, counted: false },
+            RecvReq {
+                generation: None,
+                abort_sent: BTreeSet::new(),
+                early_failure: None,
+                counted: false,
+                handed_off: None,
+            },
         );
         Ok(Receiver { inner: Arc::clone(&self.inner), room })
     }
@@ -757,6 +783,7 @@ impl Agent {
         for (d, generation, reason) in aborts {
             if req.handoffs.get(&d).is_some_and(|h| h.generation == generation) {
                 req.abort_from.insert(d);
+                req.cause.get_or_insert(Cause::AbortedByPeer);
                 req.failure.get_or_insert_with(|| {
                     format!("prefill rank {}: decode rank {d} aborted the request: {reason}", self.rank())
                 });
@@ -793,6 +820,13 @@ impl Agent {
         lock(&self.inner.sends).len() + lock(&self.inner.recvs).len()
     }
 
+    /// Every metric of this agent now, in the OpenMetrics text format (what Prometheus scrapes;
+    /// ends with `# EOF`). Names, types and meanings: [`crate::metrics::METRICS`]. Cheap enough to
+    /// call on every scrape (it locks the agent's tables briefly, like [`Agent::stats`]).
+    pub fn metrics(&self) -> String {
+        self.metrics.encode()
+    }
+
     /// Stops: fails every active request (telling peers), leaves the cluster (peers see the rank
     /// `left`, not lost), stops the progress tasks, and closes the registrations (waits, until
     /// `deadline`, until no peer can touch the memory). After it returns the engine may free the
@@ -800,7 +834,7 @@ impl Agent {
     pub async fn shutdown(mut self, deadline: Instant) -> Result<(), EngineError> {
         let rooms: Vec<RequestId> = lock(&self.inner.sends).keys().copied().collect();
         for room in rooms {
-            self.inner.sender_abort(room, "the prefill rank shut down".into());
+            self.inner.sender_abort(room, "the prefill rank shut down".into(), Cause::Shutdown);
         }
         let rooms: Vec<RequestId> = lock(&self.inner.recvs).keys().copied().collect();
         for room in rooms {
@@ -863,6 +897,43 @@ impl Drop for Agent {
         for t in &self.tasks {
             t.abort();
         }
+    }
+}
+
+impl crate::metrics::Source for Inner {
+    fn snapshot(&self) -> Snapshot {
+        let mut stats = *lock(&self.stats);
+        if let Some(r) = &self.receiver {
+            stats.tracker = r.stats();
+        }
+        let (peers, peers_connected) = {
+            let p = lock(&self.peers);
+            (p.len() as u64, p.values().filter(|p| p.id.is_some() && p.lost.is_none()).count() as u64)
+        };
+        let (sends, sends_in_flight) = {
+            let s = lock(&self.sends);
+            (s.len() as u64, s.values().filter(|q| q.outstanding > 0).count() as u64)
+        };
+        let (recvs, recvs_in_flight) = {
+            let r = lock(&self.recvs);
+            (r.len() as u64, r.values().filter(|q| q.generation.is_some() && !q.counted).count() as u64)
+        };
+        Snapshot {
+            stats,
+            peers,
+            peers_connected,
+            quarantined_peers: lock(&self.quarantine).len() as u64,
+            active_requests: sends + recvs,
+            in_flight: sends_in_flight + recvs_in_flight,
+            early_queued: lock(&self.early).len() as u64,
+            registered_bytes: self.registered_bytes,
+        }
+    }
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Inner({} rank {})", self.cfg.role, self.cfg.rank)
     }
 }
 
@@ -940,6 +1011,7 @@ impl Receiver {
             rx.expect(self.room, pages, options, Instant::now() + inner.cfg.request_timeout)
                 .map_err(|e| invalid(e.to_string()))?;
             r.generation = Some(generation);
+            r.handed_off = Some((Instant::now(), pages.len() as u64 * inner.page_bytes));
             generation
         };
         let note = Notification::new(
@@ -990,6 +1062,9 @@ impl Receiver {
                 detail: format!("cannot release while {}: writes may still land; abort and wait first", s.phase),
             });
         }
+        // Counted before it goes (the progress task counts final requests on its next tick, which
+        // a request released at once would miss).
+        self.inner.count_outcomes();
         if let Some(rx) = &self.inner.receiver {
             rx.release(self.room);
         }
@@ -1097,7 +1172,7 @@ impl Sender {
     /// failure notification, which is also this rank's fence). `Aborting` until the transfers
     /// settled, then `Failed`.
     pub fn abort(&self, reason: &str) {
-        if self.inner.sender_abort(self.room, reason.to_owned()) {
+        if self.inner.sender_abort(self.room, reason.to_owned(), Cause::Aborted) {
             lock(&self.inner.stats).aborted += 1;
         }
     }
@@ -1335,7 +1410,7 @@ impl Inner {
             Side::Prefill => {
                 // Stop posting at once: every open send to it fails (its transfers are failed by the
                 // cut-off below, which makes their source pages reusable).
-                self.abort_open_sends(&format!("lost decode rank {r}: {why}"));
+                self.abort_open_sends(&format!("lost decode rank {r}: {why}"), Cause::PeerLost);
                 None
             }
         };
@@ -1528,14 +1603,14 @@ impl Inner {
                 // The initial connect failed: every request fails with it at once.
                 let failed = lock(&self.connect_error).clone();
                 if let Some(e) = failed {
-                    self.abort_open_sends(&format!("connecting to the decode ranks failed: {e}"));
+                    self.abort_open_sends(&format!("connecting to the decode ranks failed: {e}"), Cause::Connect);
                 }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
                 let lost: Vec<(RankId, String)> =
                     lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
                 if let Some((r, why)) = lost.first() {
-                    self.abort_open_sends(&format!("decode rank {r} is lost: {why}"));
+                    self.abort_open_sends(&format!("decode rank {r} is lost: {why}"), Cause::PeerLost);
                 }
                 // Requests past their deadline fail.
                 let late: Vec<(RequestId, String)> = lock(&self.sends)
@@ -1547,18 +1622,18 @@ impl Inner {
                     .collect();
                 for (room, waiting) in late {
                     let why = format!("not finished within {:?}: {waiting}", self.cfg.request_timeout);
-                    self.sender_abort(room, why);
+                    self.sender_abort(room, why, Cause::Deadline);
                 }
             }
         }
     }
 
     /// Fails every prefill request that has no outcome yet with `why` (each tells its receivers).
-    fn abort_open_sends(self: &Arc<Self>, why: &str) {
+    fn abort_open_sends(self: &Arc<Self>, why: &str, cause: Cause) {
         let rooms: Vec<RequestId> =
             lock(&self.sends).iter().filter(|(_, q)| !q.done && q.failure.is_none()).map(|(k, _)| *k).collect();
         for room in rooms {
-            self.sender_abort(room, why.to_owned());
+            self.sender_abort(room, why.to_owned(), cause);
         }
     }
 
@@ -1599,9 +1674,17 @@ impl Inner {
                 continue;
             }
             let phase = self.receiver_phase(*room, r, rx).0;
+            let elapsed = r.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
             match phase {
-                Phase::Success => done += 1,
-                Phase::Failed => failed += 1,
+                Phase::Success => {
+                    done += 1;
+                    self.recorder.succeeded(elapsed.unwrap_or(0.0));
+                    self.recorder.moved(r.handed_off.map_or(0, |(_, b)| b), 0);
+                }
+                Phase::Failed => {
+                    failed += 1;
+                    self.recorder.failed(elapsed, self.receiver_cause(*room, r, rx));
+                }
                 _ => continue,
             }
             r.counted = true;
@@ -1650,6 +1733,20 @@ impl Inner {
         let sends = senders.iter().map(|p| self.to_prefill(*p, &note));
         join_all(sends).await;
         self.wake.notify_waiters();
+    }
+
+    /// Why a decode request failed, for the metrics (the same order of checks as `receiver_phase`).
+    fn receiver_cause(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> Cause {
+        if r.early_failure.is_some() {
+            return Cause::Aborted;
+        }
+        if lock(&self.connect_error).is_some() {
+            return Cause::Connect;
+        }
+        match rx.status(room) {
+            Some(Status::Failed(f)) => Cause::of_failure(&f),
+            _ => Cause::Protocol,
+        }
     }
 
     fn receiver_phase(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> (Phase, Option<String>, bool) {
@@ -1832,7 +1929,7 @@ impl Inner {
             found
         };
         if mine && running {
-            self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"));
+            self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"), Cause::AbortedByPeer);
             self.settle(room);
             return;
         }
@@ -1970,6 +2067,7 @@ impl Inner {
                 q.last_posted = true;
             }
             q.outstanding += 1;
+            q.first_post.get_or_insert_with(Instant::now);
             Ok((chunk, last, targets, finish, q.cancel.clone()))
         })?;
         let deadline = Instant::now() + self.cfg.request_timeout;
@@ -1999,8 +2097,11 @@ impl Inner {
             });
             let mut first = None;
             for r in join_all(sends).await {
-                if let Err(e) = r {
-                    first.get_or_insert(e.to_string());
+                match r {
+                    Ok(st) => this.recorder.moved(st.bytes, st.ops),
+                    Err(e) => {
+                        first.get_or_insert(e.to_string());
+                    }
                 }
             }
             first.map_or(Ok(()), Err)
@@ -2029,6 +2130,7 @@ impl Inner {
             q.outstanding = q.outstanding.saturating_sub(1);
             if let Err(e) = r {
                 if q.failure.is_none() {
+                    q.cause = Some(Cause::Transfer);
                     q.failure = Some(format!("prefill rank {}: {e}", self.cfg.rank));
                     q.cancel.cancel(e);
                 }
@@ -2036,6 +2138,9 @@ impl Inner {
             if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
                 q.done = true;
                 lock(&self.stats).succeeded += 1;
+                if let Some(t) = q.first_post {
+                    self.recorder.succeeded(t.elapsed().as_secs_f64());
+                }
             }
         }
         self.settle(room);
@@ -2043,7 +2148,7 @@ impl Inner {
     }
 
     /// Returns whether this call aborted a request that had no outcome.
-    fn sender_abort(self: &Arc<Self>, room: RequestId, reason: String) -> bool {
+    fn sender_abort(self: &Arc<Self>, room: RequestId, reason: String, cause: Cause) -> bool {
         let aborted = {
             let mut sends = lock(&self.sends);
             let Some(q) = sends.get_mut(&room) else { return false };
@@ -2051,6 +2156,7 @@ impl Inner {
                 false
             } else {
                 q.failure = Some(format!("prefill rank {}: {reason}", self.cfg.rank));
+                q.cause = Some(cause);
                 q.cancel.cancel(reason);
                 true
             }
@@ -2063,7 +2169,7 @@ impl Inner {
     /// Once a failed request has nothing in flight: tell every decode rank (failure, or `Fenced` to
     /// one that asked to abort), once.
     fn settle(self: &Arc<Self>, room: RequestId) {
-        let (notes, failed_now) = {
+        let (notes, failed_now, started, cause) = {
             let mut sends = lock(&self.sends);
             let Some(q) = sends.get_mut(&room) else { return };
             let Some(why) = q.failure.clone() else { return };
@@ -2084,10 +2190,11 @@ impl Inner {
                     (*d, Notification::new(room, me, body).with_generation(h.generation))
                 })
                 .collect();
-            (notes, true)
+            (notes, true, q.first_post, q.cause.unwrap_or(Cause::Transfer))
         };
         if failed_now {
             lock(&self.stats).failed += 1;
+            self.recorder.failed(started.map(|c| c.elapsed().as_secs_f64()), cause);
         }
         let this = Arc::clone(self);
         self.handle.spawn(async move {

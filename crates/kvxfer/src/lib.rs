@@ -13,6 +13,7 @@ pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metadata;
+pub mod metrics;
 pub mod session;
 
 pub use kvxfer_core as core;
