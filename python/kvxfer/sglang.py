@@ -438,7 +438,8 @@ class KvxferKVManager(BaseKVManager):
                                          pp_rank=self.pp_rank, bootstrap=f"{bootstrap}{prefix}", backend=self.backend,
                                          notify=self.notify, backend_options=self._options(bootstrap),
                                          timeout_s=self.timeout_s,
-                                         label=f"sglang {self.role} {g.name} pid {os.getpid()}")
+                                         label=f"sglang {self.role} {g.name} pid {os.getpid()}",
+                                         digest=self.role == "decode" and os.environ.get("KVXFER_DIGEST") == "1")
                     agent.register_kv(ptrs=g.ptrs, lens=g.lens, item_lens=g.items, kind=self.mem_kind,
                                       device=int(getattr(self.kv_args, "gpu_id", 0) or 0))
                     args = self.kv_args

@@ -353,7 +353,8 @@ class KvxferConnector(KVConnectorBase_V1):
         agent = kvxfer.Agent(role=self.side, topology=topo, tp_rank=rank, bootstrap=self.extra["bootstrap"],
                              backend=backend, notify=self.extra.get("notify", "attached"),
                              backend_options=opts or None, timeout_s=float(self.extra.get("timeout_s", 60)),
-                             label=f"vllm {self.side} pid {os.getpid()}")
+                             label=f"vllm {self.side} pid {os.getpid()}",
+                             digest=self.side == "decode" and bool(self.extra.get("digest", False)))
         agent.register_kv(ptrs=ptrs, lens=lens, item_lens=items, kind=kind, device=device)
         agent.start()
         self.agent = agent

@@ -729,7 +729,8 @@ impl Drop for Agent {
 impl Agent {
     #[new]
     #[pyo3(signature = (role, topology, tp_rank=0, pp_rank=0, bootstrap=None, backend="tcp", notify="attached",
-                        backend_options=None, timeout_s=60.0, connect_timeout_s=None, lease_ttl_s=10.0, label=None))]
+                        backend_options=None, timeout_s=60.0, connect_timeout_s=None, lease_ttl_s=10.0, label=None,
+                        digest=false))]
     fn new(
         role: &str,
         topology: &Topology,
@@ -743,6 +744,7 @@ impl Agent {
         connect_timeout_s: Option<f64>,
         lease_ttl_s: f64,
         label: Option<String>,
+        digest: bool,
     ) -> PyResult<Self> {
         guarded("Agent()", || {
             let role = parse_side(role)?;
@@ -769,6 +771,12 @@ impl Agent {
             cfg.connect_timeout = secs("connect_timeout_s", connect_timeout_s.unwrap_or(timeout_s))?;
             cfg.lease_ttl = secs("lease_ttl_s", lease_ttl_s)?;
             cfg.label = label.unwrap_or_else(|| format!("python pid {}", std::process::id()));
+            if digest && role != Side::Decode {
+                return Err(PyValueError::new_err(
+                    "digest=True is a decode setting (the decode rank asks its prefill ranks for digests)",
+                ));
+            }
+            cfg.digest = digest;
             Ok(Self {
                 role,
                 rank,
@@ -1061,6 +1069,8 @@ impl Agent {
             d.set_item("fences", s.fences)?;
             d.set_item("peers_lost", s.peers_lost)?;
             d.set_item("protocol_errors", s.protocol_errors)?;
+            d.set_item("digest_bytes", s.digest_bytes)?;
+            d.set_item("digest_mismatches", s.digest_mismatches)?;
             d.set_item("pending_releases", lock(&self.pending).len())?;
             Ok(d)
         })

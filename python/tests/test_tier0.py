@@ -120,12 +120,13 @@ def test_agent_errors_are_exceptions_with_the_rust_message():
         a.close()
 
 
-def _in_process_pair(shape: Shape, server, timeout_s: float = 10.0):
+def _in_process_pair(shape: Shape, server, timeout_s: float = 10.0, digest: bool = False):
     """A prefill and a decode agent in this process (tcp over loopback), with pools and aux."""
     t = shape.topology()
     agents, pools = [], []
     for role in ("decode", "prefill"):
-        a = kvxfer.Agent(role=role, topology=t, bootstrap=server.address, timeout_s=timeout_s, lease_ttl_s=2.0)
+        a = kvxfer.Agent(role=role, topology=t, bootstrap=server.address, timeout_s=timeout_s, lease_ttl_s=2.0,
+                         digest=digest and role == "decode")
         pool = make_pool(shape, role, 0, PAGES)
         a.register_kv_buffers(pool)
         aux = [np.zeros((8, 8), np.int32)]
@@ -204,6 +205,36 @@ def test_request_lifecycle_in_one_process():
             dec.close()
         with pytest.raises(kvxfer.KvxferError, match="metrics"):
             dec.metrics()
+
+
+def test_digest_on_the_decode_checks_what_landed():
+    """Issue 30: with digest=True on the decode rank, the prefill hashes what it writes and the decode
+    what landed; the request succeeds and both sides count the bytes. A prefill rank cannot ask."""
+    shape = Shape(kv_heads=2, head_dim=8, layers=2)
+    with pytest.raises(ValueError, match="decode setting"):
+        kvxfer.Agent(role="prefill", topology=shape.topology(), bootstrap="127.0.0.1:1", digest=True)
+    with kvxfer.BootstrapServer() as server:
+        (dec, pre), ((dpool, _), _) = _in_process_pair(shape, server, digest=True)
+        try:
+            r = dec.receiver(3)
+            s = pre.sender(3)
+            s.init(3)
+            r.send_metadata([8, 1, 30])
+            _until(lambda: s.poll() == KVPoll.WaitingForInput, "the handoff")
+            s.send([2, 3])
+            s.send([40])
+            assert r.wait(timeout_s=10) == KVPoll.Success, r.failure_exception()
+            assert s.wait(timeout_s=10) == KVPoll.Success
+            checked, errors = verify_decode(shape, 0, dpool, [([2, 3, 40], [8, 1, 30])], PAGES)
+            assert errors == [] and checked > 0
+            ds, ps = dec.stats(), pre.stats()
+            assert ds["digest_bytes"] == ps["digest_bytes"] > 0, (ds, ps)
+            assert ds["digest_mismatches"] == 0
+            r.clear()
+            s.clear()
+        finally:
+            pre.close()
+            dec.close()
 
 
 def test_clear_while_writes_may_land_releases_after_the_fence():

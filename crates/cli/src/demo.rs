@@ -42,7 +42,7 @@ pub struct DemoArgs {
     /// Test-only: corrupt one source byte, so verification fails and the demo exits non-zero.
     #[arg(long, hide = true)]
     pub inject_wrong_byte: bool,
-    /// `--abort-rate F` and `--layerwise`, passed on to every worker.
+    /// `--abort-rate F`, `--layerwise` and `--digest`, passed on to every worker.
     #[command(flatten)]
     pub run: RunArgs,
     /// Serve the metrics of every worker, merged into one OpenMetrics exposition, at
@@ -125,6 +125,12 @@ pub struct DemoSummary {
     pub abort_rate: f64,
     /// Whether prefill sent each chunk layer by layer (`--layerwise`).
     pub layerwise: bool,
+    /// Whether decode ranks verified an end-to-end digest of every request (`--digest`).
+    pub digest: bool,
+    /// Bytes hashed for digests: prefill ranks (what they wrote), decode ranks (what landed).
+    pub digest_bytes: [u64; 2],
+    /// Requests whose digest check failed (decode ranks together).
+    pub digest_mismatches: u64,
     /// Request x decode-rank transfers that succeeded.
     pub completed: u32,
     /// Request x decode-rank transfers aborted by decode (their pages reset after the fence and reused).
@@ -579,6 +585,12 @@ fn summarize(
         requests: w.requests,
         abort_rate: run.abort_rate,
         layerwise: run.layerwise,
+        digest: run.digest,
+        digest_bytes: [
+            summaries.iter().filter(|s| s.role == "prefill").map(|s| s.digest_bytes).sum(),
+            decode.iter().map(|s| s.digest_bytes).sum(),
+        ],
+        digest_mismatches: decode.iter().map(|s| s.digest_mismatches).sum(),
         completed: decode.iter().map(|s| s.completed).sum(),
         aborted: decode.iter().map(|s| s.aborted).sum(),
         verified: decode.iter().map(|s| s.verified).sum(),
@@ -696,6 +708,14 @@ fn print_table(s: &DemoSummary) {
             s.aborted,
             s.abort_rate,
             if s.layerwise { "; prefill sent layer by layer" } else { "" }
+        );
+    }
+    if s.digest {
+        println!(
+            "  end-to-end digest: prefill ranks hashed {}, decode ranks {}; {} mismatches",
+            human(s.digest_bytes[0]),
+            human(s.digest_bytes[1]),
+            s.digest_mismatches
         );
     }
     if s.ok {

@@ -79,6 +79,11 @@ pub struct RunArgs {
     /// Prefill ranks send each chunk layer by layer (`Sender::send_layers`).
     #[arg(long)]
     pub layerwise: bool,
+    /// Decode ranks verify an end-to-end digest of every request (`AgentConfig::digest`): each
+    /// prefill rank hashes what it writes, each decode rank what landed, and a request succeeds
+    /// only if they agree.
+    #[arg(long)]
+    pub digest: bool,
 }
 
 impl RunArgs {
@@ -87,6 +92,9 @@ impl RunArgs {
         let mut a = vec!["--abort-rate".to_owned(), self.abort_rate.to_string()];
         if self.layerwise {
             a.push("--layerwise".into());
+        }
+        if self.digest {
+            a.push("--digest".into());
         }
         a
     }
@@ -180,6 +188,10 @@ pub struct WorkerSummary {
     pub abort_rate: f64,
     /// Whether prefill sent layer by layer.
     pub layerwise: bool,
+    /// Bytes this rank hashed for end-to-end digests (`--digest`; 0 without).
+    pub digest_bytes: u64,
+    /// Requests whose digest check failed here (decode).
+    pub digest_mismatches: u64,
     /// Seconds from the first request's start to the last one's end (fill and verify included).
     pub seconds: f64,
     /// Seconds during which at least one transfer was in flight (prefill: from the first chunk to
@@ -463,6 +475,7 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     cfg.connect_timeout = wait;
     cfg.request_timeout = w.request_timeout();
     cfg.secret = secret;
+    cfg.digest = args.run.digest && side == Side::Decode;
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
     progress(json!({"kind": "registered", "store": store.name(), "epoch": agent.epoch()}));
@@ -502,6 +515,8 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
         s.errors.extend(lock(&report.verdicts).iter().cloned());
     }
     s.transfer_seconds = union(&mut s.intervals);
+    let st = ctx.agent.stats();
+    (s.digest_bytes, s.digest_mismatches) = (st.digest_bytes, st.digest_mismatches);
     // Leave the cluster (peers see `left`) and close the registrations.
     if let Ok(c) = Arc::try_unwrap(ctx) {
         if let Err(e) = c.agent.shutdown(Instant::now() + Duration::from_secs(5)).await {

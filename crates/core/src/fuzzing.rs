@@ -8,14 +8,15 @@
 use crate::notify::{Notification, NotificationBody, RequestId, MAX_REASON};
 use crate::SenderKey;
 
-/// Byte offset of the has-aux flag of a handoff notification (after the 27-byte header).
+/// Byte offset of the flag byte (bit 0 has-aux, bit 1 wants-digest) of a handoff notification
+/// (after the 27-byte header).
 const HANDOFF_FLAG: usize = 27;
 
 /// The canonical form of an encoded notification that decodes: the encoder writes the aux slot of a
 /// handoff without aux as 0 (a receiver ignores it), everything else has exactly one encoding.
 pub fn canonical_notification(data: &[u8]) -> Vec<u8> {
     let mut c = data.to_vec();
-    if c.len() >= HANDOFF_FLAG + 5 && c[2] == 5 && c[HANDOFF_FLAG] == 0 {
+    if c.len() >= HANDOFF_FLAG + 5 && c[2] == 5 && c[HANDOFF_FLAG] & 1 == 0 {
         c[HANDOFF_FLAG + 1..HANDOFF_FLAG + 5].fill(0);
     }
     c
@@ -46,11 +47,14 @@ pub fn notification_seeds() -> Vec<(String, Vec<u8>)> {
         ("failure", NotificationBody::Failure("decode rank ran out of pages".into())),
         ("failure-utf8", NotificationBody::Failure("é€😀".into())),
         ("failure-max", NotificationBody::Failure("x".repeat(MAX_REASON))),
-        ("handoff", NotificationBody::Handoff { pages: vec![0, 1, 2, 9], aux_slot: Some(5) }),
-        ("handoff-noaux", NotificationBody::Handoff { pages: vec![4], aux_slot: None }),
-        ("handoff-empty", NotificationBody::Handoff { pages: Vec::new(), aux_slot: None }),
+        ("handoff", NotificationBody::Handoff { pages: vec![0, 1, 2, 9], aux_slot: Some(5), digest: false }),
+        ("handoff-noaux", NotificationBody::Handoff { pages: vec![4], aux_slot: None, digest: false }),
+        ("handoff-digest", NotificationBody::Handoff { pages: vec![4, 5], aux_slot: None, digest: true }),
+        ("handoff-aux-digest", NotificationBody::Handoff { pages: vec![6], aux_slot: Some(3), digest: true }),
+        ("handoff-empty", NotificationBody::Handoff { pages: Vec::new(), aux_slot: None, digest: false }),
         ("abort", NotificationBody::Abort("cancelled by the client".into())),
         ("fenced", NotificationBody::Fenced),
+        ("digest", NotificationBody::Digest(vec![1, 2, u64::MAX])),
     ];
     bodies
         .into_iter()

@@ -5,6 +5,7 @@
 //! - [`plan`]: the slice planner (SEMANTICS §3-4).
 //! - [`tracker`]: the sans-IO completion tracker (SEMANTICS §5).
 //! - [`notify`]: typed notifications and their binary codec.
+//! - [`digest`]: the opt-in end-to-end digest of what each sender writes.
 //! - [`backend`]: the [`KvTransferBackend`] trait, capabilities, and the `inventory` registry.
 //! - [`mem`]: memory descriptors with a kind, and the memory-lifetime rules (`unsafe` behind
 //!   [`MemDesc::from_raw_parts`]; the crate's other `unsafe` is `CudaHandle::from_raw` in [`order`]).
@@ -16,6 +17,7 @@
 //! contract types and the toolkit wait with tokio's sync and time types inside the caller's runtime.
 
 pub mod backend;
+pub mod digest;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;

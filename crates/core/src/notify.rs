@@ -4,19 +4,26 @@
 //! ```text
 //! 0      u8   magic 0xKV (0x4b)
 //! 1      u8   version (2)
-//! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure, 5 handoff, 6 abort, 7 fenced
+//! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure, 5 handoff, 6 abort, 7 fenced, 8 digest
 //! 3..11  u64  request id (the room)
 //! 11..19 u64  generation (unique per use of a room)
 //! 19..27 u64  sender key (16 bits each: dp, cp, pp, tp) of the rank that sent it (prefill or decode)
 //! kv-chunk: u32 chunk index, u8 last (0 or 1)
 //! aux, state: u32 length, payload bytes (at most MAX_PAYLOAD)
 //! failure, abort: u16 length, UTF-8 reason (at most MAX_REASON bytes)
-//! handoff: u8 has-aux (0 or 1), u32 aux slot, u32 page count, that many u32 pages (payload at most MAX_PAYLOAD)
-//!          (the aux slot is written as 0 when has-aux is 0, and ignored by the decoder)
+//! handoff: u8 flags (bit 0 has-aux, bit 1 wants-digest), u32 aux slot, u32 page count, that many u32
+//!          pages (payload at most MAX_PAYLOAD) (the aux slot is written as 0 when has-aux is 0, and
+//!          ignored by the decoder)
 //! fenced: nothing
+//! digest: u32 entry count, that many u64 (at most MAX_PAYLOAD / 8)
 //! ```
 //!
-//! Kinds 1-4 and 7 travel from a prefill rank to a decode rank; 5 (the decode rank's destination pages
+//! Kind 8 and the wants-digest flag came with the opt-in digest (issue 30): a decode rank sets the
+//! flag only when it verifies digests, and a prefill rank sends kind 8 only to a decode rank that
+//! set it, so ranks that do not use digests exchange exactly the bytes of before (an older peer
+//! refuses the flag and kind 8 as malformed).
+//!
+//! Kinds 1-4, 7 and 8 travel from a prefill rank to a decode rank; 5 (the decode rank's destination pages
 //! for one request) and 6 (the decode rank aborted the request: stop writing, then answer `fenced`)
 //! travel from a decode rank to a prefill rank.
 //! The decoder rejects truncation, unknown magic, version or kind, flag bytes other than 0 and 1,
@@ -64,12 +71,18 @@ pub enum NotificationBody {
         pages: Vec<u32>,
         /// The decode rank's aux slot for the request, if it wants aux data.
         aux_slot: Option<u32>,
+        /// Whether the decode rank verifies an end-to-end digest ([`NotificationBody::Digest`]).
+        digest: bool,
     },
     /// Decode to prefill: the decode rank aborted the request; stop posting, abort what is in flight,
     /// then answer [`NotificationBody::Fenced`].
     Abort(String),
     /// Prefill to decode: no write of this sender for the request can land any more.
     Fenced,
+    /// Prefill to decode, to a decode rank whose handoff asked for it, once every write of this
+    /// sender for the request completed: the sums of [`crate::digest`] over what it wrote there,
+    /// one per (stage-local layer, kind slice).
+    Digest(Vec<u64>),
 }
 
 /// One notification from a sender about a request.
@@ -143,6 +156,7 @@ impl Notification {
             NotificationBody::Handoff { .. } => 5,
             NotificationBody::Abort(_) => 6,
             NotificationBody::Fenced => 7,
+            NotificationBody::Digest(_) => 8,
         };
         out.extend_from_slice(&[MAGIC, VERSION, tag]);
         out.extend_from_slice(&self.request.0.to_le_bytes());
@@ -168,11 +182,11 @@ impl Notification {
                 out.extend_from_slice(&(end as u16).to_le_bytes());
                 out.extend_from_slice(&r.as_bytes()[..end]);
             }
-            NotificationBody::Handoff { pages, aux_slot } => {
+            NotificationBody::Handoff { pages, aux_slot, digest } => {
                 if pages.len() > MAX_HANDOFF_PAGES {
                     return Err(CodecError::TooLong { len: pages.len() * 4, max: MAX_PAYLOAD });
                 }
-                out.push(u8::from(aux_slot.is_some()));
+                out.push(u8::from(aux_slot.is_some()) | (u8::from(*digest) << 1));
                 out.extend_from_slice(&aux_slot.unwrap_or(0).to_le_bytes());
                 out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
                 for p in pages {
@@ -180,6 +194,15 @@ impl Notification {
                 }
             }
             NotificationBody::Fenced => {}
+            NotificationBody::Digest(d) => {
+                if d.len() > MAX_DIGEST_ENTRIES {
+                    return Err(CodecError::TooLong { len: d.len() * 8, max: MAX_PAYLOAD });
+                }
+                out.extend_from_slice(&(d.len() as u32).to_le_bytes());
+                for v in d {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
         }
         Ok(())
     }
@@ -234,9 +257,8 @@ impl Notification {
                 }
             }
             5 => {
-                let has_aux = match r.u8()? {
-                    0 => false,
-                    1 => true,
+                let (has_aux, digest) = match r.u8()? {
+                    f if f <= 3 => (f & 1 == 1, f & 2 == 2),
                     f => return Err(CodecError::Flag(f)),
                 };
                 let aux = r.u32()?;
@@ -246,9 +268,19 @@ impl Notification {
                 }
                 let raw = r.bytes(n * 4)?;
                 let pages = raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-                NotificationBody::Handoff { pages, aux_slot: has_aux.then_some(aux) }
+                NotificationBody::Handoff { pages, aux_slot: has_aux.then_some(aux), digest }
             }
             7 => NotificationBody::Fenced,
+            8 => {
+                let n = r.u32()? as usize;
+                if n > MAX_DIGEST_ENTRIES {
+                    return Err(CodecError::TooLong { len: n.saturating_mul(8), max: MAX_PAYLOAD });
+                }
+                let raw = r.bytes(n * 8)?;
+                NotificationBody::Digest(
+                    raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect(),
+                )
+            }
             t => return Err(CodecError::Tag(t)),
         };
         if r.pos != buf.len() {
@@ -261,6 +293,9 @@ impl Notification {
 /// Most destination pages one handoff carries (its payload stays within [`MAX_PAYLOAD`]).
 pub const MAX_HANDOFF_PAGES: usize = MAX_PAYLOAD / 4;
 
+/// Most entries one digest carries (its payload stays within [`MAX_PAYLOAD`]).
+pub const MAX_DIGEST_ENTRIES: usize = MAX_PAYLOAD / 8;
+
 impl fmt::Display for Notification {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} gen {} from {}: ", self.request, self.generation, self.sender)?;
@@ -271,12 +306,19 @@ impl fmt::Display for Notification {
             NotificationBody::Aux(p) => write!(f, "aux ({} bytes)", p.len()),
             NotificationBody::State(p) => write!(f, "state ({} bytes)", p.len()),
             NotificationBody::Failure(r) => write!(f, "failure: {r}"),
-            NotificationBody::Handoff { pages, aux_slot } => match aux_slot {
-                Some(a) => write!(f, "handoff of {} pages, aux slot {a}", pages.len()),
-                None => write!(f, "handoff of {} pages", pages.len()),
-            },
+            NotificationBody::Handoff { pages, aux_slot, digest } => {
+                write!(f, "handoff of {} pages", pages.len())?;
+                if let Some(a) = aux_slot {
+                    write!(f, ", aux slot {a}")?;
+                }
+                if *digest {
+                    write!(f, ", digest wanted")?;
+                }
+                Ok(())
+            }
             NotificationBody::Abort(r) => write!(f, "abort: {r}"),
             NotificationBody::Fenced => write!(f, "fenced"),
+            NotificationBody::Digest(d) => write!(f, "digest ({} entries)", d.len()),
         }
     }
 }
@@ -322,10 +364,11 @@ mod tests {
             proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::Aux),
             proptest::collection::vec(any::<u8>(), 0..64).prop_map(NotificationBody::State),
             ".{0,40}".prop_map(NotificationBody::Failure),
-            (proptest::collection::vec(any::<u32>(), 0..64), proptest::option::of(any::<u32>()))
-                .prop_map(|(pages, aux_slot)| NotificationBody::Handoff { pages, aux_slot }),
+            (proptest::collection::vec(any::<u32>(), 0..64), proptest::option::of(any::<u32>()), any::<bool>())
+                .prop_map(|(pages, aux_slot, digest)| NotificationBody::Handoff { pages, aux_slot, digest }),
             ".{0,40}".prop_map(NotificationBody::Abort),
             Just(NotificationBody::Fenced),
+            proptest::collection::vec(any::<u64>(), 0..32).prop_map(NotificationBody::Digest),
         ]
     }
 
@@ -375,6 +418,21 @@ mod tests {
         f[n - 1] = 0xff;
         assert!(matches!(Notification::decode(&f), Err(CodecError::Utf8)));
         assert_eq!(good.len(), HEADER + 5);
+        let h = |digest| {
+            Notification::new(
+                RequestId(1),
+                SenderKey::from_u64(2),
+                NotificationBody::Handoff { pages: vec![3], aux_slot: None, digest },
+            )
+            .encode()
+            .unwrap()
+        };
+        // Without the digest the handoff is the bytes of before (an older prefill rank reads it).
+        assert_eq!(h(false)[HEADER], 0);
+        assert_eq!(h(true)[HEADER], 2);
+        let mut b = h(true);
+        b[HEADER] = 4;
+        assert!(matches!(Notification::decode(&b), Err(CodecError::Flag(4))));
     }
 
     #[test]

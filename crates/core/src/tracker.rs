@@ -4,6 +4,7 @@
 //! ```text
 //! done   <=> not failed and |expected| == N and for every key: received[key] == {0..expected[key]-1}
 //!            and (aux not required or aux received) and (state not required or state from all N keys)
+//!            and (digest not required or a digest from all N keys; the driver then verifies it)
 //! failed <=> a failure notification arrived, or a notification from a key outside the expected set,
 //!            or the deadline passed (the error names the keys still missing)
 //! ```
@@ -48,6 +49,8 @@ pub struct ExpectSpec {
     pub aux: bool,
     /// Whether a state notification from every sender is required.
     pub state: bool,
+    /// Whether a digest ([`NotificationBody::Digest`]) from every sender is required.
+    pub digest: bool,
     /// When the request fails if not done.
     pub deadline: Instant,
 }
@@ -80,6 +83,8 @@ pub enum Failure {
         missing: Vec<SenderKey>,
         /// Keys whose state is missing (when state is required).
         missing_state: Vec<SenderKey>,
+        /// Keys whose digest is missing (when digests are required).
+        missing_digest: Vec<SenderKey>,
         /// Whether aux was required and is missing.
         missing_aux: bool,
     },
@@ -116,10 +121,17 @@ impl fmt::Display for Failure {
                 write!(f, "notification from {key}, which is not an expected sender (topology mismatch?)")
             }
             Failure::InconsistentChunks { key, detail } => write!(f, "sender {key}: {detail}"),
-            Failure::DeadlineExceeded { missing, missing_state, missing_aux } => {
+            Failure::DeadlineExceeded { missing, missing_state, missing_digest, missing_aux } => {
                 write!(f, "deadline passed; still missing chunks from [{}]", keys(missing))?;
                 if !missing_state.is_empty() {
                     write!(f, ", state from [{}]", keys(missing_state))?;
+                }
+                if !missing_digest.is_empty() {
+                    write!(
+                        f,
+                        ", digest from [{}] (does that prefill rank run a kvxfer without digests?)",
+                        keys(missing_digest)
+                    )?;
                 }
                 if *missing_aux {
                     write!(f, ", aux")?;
@@ -210,6 +222,7 @@ struct KeyState {
     received: BTreeSet<u32>,
     expected: Option<u32>,
     state: bool,
+    digest: bool,
     fenced: bool,
     /// The sender was given up on while it could still write this request's pages: fenced only
     /// once the cut-off of that loss is confirmed.
@@ -237,16 +250,22 @@ struct Req {
     keys: BTreeMap<SenderKey, KeyState>,
     aux_required: bool,
     state_required: bool,
+    digest_required: bool,
     aux: Option<Vec<u8>>,
     states: BTreeMap<SenderKey, Vec<u8>>,
+    digests: BTreeMap<SenderKey, Vec<u64>>,
     deadline: Instant,
     outcome: Option<Status>,
 }
 
 impl Req {
+    /// Whether key state `k` still waits for something (chunks, state, digest).
+    fn waiting(&self, k: &KeyState) -> bool {
+        !k.chunks_complete() || (self.state_required && !k.state) || (self.digest_required && !k.digest)
+    }
+
     fn is_done(&self) -> bool {
-        self.keys.values().all(|k| k.chunks_complete() && (!self.state_required || k.state))
-            && (!self.aux_required || self.aux.is_some())
+        self.keys.values().all(|k| !self.waiting(k)) && (!self.aux_required || self.aux.is_some())
     }
 
     fn deadline_failure(&self) -> Failure {
@@ -254,6 +273,11 @@ impl Req {
             missing: self.keys.iter().filter(|(_, s)| !s.chunks_complete()).map(|(k, _)| *k).collect(),
             missing_state: if self.state_required {
                 self.keys.iter().filter(|(_, s)| !s.state).map(|(k, _)| *k).collect()
+            } else {
+                Vec::new()
+            },
+            missing_digest: if self.digest_required {
+                self.keys.iter().filter(|(_, s)| !s.digest).map(|(k, _)| *k).collect()
             } else {
                 Vec::new()
             },
@@ -373,8 +397,10 @@ impl CompletionTracker {
             keys,
             aux_required: spec.aux,
             state_required: spec.state,
+            digest_required: spec.digest,
             aux: None,
             states: BTreeMap::new(),
+            digests: BTreeMap::new(),
             deadline: spec.deadline,
             outcome: None,
         };
@@ -394,13 +420,16 @@ impl CompletionTracker {
         // Checked after the early notifications: what a sender delivered before it was lost counts,
         // exactly as for a request tracked when the loss happened (`sender_lost`).
         if let Some(req) = self.reqs.get_mut(&request) {
-            let state_required = req.state_required;
             let mut down = None;
-            for (k, s) in req.keys.iter_mut() {
+            for (k, s) in req.keys.iter() {
                 let Some(lost) = self.lost.get(k) else { continue };
-                s.fenced = true;
-                if down.is_none() && (!s.chunks_complete() || (state_required && !s.state)) {
+                if down.is_none() && req.waiting(s) {
                     down = Some((*k, lost.reason.clone()));
+                }
+            }
+            for (k, s) in req.keys.iter_mut() {
+                if self.lost.contains_key(k) {
+                    s.fenced = true;
                 }
             }
             if let (None, Some((key, reason))) = (&req.outcome, down) {
@@ -498,6 +527,12 @@ impl CompletionTracker {
                 req.states.entry(n.sender).or_insert_with(|| p.clone());
                 fresh
             }
+            NotificationBody::Digest(d) => {
+                let fresh = !ks.digest;
+                ks.digest = true;
+                req.digests.entry(n.sender).or_insert_with(|| d.clone());
+                fresh
+            }
             NotificationBody::Failure(reason) => {
                 req.outcome = Some(Status::Failed(Failure::Notified { key: n.sender, reason: reason.clone() }));
                 self.stats.accepted += 1;
@@ -546,8 +581,9 @@ impl CompletionTracker {
         };
         let mut failed = Vec::new();
         for (rid, req) in &mut self.reqs {
+            let Some(s) = req.keys.get(&key) else { continue };
+            let waiting = req.waiting(s);
             let Some(s) = req.keys.get_mut(&key) else { continue };
-            let waiting = !s.chunks_complete() || (req.state_required && !s.state);
             if !s.fenced && !s.chunks_complete() && s.cut.is_none() {
                 s.cut = Some(Cut::Waiting(id));
             }
@@ -670,6 +706,11 @@ impl CompletionTracker {
     /// The aux payload of a request, once received.
     pub fn aux(&self, request: RequestId) -> Option<&[u8]> {
         self.reqs.get(&request)?.aux.as_deref()
+    }
+
+    /// The digest a sender sent for a request (the first one, when it came twice).
+    pub fn digest(&self, request: RequestId, key: SenderKey) -> Option<&[u64]> {
+        self.reqs.get(&request)?.digests.get(&key).map(Vec::as_slice)
     }
 
     /// The state payload a sender sent for a request.

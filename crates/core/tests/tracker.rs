@@ -19,6 +19,7 @@ fn spec(keys: &[SenderKey], t0: Instant) -> ExpectSpec {
         senders: keys.to_vec(),
         aux: false,
         state: false,
+        digest: false,
         deadline: t0 + Duration::from_secs(10),
     }
 }
@@ -142,7 +143,12 @@ fn deadline_names_the_missing_keys() {
     let Some(Status::Failed(f)) = t.status(R, late) else { panic!() };
     assert_eq!(
         f,
-        Failure::DeadlineExceeded { missing: vec![key(0, 0), key(2, 0)], missing_state: vec![], missing_aux: true }
+        Failure::DeadlineExceeded {
+            missing: vec![key(0, 0), key(2, 0)],
+            missing_state: vec![],
+            missing_digest: vec![],
+            missing_aux: true
+        }
     );
     assert!(f.to_string().contains("tp0.pp0, tp2.pp0") && f.to_string().contains("aux"), "{f}");
 }
@@ -245,7 +251,15 @@ fn a_last_flag_on_a_resent_chunk_completes_in_either_order() {
     assert_eq!(t.stats().accepted, 2);
     let late = t0 + Duration::from_secs(10);
     let Some(Status::Failed(f)) = t.status(R, late) else { panic!("expected the deadline to fail the request") };
-    assert_eq!(f, Failure::DeadlineExceeded { missing: vec![key(1, 0)], missing_state: vec![], missing_aux: false });
+    assert_eq!(
+        f,
+        Failure::DeadlineExceeded {
+            missing: vec![key(1, 0)],
+            missing_state: vec![],
+            missing_digest: vec![],
+            missing_aux: false
+        }
+    );
 }
 
 /// A deadline error never says "missing []": whatever keeps a request pending is named.
@@ -271,7 +285,7 @@ fn a_deadline_error_always_names_what_is_missing() {
         }
         match t.status(R, late) {
             Some(Status::Failed(f @ Failure::DeadlineExceeded { .. })) => {
-                let Failure::DeadlineExceeded { missing, missing_state, missing_aux } = &f else { unreachable!() };
+                let Failure::DeadlineExceeded { missing, missing_state, missing_aux, .. } = &f else { unreachable!() };
                 assert!(!missing.is_empty() || !missing_state.is_empty() || *missing_aux, "{s:?}: {f}");
             }
             other => assert!(matches!(other, Some(Status::Done | Status::Failed(_))), "{s:?}: {other:?}"),
@@ -462,4 +476,55 @@ fn exhaustive_two_senders_up_to_five_events() {
     }
     // The space really covers all three outcomes.
     assert!(outcomes.iter().all(|n| *n > 0), "{outcomes:?}");
+}
+
+/// Issue 30: with digests required, a request is done only when every sender's digest is in too
+/// (early, duplicate and late ones as for any notification); a missing one fails it at the deadline
+/// by name; a lost sender that sent its chunks but not its digest fails it.
+#[test]
+fn a_required_digest_from_every_sender_completes_the_request() {
+    let t0 = Instant::now();
+    let keys = [key(0, 0), key(1, 0)];
+    let digest = |k, d: Vec<u64>| Notification::new(R, k, NotificationBody::Digest(d));
+    let mut t = CompletionTracker::new();
+    // Sender 1's digest comes before the request is expected: kept, then applied.
+    assert_eq!(t.handle(&digest(keys[1], vec![9]), t0), Handled::Early);
+    t.expect(R, ExpectSpec { digest: true, ..spec(&keys, t0) }, t0).unwrap();
+    for k in keys {
+        assert_eq!(t.handle(&Notification::chunk(R, k, 0, true), t0), Handled::Progress);
+    }
+    assert_eq!(t.status(R, t0), Some(Status::Pending));
+    assert_eq!(t.handle(&digest(keys[0], vec![1, 2]), t0), Handled::Completed);
+    assert_eq!(t.handle(&digest(keys[0], vec![3]), t0), Handled::AfterOutcome);
+    assert_eq!(t.digest(R, keys[0]), Some(&[1u64, 2][..]));
+    assert_eq!(t.digest(R, keys[1]), Some(&[9u64][..]));
+
+    let mut t = CompletionTracker::new();
+    t.expect(R, ExpectSpec { digest: true, ..spec(&keys, t0) }, t0).unwrap();
+    for k in keys {
+        t.handle(&Notification::chunk(R, k, 0, true), t0);
+    }
+    t.handle(&digest(keys[0], vec![]), t0);
+    let late = t0 + Duration::from_secs(10);
+    let Some(Status::Failed(f)) = t.status(R, late) else { panic!("not failed") };
+    assert_eq!(
+        f,
+        Failure::DeadlineExceeded {
+            missing: vec![],
+            missing_state: vec![],
+            missing_digest: vec![keys[1]],
+            missing_aux: false
+        }
+    );
+    assert!(f.to_string().contains("digest from [") && f.to_string().contains("without digests"), "{f}");
+
+    let mut t = CompletionTracker::new();
+    t.expect(R, ExpectSpec { digest: true, ..spec(&keys, t0) }, t0).unwrap();
+    for k in keys {
+        t.handle(&Notification::chunk(R, k, 0, true), t0);
+    }
+    let loss = t.sender_lost(keys[1], "lease expired");
+    assert_eq!(loss.failed, vec![R]);
+    // Its chunks were all in: nothing of it can land, so the fence is closed without a cut-off.
+    assert_eq!(t.fence(R, t0), Some(kvxfer_core::Fence::Closed));
 }

@@ -480,7 +480,7 @@ fn out_of(s: Status, n: usize) -> Option<Out> {
                 Out::Unexpected
             }
             Failure::InconsistentChunks { key, .. } => Out::Inconsistent(ix(key)),
-            Failure::DeadlineExceeded { missing, missing_state, missing_aux } => {
+            Failure::DeadlineExceeded { missing, missing_state, missing_aux, .. } => {
                 assert!(missing_state.is_empty());
                 assert!(!missing.is_empty() || missing_aux, "a deadline error names what is missing");
                 assert!(missing.iter().all(|k| ix(*k) < n));
@@ -661,7 +661,8 @@ impl Run {
     fn new(n: usize, aux: bool, t0: Instant) -> Self {
         let mut t = CompletionTracker::with_config(config());
         // Generation 1 of the room was used and released before the sequence starts.
-        let spec = ExpectSpec { generation: 1, senders: vec![key(0)], aux: false, state: false, deadline: t0 };
+        let spec =
+            ExpectSpec { generation: 1, senders: vec![key(0)], aux: false, state: false, digest: false, deadline: t0 };
         t.expect(R, spec, t0).unwrap();
         t.release(R, t0);
         Self { t, m: Model::new(n, aux), t0, seen: 0 }
@@ -744,6 +745,7 @@ impl Run {
                     senders: (0..self.m.n).map(key).collect(),
                     aux: self.m.aux_req,
                     state: false,
+                    digest: false,
                     deadline: now + DEADLINE,
                 };
                 let got = self.t.expect(R, spec, now);
@@ -961,7 +963,7 @@ fn exhaustive_two_keys_early_to_six() {
 // Focused regressions.
 
 fn spec(keys: &[SenderKey], generation: u64, t0: Instant) -> ExpectSpec {
-    ExpectSpec { generation, senders: keys.to_vec(), aux: false, state: false, deadline: t0 + DEADLINE }
+    ExpectSpec { generation, senders: keys.to_vec(), aux: false, state: false, digest: false, deadline: t0 + DEADLINE }
 }
 
 fn chunk(request: RequestId, generation: u64, k: SenderKey, c: u32, last: bool) -> Notification {

@@ -88,6 +88,10 @@ use kvxfer_core::{
 };
 use serde::{Deserialize, Serialize};
 
+use kvxfer_core::digest;
+use kvxfer_core::plan::plan_sender;
+use kvxfer_core::PairPlan;
+
 use crate::bootstrap::Registration as RankRegistration;
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
 use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
@@ -175,6 +179,15 @@ pub struct AgentConfig {
     /// TLS to the bootstrap service ([`kvxfer_tls`]; the service must use the same cluster CA).
     /// The backend's own streams take TLS through its options (tcp: `tls=on`, see its README).
     pub bootstrap_tls: Option<kvxfer_tls::Tls>,
+    /// Decode: verify an end-to-end digest of every request (off by default; [`kvxfer_core::digest`]).
+    /// The handoff asks each prefill rank for the sums of XXH3-64 hashes over what it writes here;
+    /// once every chunk and digest is in, this rank hashes the landed bytes (in a blocking task)
+    /// and the request succeeds only if they agree. A mismatch fails it (`Failed`, pages reusable:
+    /// every sender had finished) with a reason naming the prefill rank, the layer, the kind and
+    /// the heads. Costs one read of the request's bytes on each side; needs host memory (refused at
+    /// start otherwise) and prefill ranks of this version (an older one refuses the handoff as
+    /// malformed). Prefill ranks need no setting: they hash only for decode ranks that ask.
+    pub digest: bool,
 }
 
 impl AgentConfig {
@@ -200,6 +213,7 @@ impl AgentConfig {
             cut_off_timeout: Duration::from_secs(10),
             secret: None,
             bootstrap_tls: None,
+            digest: false,
         }
     }
 
@@ -423,6 +437,11 @@ pub struct AgentStats {
     pub stale_refused: u64,
     /// Notifications of a kind this side does not take, dropped.
     pub protocol_errors: u64,
+    /// Bytes this rank hashed for end-to-end digests ([`AgentConfig::digest`]): what it wrote
+    /// for decode ranks that asked (prefill) or what landed (decode). 0 when nobody asked.
+    pub digest_bytes: u64,
+    /// Requests whose digest check failed here (decode).
+    pub digest_mismatches: u64,
     /// Decode tracker counters.
     #[serde(skip)]
     pub tracker: TrackerStats,
@@ -438,6 +457,8 @@ struct Handoff {
     generation: u64,
     pages: Vec<u32>,
     aux_slot: Option<u32>,
+    /// The decode rank verifies a digest of what this rank writes there.
+    digest: bool,
 }
 
 /// A spawned part of a layer-wise chunk.
@@ -467,6 +488,10 @@ struct SendReq {
     /// When the first chunk (or layer part) was posted: where the prefill latency starts.
     first_post: Option<Instant>,
     done: bool,
+    /// Per decode rank that asked for a digest: the sums over every part sent so far.
+    digests: BTreeMap<RankId, Vec<u64>>,
+    /// Whether the digests went out (once every part completed).
+    digests_sent: bool,
 }
 
 #[derive(Debug)]
@@ -479,6 +504,23 @@ struct RecvReq {
     counted: bool,
     /// When the engine handed the request off, and the bytes its pages take on this rank.
     handed_off: Option<(Instant, u64)>,
+    /// The end-to-end digest check of a request handed off with [`AgentConfig::digest`].
+    verify: Verify,
+    /// The pages handed off (kept for the digest check only).
+    pages: Vec<u32>,
+}
+
+/// Where a decode request's digest check stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verify {
+    /// Not asked for.
+    Off,
+    /// Asked for: waits until the tracker has every chunk and digest.
+    Waiting,
+    /// Hashing the landed bytes.
+    Running,
+    /// Checked: `Err` names the sender and the first bad range.
+    Checked(Result<(), String>),
 }
 
 /// What the agent knows of one peer rank.
@@ -513,6 +555,8 @@ struct Inner {
     page_bytes: u64,
     /// Bytes of KV pool registered with the backend.
     registered_bytes: u64,
+    /// This rank's pool buffers, for hashing them ([`AgentConfig::digest`]; offsets 0).
+    views: Arc<HashMap<BufferRef, MemDesc>>,
     wake: tokio::sync::Notify,
     stop: Cancel,
     handle: tokio::runtime::Handle,
@@ -560,18 +604,30 @@ impl Agent {
         };
         let backend = crate::backends::create(&cfg.backend, &bcfg).map_err(|e| setup(e.to_string()))?;
         backend.capabilities().check_style(backend.name(), cfg.notify).map_err(|e| setup(e.to_string()))?;
+        let mut views = HashMap::new();
         let (pool, pool_memory, registrations) = match memory {
             KvMemory::Host { pages, fill } => {
                 let init = move |_: BufferRef, b: &mut [u8]| b.fill(fill);
                 let (pool, mem) = KvPool::allocate(&topo, role, rank, pages, &*backend, &init)
                     .await
                     .map_err(|e| setup(e.to_string()))?;
+                views.extend(mem.iter().map(|m| (m.buffer, m.desc().clone())));
                 (pool, mem, Vec::new())
             }
             KvMemory::Buffers { pages, buffers } => {
                 let mut pool = KvPool { pages, buffers: Vec::new() };
                 let mut regs = Vec::new();
                 for (b, desc) in buffers {
+                    if cfg.digest && desc.kind() != kvxfer_core::MemKind::Host {
+                        return Err(setup(format!(
+                            "digest: the buffer of layer {} {} is {} memory; end-to-end digests hash the pool on \
+                             the host and need host memory (turn digest off for device pools)",
+                            b.layer,
+                            b.kind,
+                            desc.kind()
+                        )));
+                    }
+                    views.insert(b, desc.clone());
                     let region = crate::session::region_id(b);
                     let len = desc.len();
                     let reg = backend.register(region, desc).await.map_err(|e| setup(e.to_string()))?;
@@ -659,6 +715,7 @@ impl Agent {
             recorder: Recorder::new(),
             page_bytes,
             registered_bytes,
+            views: Arc::new(views),
             wake: tokio::sync::Notify::new(),
             stop: Cancel::new(),
             handle: tokio::runtime::Handle::current(),
@@ -746,6 +803,8 @@ impl Agent {
                 early_failure: None,
                 counted: false,
                 handed_off: None,
+                verify: Verify::Off,
+                pages: Vec::new(),
             },
         );
         Ok(Receiver { inner: Arc::clone(&self.inner), room })
@@ -768,8 +827,13 @@ impl Agent {
                 return true;
             }
             match &n.body {
-                NotificationBody::Handoff { pages, aux_slot } => {
-                    let h = Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot };
+                NotificationBody::Handoff { pages, aux_slot, digest } => {
+                    let h = Handoff {
+                        generation: n.generation,
+                        pages: pages.clone(),
+                        aux_slot: *aux_slot,
+                        digest: *digest,
+                    };
                     req.handoffs.insert(*d, h);
                 }
                 NotificationBody::Abort(reason) => aborts.push((*d, n.generation, reason.clone())),
@@ -1007,17 +1071,22 @@ impl Receiver {
                 return Err(invalid("send_metadata was already called (or the request was aborted)".into()));
             }
             let generation = (inner.epoch << 32) | (inner.next_gen.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff);
-            let options = ExpectOptions { aux: aux_slot.is_some(), generation, ..ExpectOptions::default() };
+            let digest = inner.cfg.digest;
+            let options = ExpectOptions { aux: aux_slot.is_some(), digest, generation, ..ExpectOptions::default() };
             rx.expect(self.room, pages, options, Instant::now() + inner.cfg.request_timeout)
                 .map_err(|e| invalid(e.to_string()))?;
             r.generation = Some(generation);
             r.handed_off = Some((Instant::now(), pages.len() as u64 * inner.page_bytes));
+            if digest {
+                r.verify = Verify::Waiting;
+                r.pages = pages.to_vec();
+            }
             generation
         };
         let note = Notification::new(
             self.room,
             own_key(Side::Decode, inner.cfg.rank),
-            NotificationBody::Handoff { pages: pages.to_vec(), aux_slot },
+            NotificationBody::Handoff { pages: pages.to_vec(), aux_slot, digest: inner.cfg.digest },
         )
         .with_generation(generation);
         let inner2 = Arc::clone(inner);
@@ -1153,7 +1222,7 @@ impl Sender {
                     first.get_or_insert(e.to_string());
                 }
             }
-            this.part_done(room, first.map_or(Ok(()), Err));
+            this.part_done(room, first.map_or(Ok(()), Err), Vec::new());
         });
         Ok(())
     }
@@ -1588,6 +1657,9 @@ impl Inner {
                     let this = Arc::clone(self);
                     self.handle.spawn(async move { this.to_prefill(rank_of_key(k), &note).await });
                 }
+                if self.cfg.digest {
+                    self.start_checks(rx);
+                }
                 self.count_outcomes();
             }
             Side::Prefill => {
@@ -1696,6 +1768,59 @@ impl Inner {
 
     // ---------------------------------------------------------------- decode side
 
+    /// Starts the digest check of every request whose tracker has all chunks and digests.
+    fn start_checks(self: &Arc<Self>, rx: &ReceiverSession) {
+        let senders = self.topo.senders(self.cfg.rank);
+        let mut jobs = Vec::new();
+        for (room, r) in lock(&self.recvs).iter_mut() {
+            if r.verify != Verify::Waiting || !matches!(rx.status(*room), Some(Status::Done)) {
+                continue;
+            }
+            let sent: Vec<(RankId, Option<Vec<u64>>)> = rx.with_tracker(|t| {
+                senders.iter().map(|p| (*p, t.digest(*room, SenderKey::of(*p)).map(<[u64]>::to_vec))).collect()
+            });
+            r.verify = Verify::Running;
+            jobs.push((*room, r.generation, r.pages.clone(), sent));
+        }
+        for (room, generation, pages, sent) in jobs {
+            let this = Arc::clone(self);
+            let (topo, me) = (self.topo, self.cfg.rank);
+            let pages = Arc::new(pages);
+            // One blocking task per sender: they hash disjoint bytes, in parallel where cores are free.
+            let checks: Vec<_> = sent
+                .into_iter()
+                .map(|one| {
+                    let (views, pages) = (Arc::clone(&self.views), Arc::clone(&pages));
+                    tokio::task::spawn_blocking(move || check_digests(&topo, me, &views, &pages, vec![one]))
+                })
+                .collect();
+            self.handle.spawn(async move {
+                let mut result = Ok(());
+                let mut bytes = 0;
+                for c in join_all(checks).await {
+                    let (r, b) =
+                        c.unwrap_or_else(|e| (Err(format!("the digest check of decode rank {me} failed: {e}")), 0));
+                    bytes += b;
+                    if result.is_ok() {
+                        result = r;
+                    }
+                }
+                {
+                    let mut st = lock(&this.stats);
+                    st.digest_bytes += bytes;
+                    st.digest_mismatches += u64::from(result.is_err());
+                }
+                if let Err(why) = &result {
+                    tracing::warn!(rank = %this.cfg.rank, %room, "{why}");
+                }
+                if let Some(r) = lock(&this.recvs).get_mut(&room).filter(|r| r.generation == generation) {
+                    r.verify = Verify::Checked(result);
+                }
+                this.wake.notify_waiters();
+            });
+        }
+    }
+
     async fn to_prefill(self: &Arc<Self>, p: RankId, note: &Notification) {
         let Some(peer) = self.peer_id(p) else {
             tracing::debug!(rank = %self.cfg.rank, prefill = %p, "no live connection for {note}");
@@ -1743,6 +1868,9 @@ impl Inner {
         if lock(&self.connect_error).is_some() {
             return Cause::Connect;
         }
+        if matches!(r.verify, Verify::Checked(Err(_))) {
+            return Cause::Digest;
+        }
         match rx.status(room) {
             Some(Status::Failed(f)) => Cause::of_failure(&f),
             _ => Cause::Protocol,
@@ -1770,7 +1898,12 @@ impl Inner {
         match rx.status(room) {
             None => (Phase::Failed, Some("the request is not tracked".into()), true),
             Some(Status::Pending) => (Phase::Transferring, None, false),
-            Some(Status::Done) => (Phase::Success, None, true),
+            Some(Status::Done) => match &r.verify {
+                Verify::Off | Verify::Checked(Ok(())) => (Phase::Success, None, true),
+                // Every sender finished: nothing more can land.
+                Verify::Checked(Err(why)) => (Phase::Failed, Some(why.clone()), true),
+                Verify::Waiting | Verify::Running => (Phase::Transferring, None, false),
+            },
             Some(Status::Failed(f)) => {
                 let reason = format!("{f} (decode rank {})", self.cfg.rank);
                 match rx.fence(room) {
@@ -1821,7 +1954,8 @@ impl Inner {
     // ---------------------------------------------------------------- prefill side
 
     fn on_handoff(self: &Arc<Self>, d: RankId, n: Notification) {
-        let NotificationBody::Handoff { pages, aux_slot } = &n.body else { return };
+        let NotificationBody::Handoff { pages, aux_slot, digest } = &n.body else { return };
+        let handoff = Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot, digest: *digest };
         if !self.topo.receivers(self.cfg.rank).contains(&d) {
             lock(&self.stats).protocol_errors += 1;
             tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
@@ -1831,8 +1965,7 @@ impl Inner {
         if let Some(q) = sends.get_mut(&n.request) {
             match q.handoffs.get(&d) {
                 None if !q.done && q.failure.is_none() => {
-                    q.handoffs
-                        .insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+                    q.handoffs.insert(d, handoff.clone());
                     // Its abort came first (it was fenced then): nothing may be sent for it.
                     let aborted = lock(&self.early).iter().find_map(|(r, e, _)| match &e.body {
                         NotificationBody::Abort(why)
@@ -1857,8 +1990,7 @@ impl Inner {
                 // The request already failed here and lacks this rank's handoff: it belongs to this
                 // use; answer it with the failure at once instead of leaving it to its deadline.
                 None if !q.done => {
-                    q.handoffs
-                        .insert(d, Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot });
+                    q.handoffs.insert(d, handoff.clone());
                     let told = q.told;
                     let why = q.failure.clone().unwrap_or_default();
                     drop(sends);
@@ -2037,11 +2169,11 @@ impl Inner {
                 }
             }
             let start = if continuing { q.sent_pages - n } else { q.sent_pages };
-            let targets: Vec<(RankId, u64, Vec<u32>)> = receivers
+            let targets: Vec<(RankId, u64, Vec<u32>, bool)> = receivers
                 .iter()
                 .map(|d| {
                     let h = &q.handoffs[d];
-                    (*d, h.generation, h.pages[start as usize..(start + n) as usize].to_vec())
+                    (*d, h.generation, h.pages[start as usize..(start + n) as usize].to_vec(), h.digest)
                 })
                 .collect();
             if !continuing {
@@ -2088,15 +2220,21 @@ impl Inner {
                     Err(e) => return Err(format!("a layer part did not finish: {e}")),
                 }
             }
-            let sends = targets.iter().map(|(d, generation, dst)| {
+            let sends = targets.iter().map(|(d, generation, dst, _)| {
                 let note = Notification::chunk(room, me, chunk, last).with_generation(*generation);
                 let layers = layers.clone();
                 let note = if finish { Some(note) } else { None };
                 let (src, cancel) = (&src, &cancel);
                 async move { s.send_to(room, *d, src, dst, layers, note.as_ref(), deadline, cancel).await }
             });
+            // Decode ranks that verify digests: hash what this part writes there, beside the sends
+            // (the source bytes stay as they are until the request's status is final).
+            let wanted: Vec<(RankId, Vec<u32>)> =
+                targets.iter().filter(|t| t.3).map(|(d, _, dst, _)| (*d, dst.clone())).collect();
+            let hashing = this.hash_part(&src, wanted, layers.clone());
+            let (hashed, results) = futures::future::join(hashing, join_all(sends)).await;
             let mut first = None;
-            for r in join_all(sends).await {
+            for r in results {
                 match r {
                     Ok(st) => this.recorder.moved(st.bytes, st.ops),
                     Err(e) => {
@@ -2104,12 +2242,19 @@ impl Inner {
                     }
                 }
             }
-            first.map_or(Ok(()), Err)
+            if let Some(e) = first {
+                return Err(e);
+            }
+            hashed
         };
         let this = Arc::clone(self);
         let handle = self.handle.spawn(async move {
             let r = part.await;
-            this.part_done(room, r.clone());
+            let (r, digests) = match r {
+                Ok(d) => (Ok(()), d),
+                Err(e) => (Err(e), Vec::new()),
+            };
+            this.part_done(room, r.clone(), digests);
             r
         });
         if !whole && !finish {
@@ -2123,16 +2268,62 @@ impl Inner {
         Ok(())
     }
 
-    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>) {
+    /// The digests of what one part writes into each decode rank in `wanted` (its pages there),
+    /// for `layers`: hashed in a blocking task. Nothing is hashed when nobody asked.
+    async fn hash_part(
+        self: &Arc<Self>,
+        src: &[u32],
+        wanted: Vec<(RankId, Vec<u32>)>,
+        layers: std::ops::Range<u32>,
+    ) -> Result<Vec<(RankId, Vec<u64>)>, String> {
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (topo, me, views, src) = (self.topo, self.cfg.rank, Arc::clone(&self.views), src.to_vec());
+        let hashed = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::with_capacity(wanted.len());
+            let mut bytes = 0;
+            for (d, dst) in wanted {
+                let pair = plan_sender(&topo, me, &src, &dst)
+                    .map_err(|e| format!("digest for decode rank {d}: {e}"))?
+                    .into_iter()
+                    .find(|p| p.dst == d)
+                    .ok_or_else(|| format!("digest: prefill rank {me} does not feed decode rank {d}"))?;
+                let (acc, b) = digest_pair(&views, &pair, Side::Prefill, layers.clone())?;
+                bytes += b;
+                out.push((d, acc));
+            }
+            Ok::<_, String>((out, bytes))
+        })
+        .await
+        .map_err(|e| format!("the digest task failed: {e}"))??;
+        lock(&self.stats).digest_bytes += hashed.1;
+        Ok(hashed.0)
+    }
+
+    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>, digests: Vec<(RankId, Vec<u64>)>) {
+        let mut notes = Vec::new();
         {
             let mut sends = lock(&self.sends);
             let Some(q) = sends.get_mut(&room) else { return };
             q.outstanding = q.outstanding.saturating_sub(1);
+            for (d, part) in &digests {
+                digest::merge(q.digests.entry(*d).or_default(), part);
+            }
             if let Err(e) = r {
                 if q.failure.is_none() {
                     q.cause = Some(Cause::Transfer);
                     q.failure = Some(format!("prefill rank {}: {e}", self.cfg.rank));
                     q.cancel.cancel(e);
+                }
+            }
+            // Every part completed: the decode ranks that asked get the sums of them all.
+            if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.digests_sent {
+                q.digests_sent = true;
+                let me = SenderKey::of(self.cfg.rank);
+                for (d, h) in q.handoffs.iter().filter(|(_, h)| h.digest) {
+                    let body = NotificationBody::Digest(q.digests.get(d).cloned().unwrap_or_default());
+                    notes.push((*d, Notification::new(room, me, body).with_generation(h.generation)));
                 }
             }
             if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
@@ -2142,6 +2333,19 @@ impl Inner {
                     self.recorder.succeeded(t.elapsed().as_secs_f64());
                 }
             }
+        }
+        if !notes.is_empty() {
+            let this = Arc::clone(self);
+            self.handle.spawn(async move {
+                let Some(s) = &this.sender else { return };
+                for (d, n) in notes {
+                    // Not delivered: the decode rank fails the request at its deadline, naming
+                    // this rank's missing digest.
+                    if let Err(e) = s.notify_rank(d, &n).await {
+                        tracing::warn!(rank = %this.cfg.rank, room = %n.request, dst = %d, error = %e, "could not send the digest");
+                    }
+                }
+            });
         }
         self.settle(room);
         self.wake.notify_waiters();
@@ -2267,4 +2471,65 @@ impl Inner {
             let _ = tokio::time::timeout((deadline - now).min(TICK * 5), notified).await;
         }
     }
+}
+
+/// The digest of what `pair` writes for `layers`, read from this rank's pool on `side`, and the
+/// bytes hashed.
+fn digest_pair(
+    views: &HashMap<BufferRef, MemDesc>,
+    pair: &PairPlan,
+    side: Side,
+    layers: std::ops::Range<u32>,
+) -> Result<(Vec<u64>, u64), String> {
+    let mut acc = vec![0; digest::entries(pair)];
+    let mut hash = |p: &digest::Piece, seed: u64| -> Result<u64, String> {
+        let m = views
+            .get(&p.buffer)
+            .ok_or_else(|| format!("digest: no buffer for layer {} {}", p.buffer.layer, p.buffer.kind))?;
+        let g = m
+            .read_guard(p.offset, p.end() - p.offset)
+            .map_err(|e| format!("digest: reading layer {} {} at {}: {e}", p.buffer.layer, p.buffer.kind, p.offset))?;
+        Ok(digest::hash_span(g.as_slice(), p, seed))
+    };
+    let bytes = digest::accumulate(pair, side, layers, &mut acc, &mut hash)?;
+    Ok((acc, bytes))
+}
+
+/// Decode rank `me`'s check of a done request: every sender's digest against this rank's own over
+/// the bytes that landed in `pages`. Returns the verdict (the first sender whose digest differs,
+/// with the first bad range) and the bytes hashed.
+fn check_digests(
+    topo: &Topology,
+    me: RankId,
+    views: &HashMap<BufferRef, MemDesc>,
+    pages: &[u32],
+    sent: Vec<(RankId, Option<Vec<u64>>)>,
+) -> (Result<(), String>, u64) {
+    let mut bytes = 0;
+    let verdict = (|| {
+        for (p, digest) in sent {
+            let Some(digest) = digest else {
+                return Err(format!("digest: prefill rank {p} sent no digest (decode rank {me})"));
+            };
+            // Only the destination side of the plan matters here: the source pages are stand-ins.
+            let pair = plan_sender(topo, p, pages, pages)
+                .map_err(|e| format!("digest: planning prefill rank {p}: {e}"))?
+                .into_iter()
+                .find(|x| x.dst == me)
+                .ok_or_else(|| format!("digest: prefill rank {p} does not feed decode rank {me}"))?;
+            let (landed, b) = digest_pair(views, &pair, Side::Decode, 0..pair.layers)?;
+            bytes += b;
+            match digest::compare(&pair, &digest, &landed) {
+                Err(e) => return Err(format!("digest from prefill rank {p}: {e} (decode rank {me})")),
+                Ok(Some(m)) => {
+                    return Err(format!(
+                        "digest mismatch: what prefill rank {p} wrote is not what landed on decode rank {me}; {m}"
+                    ))
+                }
+                Ok(None) => {}
+            }
+        }
+        Ok(())
+    })();
+    (verdict, bytes)
 }

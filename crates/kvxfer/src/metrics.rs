@@ -48,7 +48,7 @@ docs! {
     "kvxfer_request_duration_seconds", "histogram", "outcome", "Request latency until its final status: decode from the handoff (send_metadata) to Success or Failed (fence closed); prefill from its first post to its last write completed (success) or its failure settled (a request that failed before posting anything is not observed).";
     "kvxfer_transfer_bytes_total", "counter", "", "KV bytes moved: prefill, bytes of writes that completed (also of requests that failed later); decode, bytes of requests that succeeded.";
     "kvxfer_transfer_ops_total", "counter", "", "Strided write ops completed (prefill only).";
-    "kvxfer_request_failures_total", "counter", "cause", "Requests failed here, by cause: aborted (by this engine), aborted_by_peer, peer_lost, deadline, sender_failed (decode: a prefill rank reported failure), transfer (prefill: a write failed), protocol, connect, shutdown.";
+    "kvxfer_request_failures_total", "counter", "cause", "Requests failed here, by cause: aborted (by this engine), aborted_by_peer, peer_lost, deadline, sender_failed (decode: a prefill rank reported failure), transfer (prefill: a write failed), protocol, connect, shutdown, digest (decode: the end-to-end digest check failed).";
     "kvxfer_requests_total", "counter", "outcome", "Requests that reached success or failed here (aborted ones included).";
     "kvxfer_aborts_total", "counter", "", "Requests aborted by this rank's engine.";
     "kvxfer_aborts_received_total", "counter", "", "Abort requests received from the other side (prefill).";
@@ -64,6 +64,8 @@ docs! {
     "kvxfer_cut_offs_unconfirmed_total", "counter", "", "Peers given up on whose cut-off could not be confirmed (their pages are quarantined).";
     "kvxfer_stale_refused_total", "counter", "", "Handoffs and aborts refused for carrying an older epoch of their rank.";
     "kvxfer_protocol_errors_total", "counter", "", "Notifications of a kind this side does not take, dropped.";
+    "kvxfer_digest_bytes_total", "counter", "", "Bytes hashed for end-to-end digests (AgentConfig::digest): written for decode ranks that asked (prefill), landed (decode); 0 when off.";
+    "kvxfer_digest_mismatches_total", "counter", "", "Requests whose end-to-end digest check failed (decode; also counted as failures with cause digest).";
     "kvxfer_cut_off_max_seconds", "gauge", "", "Longest time from giving up on a peer to its confirmed cut-off.";
     "kvxfer_peers", "gauge", "", "Peer ranks this rank exchanges with (from the topology).";
     "kvxfer_peers_connected", "gauge", "", "Of those, connected now and not given up on.";
@@ -86,6 +88,7 @@ pub(crate) enum Cause {
     Protocol,
     Connect,
     Shutdown,
+    Digest,
 }
 
 impl Cause {
@@ -100,6 +103,7 @@ impl Cause {
             Cause::Protocol => "protocol",
             Cause::Connect => "connect",
             Cause::Shutdown => "shutdown",
+            Cause::Digest => "digest",
         }
     }
 
@@ -231,6 +235,8 @@ impl<S: Source> Collector for StatsCollector<S> {
         c(&mut e, "cut_offs_unconfirmed", st.quarantined)?;
         c(&mut e, "stale_refused", st.stale_refused)?;
         c(&mut e, "protocol_errors", st.protocol_errors)?;
+        c(&mut e, "digest_bytes", st.digest_bytes)?;
+        c(&mut e, "digest_mismatches", st.digest_mismatches)?;
         let g =
             |e: &mut DescriptorEncoder<'_>, short: &str, v: f64| gauge(e, short, help(&format!("kvxfer_{short}")), v);
         g(&mut e, "cut_off_max_seconds", st.cut_off_max_us as f64 / 1e6)?;

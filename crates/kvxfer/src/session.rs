@@ -914,6 +914,9 @@ pub struct ExpectOptions {
     pub aux: bool,
     /// A state notification from every sender is required.
     pub state: bool,
+    /// A digest from every sender is required ([`kvxfer_core::digest`]; the caller verifies it
+    /// once the request is done).
+    pub digest: bool,
     /// Wait for these senders instead of every sender the topology gives this rank: for runs that
     /// start only part of the prefill side (`kvxfer bench --model` runs prefill rank 0 alone). A
     /// notification from any other key still fails the request. `None` (the default) is what a
@@ -998,8 +1001,14 @@ impl ReceiverSession {
             Some(keys) => keys,
             None => self.expected_senders(),
         };
-        let spec =
-            ExpectSpec { generation: options.generation, senders, aux: options.aux, state: options.state, deadline };
+        let spec = ExpectSpec {
+            generation: options.generation,
+            senders,
+            aux: options.aux,
+            state: options.state,
+            digest: options.digest,
+            deadline,
+        };
         lock(&self.tracker)
             .expect(request, spec, Instant::now())
             .map(|_| ())
