@@ -1209,6 +1209,13 @@ impl Receiver {
         self.rx.generation()
     }
 
+    /// The trace id of this use of the room (32 hex digits; every request event kvxfer logs for it,
+    /// here and on its prefill ranks, carries it as `trace_id`), once `send_metadata` was called.
+    #[getter]
+    fn trace_id(&self) -> Option<String> {
+        self.rx.trace_id().map(|t| t.to_string())
+    }
+
     /// Hands the request off: this rank's destination page indices (int32 array or ints, token order) and
     /// optionally the aux row to fill. Returns at once.
     #[pyo3(signature = (kv_indices, aux_index=None))]
@@ -1370,6 +1377,13 @@ impl Sender {
     #[getter]
     fn room(&self) -> u64 {
         self.tx.room().0
+    }
+
+    /// The trace ids of this request's transfers, by decode rank (`"tp/pp"` -> 32 hex digits), for
+    /// the decode ranks that handed off so far.
+    #[getter]
+    fn trace_ids(&self) -> BTreeMap<String, String> {
+        self.tx.trace_ids().into_iter().map(|(d, t)| (d.to_string(), t.to_string())).collect()
     }
 
     /// Sets the request's total page count; `aux_index` is this rank's aux row to send after the last chunk.

@@ -230,6 +230,9 @@ def test_digest_on_the_decode_checks_what_landed():
             ds, ps = dec.stats(), pre.stats()
             assert ds["digest_bytes"] == ps["digest_bytes"] > 0, (ds, ps)
             assert ds["digest_mismatches"] == 0
+            # The trace id both sides log the request under (issue 30).
+            assert len(r.trace_id) == 32 and s.trace_ids == {"0/0": r.trace_id}, (r.trace_id, s.trace_ids)
+            assert int(r.trace_id, 16) == (3 << 64) | r.generation
             r.clear()
             s.clear()
         finally:

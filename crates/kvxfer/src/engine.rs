@@ -129,6 +129,28 @@ fn rank_of_key(k: SenderKey) -> RankId {
     RankId::new(u32::from(k.tp), u32::from(k.pp))
 }
 
+/// The trace id of one decode rank's use of a room: the room in the high 64 bits, the generation
+/// the decode rank chose for it in the low 64 (never 0). Both travel in the handoff and in every
+/// notification of the request, so the decode rank and each prefill rank that feeds it log the same
+/// id for the same transfer without exchanging anything more ([`Receiver::trace_id`],
+/// [`Sender::trace_ids`]). Displayed as 32 hex digits (the W3C / OpenTelemetry trace-id form); every
+/// request event the agent logs (target `kvxfer::request`, level `debug`) carries it as `trace_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TraceId(pub u128);
+
+impl TraceId {
+    /// The trace id of `room` under `generation`.
+    pub fn of(room: RequestId, generation: u64) -> Self {
+        Self((u128::from(room.0) << 64) | u128::from(generation))
+    }
+}
+
+impl fmt::Display for TraceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
 /// How one rank takes part in the cluster.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -1041,6 +1063,12 @@ impl Receiver {
         lock(&self.inner.recvs).get(&self.room).and_then(|r| r.generation)
     }
 
+    /// The trace id of this use of the room ([`TraceId`]), once handed off: the id this rank and
+    /// its prefill ranks log the request's steps under.
+    pub fn trace_id(&self) -> Option<TraceId> {
+        self.generation().map(|g| TraceId::of(self.room, g))
+    }
+
     /// Hands the request off: the destination page indices on this rank (in token order) and,
     /// optionally, an aux slot. Registers the request with the tracker under a new generation (any
     /// notification kept for it is applied), then sends the page list to every prefill rank that
@@ -1089,6 +1117,12 @@ impl Receiver {
             NotificationBody::Handoff { pages: pages.to_vec(), aux_slot, digest: inner.cfg.digest },
         )
         .with_generation(generation);
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(self.room, generation), room = %self.room,
+            rank = %inner.cfg.rank, role = "decode", pages = pages.len(), digest = inner.cfg.digest,
+            "handoff: sending the page list to prefill ranks {}",
+            inner.topo.senders(inner.cfg.rank).iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        );
         let inner2 = Arc::clone(inner);
         inner.handle.spawn(async move { inner2.hand_off(note).await });
         Ok(())
@@ -1153,6 +1187,15 @@ impl Sender {
     /// The room.
     pub fn room(&self) -> RequestId {
         self.room
+    }
+
+    /// The trace ids of the transfers this request makes, one per decode rank that handed off so
+    /// far ([`TraceId`]; each decode rank chooses its own generation).
+    pub fn trace_ids(&self) -> Vec<(RankId, TraceId)> {
+        lock(&self.inner.sends)
+            .get(&self.room)
+            .map(|q| q.handoffs.iter().map(|(d, h)| (*d, TraceId::of(self.room, h.generation))).collect())
+            .unwrap_or_default()
     }
 
     /// Sets the request's total page count (SGLang's `init(num_kv_indices)`): the chunk whose pages
@@ -1584,6 +1627,11 @@ impl Inner {
                         lock(&self.stats).protocol_errors += 1;
                     }
                     body => {
+                        tracing::debug!(
+                            target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation),
+                            room = %n.request, rank = %self.cfg.rank, role = "decode", from = %n.sender,
+                            "received {n}"
+                        );
                         if matches!(body, NotificationBody::Fenced) {
                             lock(&self.stats).fences += 1;
                         }
@@ -1745,8 +1793,15 @@ impl Inner {
             if r.counted {
                 continue;
             }
-            let phase = self.receiver_phase(*room, r, rx).0;
+            let (phase, reason, _) = self.receiver_phase(*room, r, rx);
             let elapsed = r.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
+            if phase.is_final() {
+                tracing::debug!(
+                    target: "kvxfer::request", trace_id = %r.generation.map_or(TraceId(0), |g| TraceId::of(*room, g)),
+                    room = %room, rank = %self.cfg.rank, role = "decode", seconds = elapsed.unwrap_or(0.0),
+                    "final: {phase}{}", reason.map(|w| format!(": {w}")).unwrap_or_default()
+                );
+            }
             match phase {
                 Phase::Success => {
                     done += 1;
@@ -1813,6 +1868,10 @@ impl Inner {
                 if let Err(why) = &result {
                     tracing::warn!(rank = %this.cfg.rank, %room, "{why}");
                 }
+                tracing::debug!(
+                    target: "kvxfer::request", trace_id = %generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
+                    room = %room, rank = %this.cfg.rank, role = "decode", bytes, ok = result.is_ok(), "digest checked"
+                );
                 if let Some(r) = lock(&this.recvs).get_mut(&room).filter(|r| r.generation == generation) {
                     r.verify = Verify::Checked(result);
                 }
@@ -1937,6 +1996,10 @@ impl Inner {
         let Some(rx) = &self.receiver else { return false };
         let mut recvs = lock(&self.recvs);
         let Some(r) = recvs.get_mut(&room) else { return false };
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %r.generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
+            room = %room, rank = %self.cfg.rank, role = "decode", "abort: {reason}"
+        );
         if r.generation.is_none() {
             if r.early_failure.is_none() {
                 r.early_failure = Some(format!("aborted before the handoff: {reason}"));
@@ -1956,6 +2019,10 @@ impl Inner {
     fn on_handoff(self: &Arc<Self>, d: RankId, n: Notification) {
         let NotificationBody::Handoff { pages, aux_slot, digest } = &n.body else { return };
         let handoff = Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot, digest: *digest };
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
+            rank = %self.cfg.rank, role = "prefill", from = %d, pages = pages.len(), digest = *digest, "handoff received"
+        );
         if !self.topo.receivers(self.cfg.rank).contains(&d) {
             lock(&self.stats).protocol_errors += 1;
             tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
@@ -2033,6 +2100,10 @@ impl Inner {
 
     fn on_abort(self: &Arc<Self>, d: RankId, n: &Notification, reason: String) {
         lock(&self.stats).aborts_received += 1;
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
+            rank = %self.cfg.rank, role = "prefill", from = %d, "abort received: {reason}"
+        );
 
         let room = n.request;
         // Mine and still running: abort, and fence once nothing is in flight. Mine and finished
@@ -2202,6 +2273,14 @@ impl Inner {
             q.first_post.get_or_insert_with(Instant::now);
             Ok((chunk, last, targets, finish, q.cancel.clone()))
         })?;
+        for (d, generation, dst, _) in &targets {
+            tracing::debug!(
+                target: "kvxfer::request", trace_id = %TraceId::of(room, *generation), room = %room,
+                rank = %self.cfg.rank, role = "prefill", dst = %d, chunk, last, finish, pages = dst.len(),
+                layers = ?layers, "posting"
+            );
+        }
+        let span = tracing::debug_span!(target: "kvxfer::request", "kvxfer_send_part", room = %room, rank = %self.cfg.rank, chunk);
         let deadline = Instant::now() + self.cfg.request_timeout;
         let this = Arc::clone(self);
         let src = src_pages.to_vec();
@@ -2248,6 +2327,7 @@ impl Inner {
             hashed
         };
         let this = Arc::clone(self);
+        let part = tracing::Instrument::instrument(part, span);
         let handle = self.handle.spawn(async move {
             let r = part.await;
             let (r, digests) = match r {
@@ -2328,6 +2408,14 @@ impl Inner {
             }
             if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
                 q.done = true;
+                for (d, h) in &q.handoffs {
+                    tracing::debug!(
+                        target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
+                        rank = %self.cfg.rank, role = "prefill", dst = %d,
+                        seconds = q.first_post.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                        digest = h.digest, "final: succeeded"
+                    );
+                }
                 lock(&self.stats).succeeded += 1;
                 if let Some(t) = q.first_post {
                     self.recorder.succeeded(t.elapsed().as_secs_f64());
@@ -2381,6 +2469,13 @@ impl Inner {
                 return;
             }
             q.told = true;
+            for (d, h) in &q.handoffs {
+                tracing::debug!(
+                    target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
+                    rank = %self.cfg.rank, role = "prefill", dst = %d, fenced = q.abort_from.contains(d),
+                    "final: failed: {why}"
+                );
+            }
             let me = SenderKey::of(self.cfg.rank);
             let notes: Vec<(RankId, Notification)> = q
                 .handoffs

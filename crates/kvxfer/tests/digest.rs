@@ -1,5 +1,6 @@
 //! Issue 30, end-to-end integrity: the opt-in digest (`AgentConfig::digest` on the decode side)
-//! through the engine API, over tcp and local, in one process.
+//! through the engine API, in one process, over every backend compiled in (tcp and local; ucx and
+//! fabric with their features: CI's facade step runs this file with every feature).
 //!
 //! - on: every request succeeds, each side hashed exactly the request's bytes once;
 //! - off: nothing is hashed on either side (the cost of the option is zero when it is off);
@@ -39,8 +40,13 @@ fn topo(p: u32, d: u32, kv_heads: u32) -> Topology {
 fn config(role: Side, tp: u32, t: &Topology, addr: &str, backend: &str, digest: bool) -> AgentConfig {
     let mut c = AgentConfig::new(role, RankId::new(tp, 0), *t, MetadataAddr::parse(addr).unwrap());
     c.backend = backend.into();
-    if backend == "tcp" {
-        c.backend_options.insert("listen".into(), "127.0.0.1:0".into());
+    let option = match backend {
+        "tcp" => Some(("listen", "127.0.0.1:0")),
+        "fabric" => Some(("addr", "127.0.0.1")),
+        _ => None,
+    };
+    if let Some((k, v)) = option {
+        c.backend_options.insert(k.into(), v.into());
     }
     c.notify = NotifyStyle::Attached;
     c.lease_ttl = Duration::from_secs(2);
@@ -124,9 +130,15 @@ async fn shutdown(c: Cluster) {
     }
 }
 
+/// tcp, local, and ucx and fabric where compiled in (verbs needs an RDMA device, cuda-ipc a GPU).
+fn backends() -> Vec<&'static str> {
+    let linked: Vec<&str> = kvxfer::backends::linked().iter().map(|(n, _)| *n).collect();
+    ["tcp", "local", "ucx", "fabric"].into_iter().filter(|b| linked.contains(b)).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_digests_every_request_succeeds_and_each_side_hashes_its_bytes_once() {
-    for backend in ["tcp", "local"] {
+    for backend in backends() {
         for (p, d, heads) in [(2, 1, 2), (1, 2, 2), (2, 2, 1)] {
             let t = topo(p, d, heads);
             let c = cluster(t, backend, true).await;
