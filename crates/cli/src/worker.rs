@@ -477,6 +477,7 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     cfg.secret = secret;
     cfg.digest = args.run.digest && side == Side::Decode;
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
+    let cut_off_wait = cfg.cut_off_timeout + Duration::from_secs(1);
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
     progress(json!({"kind": "registered", "store": store.name(), "epoch": agent.epoch()}));
     let watcher = tokio::spawn(watch_members(Arc::clone(&store), members, Arc::clone(&report), ttl));
@@ -502,6 +503,23 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     });
     served.attach(&ctx);
     let result = run_slots(&ctx, &*store, side, wait).await;
+    // Served metrics: their final figures are taken once every peer given up on (a decode's senders
+    // leave at the end) is settled, cut off or quarantined when the backend could not confirm it
+    // (seen in CI: a scrape taken between a give-up and its cut-off). Bounded by the agent's cut-off
+    // timeout, past which it is quarantined. Without metrics the worker does not wait for it.
+    // A decode that finished waited for its senders' records to say `left`; its agent learns that
+    // from its own watch, maybe a moment later: the figures wait for those give-ups too.
+    let settle_by = Instant::now() + cut_off_wait;
+    let clean = result.is_ok() && lock(&ctx.summary).errors.is_empty() && !ctx.stopped();
+    let leaving = if side == Side::Decode && clean { topo.senders(rank).len() as u64 } else { 0 };
+    while args.metrics_listen.is_some() {
+        let st = ctx.agent.stats();
+        let settled = st.peers_lost >= leaving && st.cut_offs + st.quarantined >= st.peers_lost;
+        if settled || Instant::now() >= settle_by {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     served.detach(&ctx);
     let mut s = lock(&ctx.summary).clone();
     s.errors.extend(result.err().into_iter().chain(report.fatal()));
