@@ -333,7 +333,15 @@ def _run_prefill(spec: RankSpec, agent, out, events) -> None:
                     pass
                 else:
                     c = chunks.pop(0)
-                    s.send(np.asarray(c, dtype=np.int32))
+                    try:
+                        s.send(np.asarray(c, dtype=np.int32))
+                    except kvxfer.KvxferError:
+                        # The request failed between the poll and the send (another rank aborted it):
+                        # what an engine sees too; its final status is recorded below.
+                        if s.poll() != kvxfer.KVPoll.Failed:
+                            raise
+                        chunks.clear()
+                        continue
                     rec["sent"] += 1
                     src_bytes += len(c)
                     if first and action == "prefill_dies":
