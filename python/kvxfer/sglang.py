@@ -131,6 +131,31 @@ def _model_kv_heads(server_args: Any) -> int | None:
     return None
 
 
+def model_identity(server_args: Any, group: str) -> dict[str, str] | None:
+    """The model identity kvxfer publishes with this rank's layout (issue 30): ranks that both name one
+    and name different ones never pair. The model path as SGLang was started with it (the draft model's
+    for the draft group; other groups carry their name), its revision and the KV cache dtype
+    (``kv_cache_dtype``, else ``dtype``). ``KVXFER_MODEL_IDENTITY=0`` sends none (e.g. when the two
+    sides name one model by different paths)."""
+    if os.environ.get("KVXFER_MODEL_IDENTITY", "1") == "0":
+        return None
+    try:
+        path = _resolved(server_args, "model_path", None)
+        revision = getattr(server_args, "revision", None)
+        if group == "draft":
+            path = getattr(server_args, "speculative_draft_model_path", None) or path
+            revision = getattr(server_args, "speculative_draft_model_revision", None) or revision
+        if not path:
+            return None
+        kv = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
+        dtype = str(getattr(server_args, "dtype", None) or "auto") if kv == "auto" else kv
+        name = str(path) if group in ("kv", "draft") else f"{path}#{group}"
+        return {"name": name, "revision": str(revision or ""), "dtype": dtype}
+    except Exception:  # noqa: BLE001 - an identity is a safeguard, never a reason not to start
+        logger.warning("kvxfer: no model identity from the server args", exc_info=True)
+        return None
+
+
 def _resolved(server_args: Any, name: str, default: Any = None) -> Any:
     """A setting as SGLang resolved it: SGLang 0.5.23 publishes resolved values in its runtime context
     (``get_parallel()``, ``get_device()``, ...) while ``ServerArgs`` keeps the raw input (``device`` is
@@ -413,6 +438,9 @@ class KvxferKVManager(BaseKVManager):
             host = dist.rsplit(":", 1)[0] if dist else "127.0.0.1"
         return host
 
+    def _model_identity(self, group: str) -> dict[str, str] | None:
+        return model_identity(self.server_args, group)
+
     def _options(self, bootstrap: str) -> dict[str, str]:
         opts: dict[str, str] = {}
         for kv in filter(None, os.environ.get("KVXFER_BACKEND_OPTIONS", "").split(",")):
@@ -439,7 +467,8 @@ class KvxferKVManager(BaseKVManager):
                                          notify=self.notify, backend_options=self._options(bootstrap),
                                          timeout_s=self.timeout_s,
                                          label=f"sglang {self.role} {g.name} pid {os.getpid()}",
-                                         digest=self.role == "decode" and os.environ.get("KVXFER_DIGEST") == "1")
+                                         digest=self.role == "decode" and os.environ.get("KVXFER_DIGEST") == "1",
+                                         model=self._model_identity(g.name))
                     agent.register_kv(ptrs=g.ptrs, lens=g.lens, item_lens=g.items, kind=self.mem_kind,
                                       device=int(getattr(self.kv_args, "gpu_id", 0) or 0))
                     args = self.kv_args

@@ -271,6 +271,27 @@ class KvxferConnector(KVConnectorBase_V1):
             pc = getattr(self._vllm_config, "parallel_config", None)
             return int(getattr(pc, "rank", 0) or 0) % self._my_tp()
 
+    def _model_identity(self) -> dict[str, str] | None:
+        """The model identity kvxfer publishes with this rank's layout (issue 30): ranks that both name
+        one and name different ones never pair. vLLM's model name or path, its revision and the KV cache
+        dtype (``cache_dtype``, else the model's dtype). ``"model_identity": false`` in the extra config
+        sends none (e.g. when the two sides name one model by different paths)."""
+        if self.extra.get("model_identity", True) is False:
+            return None
+        try:
+            mc = getattr(self._vllm_config, "model_config", None)
+            name = getattr(mc, "model", None)
+            if not name:
+                return None
+            cc = getattr(self._vllm_config, "cache_config", None)
+            kv = str(getattr(cc, "cache_dtype", None) or "auto")
+            dtype = str(getattr(mc, "dtype", "") or "") if kv == "auto" else kv
+            return {"name": str(name), "revision": str(getattr(mc, "revision", None) or ""),
+                    "dtype": dtype.removeprefix("torch.")}
+        except Exception:  # noqa: BLE001 - an identity is a safeguard, never a reason not to start
+            logger.warning("kvxfer: no model identity from the vLLM config", exc_info=True)
+            return None
+
     def _use_mla(self) -> bool:
         if "mla" in self.extra:
             return bool(self.extra["mla"])
@@ -354,7 +375,8 @@ class KvxferConnector(KVConnectorBase_V1):
                              backend=backend, notify=self.extra.get("notify", "attached"),
                              backend_options=opts or None, timeout_s=float(self.extra.get("timeout_s", 60)),
                              label=f"vllm {self.side} pid {os.getpid()}",
-                             digest=self.side == "decode" and bool(self.extra.get("digest", False)))
+                             digest=self.side == "decode" and bool(self.extra.get("digest", False)),
+                             model=self._model_identity())
         agent.register_kv(ptrs=ptrs, lens=lens, item_lens=items, kind=kind, device=device)
         agent.start()
         self.agent = agent

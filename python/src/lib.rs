@@ -730,7 +730,7 @@ impl Agent {
     #[new]
     #[pyo3(signature = (role, topology, tp_rank=0, pp_rank=0, bootstrap=None, backend="tcp", notify="attached",
                         backend_options=None, timeout_s=60.0, connect_timeout_s=None, lease_ttl_s=10.0, label=None,
-                        digest=false))]
+                        digest=false, model=None))]
     fn new(
         role: &str,
         topology: &Topology,
@@ -745,6 +745,7 @@ impl Agent {
         lease_ttl_s: f64,
         label: Option<String>,
         digest: bool,
+        model: Option<BTreeMap<String, String>>,
     ) -> PyResult<Self> {
         guarded("Agent()", || {
             let role = parse_side(role)?;
@@ -777,6 +778,25 @@ impl Agent {
                 ));
             }
             cfg.digest = digest;
+            cfg.model = match model {
+                None => None,
+                Some(mut m) => {
+                    let name = m.remove("name").filter(|n| !n.is_empty()).ok_or_else(|| {
+                        PyValueError::new_err(
+                            "model needs a non-empty \"name\" (and optionally \"revision\", \"dtype\")",
+                        )
+                    })?;
+                    let id = kvxfer::bootstrap::ModelIdentity {
+                        name,
+                        revision: m.remove("revision").unwrap_or_default(),
+                        dtype: m.remove("dtype").unwrap_or_default(),
+                    };
+                    if let Some(k) = m.keys().next() {
+                        return Err(PyValueError::new_err(format!("model: unknown key {k:?} (name, revision, dtype)")));
+                    }
+                    Some(id)
+                }
+            };
             Ok(Self {
                 role,
                 rank,

@@ -240,6 +240,32 @@ def test_digest_on_the_decode_checks_what_landed():
             dec.close()
 
 
+def test_ranks_of_different_models_never_pair():
+    """Issue 30: the model identity published with the layout; a rank naming another model is refused
+    at start, naming both."""
+    shape = Shape(kv_heads=2, head_dim=8, layers=2)
+    t = shape.topology()
+    with pytest.raises(ValueError, match="unknown key"):
+        kvxfer.Agent(role="decode", topology=t, bootstrap="127.0.0.1:1", model={"name": "m", "rev": "x"})
+    with pytest.raises(ValueError, match="name"):
+        kvxfer.Agent(role="decode", topology=t, bootstrap="127.0.0.1:1", model={"revision": "x"})
+    with kvxfer.BootstrapServer() as server:
+        agents = []
+        try:
+            for role, model in (("decode", {"name": "org/m", "revision": "abc", "dtype": "bfloat16"}),
+                                ("prefill", {"name": "org/m", "revision": "def", "dtype": "bfloat16"})):
+                a = kvxfer.Agent(role=role, topology=t, bootstrap=server.address, timeout_s=5, lease_ttl_s=2.0,
+                                 model=model)
+                a.register_kv_buffers(make_pool(shape, role, 0, PAGES))
+                agents.append(a)
+            agents[0].start()
+            with pytest.raises(kvxfer.KvxferError, match=r"model differs \(prefill org/m@def \(bfloat16\), decode org/m@abc"):
+                agents[1].start()
+        finally:
+            for a in agents:
+                a.close()
+
+
 def test_clear_while_writes_may_land_releases_after_the_fence():
     shape = Shape(kv_heads=2, head_dim=8, layers=2)
     with kvxfer.BootstrapServer() as server:

@@ -186,6 +186,7 @@ fn reg(role: Side, tp: u32, label: &str) -> Registration {
         pool: KvPool { pages: 1, buffers: vec![] },
         spec: spec(2),
         label: label.into(),
+        model: None,
     }
 }
 

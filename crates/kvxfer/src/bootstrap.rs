@@ -133,6 +133,41 @@ pub struct Registration {
     /// Free-form label (host name, process id) for error messages.
     #[serde(default)]
     pub label: String,
+    /// The model whose KV cache this rank holds, as the engine names it
+    /// ([`crate::engine::AgentConfig::model`]); `None` when the engine gave none. Two ranks that
+    /// both name one and name different ones never pair (a record without it, from an engine that
+    /// gave none or from a kvxfer older than this field, pairs with anything of the same layout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelIdentity>,
+}
+
+/// What model a rank's KV cache belongs to, beyond what the layout says: two models of one shape
+/// (a fine-tune and its base, two revisions, bf16 and fp16 weights of 2 bytes each) have KV caches
+/// of the same geometry that must never be exchanged. Every field is compared as given; an empty
+/// field matches only an empty field.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    /// The model's name or path as the engine was started with it (`meta-llama/Llama-3.1-8B`).
+    pub name: String,
+    /// Its revision (a commit hash or tag; empty when the engine does not know one).
+    #[serde(default)]
+    pub revision: String,
+    /// The KV cache's element type as the engine names it (`bfloat16`, `float8_e4m3fn`).
+    #[serde(default)]
+    pub dtype: String,
+}
+
+impl std::fmt::Display for ModelIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name)?;
+        if !self.revision.is_empty() {
+            write!(f, "@{}", self.revision)?;
+        }
+        if !self.dtype.is_empty() {
+            write!(f, " ({})", self.dtype)?;
+        }
+        Ok(())
+    }
 }
 
 /// A registered rank with its epoch, as `peers` reports it ([`BootstrapClient::peers_with_epochs`]).
@@ -332,6 +367,24 @@ pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), Boots
     let mut problems = Vec::new();
     if a.backend != b.backend {
         problems.push(format!("backend differs (prefill {}, decode {})", p.backend, d.backend));
+    }
+    if let (Some(ma), Some(mb)) = (&a.model, &b.model) {
+        if ma != mb {
+            problems.push(if a.role == b.role {
+                format!(
+                    "model differs between two {} ranks ({} has {ma}, {} has {mb}): start every rank with the same model",
+                    a.role,
+                    describe(a),
+                    describe(b)
+                )
+            } else {
+                format!(
+                    "model differs (prefill {}, decode {}): their KV caches must never be exchanged",
+                    p.model.as_ref().map_or_else(String::new, ToString::to_string),
+                    d.model.as_ref().map_or_else(String::new, ToString::to_string)
+                )
+            });
+        }
     }
     if a.role == b.role {
         // Same side: the whole side spec must agree (one parallel config per side).
@@ -1475,6 +1528,7 @@ mod tests {
             pool: KvPool { pages: 1, buffers: vec![] },
             spec: s,
             label: String::new(),
+            model: None,
         }
     }
 

@@ -210,6 +210,11 @@ pub struct AgentConfig {
     /// start otherwise) and prefill ranks of this version (an older one refuses the handoff as
     /// malformed). Prefill ranks need no setting: they hash only for decode ranks that ask.
     pub digest: bool,
+    /// The model whose KV cache this rank holds (name, revision, KV dtype), published with the
+    /// rank's layout: a rank whose model differs from a registered rank's is refused at
+    /// [`Agent::start`] (an error naming both), so two models of one shape never exchange KV.
+    /// `None` (the default) compares nothing beyond the layout.
+    pub model: Option<crate::bootstrap::ModelIdentity>,
 }
 
 impl AgentConfig {
@@ -236,6 +241,7 @@ impl AgentConfig {
             secret: None,
             bootstrap_tls: None,
             digest: false,
+            model: None,
         }
     }
 
@@ -695,6 +701,7 @@ impl Agent {
             pool,
             spec: topo.side(role),
             label: cfg.label.clone(),
+            model: cfg.model.clone(),
         };
         // A rank restarted right after a crash finds its old record until the old lease expires.
         // An unreachable store is the one start failure a retry can fix: it says so by its variant.

@@ -151,6 +151,7 @@ pub fn seed_registration(role: Side) -> Registration {
         pool: KvPool { pages, buffers },
         spec,
         label: "host-a pid 4242".into(),
+        model: None,
     }
 }
 

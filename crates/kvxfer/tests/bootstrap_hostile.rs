@@ -41,6 +41,7 @@ fn registration() -> Registration {
             parallel: Parallel::new(1, 1),
         },
         label: "well-formed".into(),
+        model: None,
     }
 }
 

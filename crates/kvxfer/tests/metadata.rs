@@ -42,6 +42,7 @@ fn reg(role: Side, tp: u32, s: SideSpec, label: &str) -> Registration {
         pool: KvPool { pages: 1, buffers: vec![] },
         spec: s,
         label: label.into(),
+        model: None,
     }
 }
 
@@ -192,6 +193,50 @@ async fn in_process_store() {
     basics(in_process("/a", &m), in_process("/b", &m)).await;
     let took = membership(in_process("/m", &m)).await;
     eprintln!("in-process store: loss reported {took:?} after death (TTL {TTL:?})");
+}
+
+/// Issue 30: the model identity in the layout handshake. A rank naming another model than a
+/// registered rank is refused naming both (across sides and within one); the same model, or a rank
+/// that names none (an engine that gave none, an older kvxfer), joins. Nothing of a refused rank is
+/// published.
+#[tokio::test]
+async fn ranks_of_different_models_never_pair() {
+    use kvxfer::bootstrap::ModelIdentity;
+    let m = Arc::new(MemShared::new());
+    let s = in_process("/models", &m);
+    let model = |name: &str, revision: &str, dtype: &str| {
+        Some(ModelIdentity { name: name.into(), revision: revision.into(), dtype: dtype.into() })
+    };
+    let with = |mut r: Registration, m: Option<ModelIdentity>| {
+        r.model = m;
+        r
+    };
+    let llama = model("meta-llama/Llama-3.1-8B", "0e9e39f", "bfloat16");
+    let _p0 = Membership::join(Arc::clone(&s), with(reg(Side::Prefill, 0, spec(2, 16), "p0"), llama.clone()), TTL)
+        .await
+        .unwrap();
+    for (other, what) in [
+        (model("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f", "bfloat16"), "another fine-tune"),
+        (model("meta-llama/Llama-3.1-8B", "5206a32", "bfloat16"), "another revision"),
+        (model("meta-llama/Llama-3.1-8B", "0e9e39f", "float16"), "another dtype of the same width"),
+    ] {
+        let d = with(reg(Side::Decode, 0, spec(1, 16), "d0"), other.clone());
+        let e = Membership::join(Arc::clone(&s), d, TTL).await.unwrap_err().to_string();
+        assert!(
+            e.contains("model differs")
+                && e.contains("prefill meta-llama/Llama-3.1-8B@0e9e39f (bfloat16)")
+                && e.contains(&format!("decode {}", other.unwrap())),
+            "{what}: {e}"
+        );
+        assert!(s.get("ranks/decode/0.0").await.unwrap().0.is_none(), "{what}: nothing published");
+    }
+    let p1 = with(reg(Side::Prefill, 1, spec(2, 16), "p1"), model("other", "", ""));
+    let e = Membership::join(Arc::clone(&s), p1, TTL).await.unwrap_err().to_string();
+    assert!(e.contains("two prefill ranks") && e.contains("p0") && e.contains("other"), "{e}");
+    // No model named: pairs with anything of the same layout; the same model: pairs.
+    let _p1 = Membership::join(Arc::clone(&s), reg(Side::Prefill, 1, spec(2, 16), "p1"), TTL).await.unwrap();
+    let _d0 =
+        Membership::join(Arc::clone(&s), with(reg(Side::Decode, 0, spec(1, 16), "d0"), llama), TTL).await.unwrap();
 }
 
 #[tokio::test]
