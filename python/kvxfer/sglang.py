@@ -438,9 +438,6 @@ class KvxferKVManager(BaseKVManager):
             host = dist.rsplit(":", 1)[0] if dist else "127.0.0.1"
         return host
 
-    def _model_identity(self, group: str) -> dict[str, str] | None:
-        return model_identity(self.server_args, group)
-
     def _options(self, bootstrap: str) -> dict[str, str]:
         opts: dict[str, str] = {}
         for kv in filter(None, os.environ.get("KVXFER_BACKEND_OPTIONS", "").split(",")):
@@ -468,7 +465,7 @@ class KvxferKVManager(BaseKVManager):
                                          timeout_s=self.timeout_s,
                                          label=f"sglang {self.role} {g.name} pid {os.getpid()}",
                                          digest=self.role == "decode" and os.environ.get("KVXFER_DIGEST") == "1",
-                                         model=self._model_identity(g.name))
+                                         model=model_identity(self.server_args, g.name))
                     agent.register_kv(ptrs=g.ptrs, lens=g.lens, item_lens=g.items, kind=self.mem_kind,
                                       device=int(getattr(self.kv_args, "gpu_id", 0) or 0))
                     args = self.kv_args

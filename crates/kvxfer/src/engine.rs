@@ -534,7 +534,7 @@ struct RecvReq {
     handed_off: Option<(Instant, u64)>,
     /// The end-to-end digest check of a request handed off with [`AgentConfig::digest`].
     verify: Verify,
-    /// The pages handed off (kept for the digest check only).
+    /// The pages handed off (kept for the digest check only, which takes them).
     pages: Vec<u32>,
 }
 
@@ -1842,7 +1842,8 @@ impl Inner {
                 senders.iter().map(|p| (*p, t.digest(*room, SenderKey::of(*p)).map(<[u64]>::to_vec))).collect()
             });
             r.verify = Verify::Running;
-            jobs.push((*room, r.generation, r.pages.clone(), sent));
+            // The check is the pages' last use here.
+            jobs.push((*room, r.generation, std::mem::take(&mut r.pages), sent));
         }
         for (room, generation, pages, sent) in jobs {
             let this = Arc::clone(self);
@@ -2025,7 +2026,9 @@ impl Inner {
 
     fn on_handoff(self: &Arc<Self>, d: RankId, n: Notification) {
         let NotificationBody::Handoff { pages, aux_slot, digest } = &n.body else { return };
-        let handoff = Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot, digest: *digest };
+        // Built only where it is kept (the notification itself goes to `early` otherwise).
+        let handoff =
+            || Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot, digest: *digest };
         tracing::debug!(
             target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
             rank = %self.cfg.rank, role = "prefill", from = %d, pages = pages.len(), digest = *digest, "handoff received"
@@ -2039,7 +2042,7 @@ impl Inner {
         if let Some(q) = sends.get_mut(&n.request) {
             match q.handoffs.get(&d) {
                 None if !q.done && q.failure.is_none() => {
-                    q.handoffs.insert(d, handoff.clone());
+                    q.handoffs.insert(d, handoff());
                     // Its abort came first (it was fenced then): nothing may be sent for it.
                     let aborted = lock(&self.early).iter().find_map(|(r, e, _)| match &e.body {
                         NotificationBody::Abort(why)
@@ -2064,7 +2067,7 @@ impl Inner {
                 // The request already failed here and lacks this rank's handoff: it belongs to this
                 // use; answer it with the failure at once instead of leaving it to its deadline.
                 None if !q.done => {
-                    q.handoffs.insert(d, handoff.clone());
+                    q.handoffs.insert(d, handoff());
                     let told = q.told;
                     let why = q.failure.clone().unwrap_or_default();
                     drop(sends);
