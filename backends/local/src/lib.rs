@@ -404,21 +404,25 @@ async fn run(
 }
 
 /// Aborts every transfer to a removed peer and waits for each fence (a copy task ends within one
-/// step once asked to). Returns how many were still in flight.
+/// step once asked to). Returns how many did not finish (one whose copy ended before the abort took hold is not counted).
 async fn abort_all(p: &Peer, peer: PeerId) -> Result<usize, BackendError> {
     let pending: Vec<_> = lock(&p.inflight).drain(..).collect();
     let mut n = 0;
     for s in pending {
         if !s.status().is_final() {
-            n += 1;
             let t = Transfer::new(s, Arc::new(Abort), 0);
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            if let Ok(TransferStatus::InFlight) | Err(_) = t.abort(deadline).await {
-                return Err(BackendError::Timeout {
-                    backend: NAME,
-                    what: format!("fencing transfers to {peer}"),
-                    after: Duration::from_secs(30),
-                });
+            match t.abort(deadline).await {
+                Ok(TransferStatus::InFlight) | Err(_) => {
+                    return Err(BackendError::Timeout {
+                        backend: NAME,
+                        what: format!("fencing transfers to {peer}"),
+                        after: Duration::from_secs(30),
+                    })
+                }
+                // Its copy task finished between the look and the abort: it did not fail.
+                Ok(TransferStatus::Done) => {}
+                Ok(_) => n += 1,
             }
         }
     }
