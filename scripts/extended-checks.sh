@@ -3,8 +3,8 @@
 # they cover (docs/testing.md, "Extended checks"). Needs what .ci/run installs, and root for the
 # network namespaces of the link cases. Every step is bounded; the script stops at the first failure.
 #
-#   bash scripts/extended-checks.sh            # everything (about 60-70 minutes on 2 cores)
-#   bash scripts/extended-checks.sh fuzz       # one part: fuzz | presumed-dead | etcd-stopped
+#   bash scripts/extended-checks.sh            # everything (about 70-80 minutes on 2 cores)
+#   bash scripts/extended-checks.sh fuzz       # one part: fuzz | presumed-dead | etcd-stopped | rolling-upgrade
 #
 # Runs: KVXFER_EXT_RUNS (default 10) for the presumed-dead parts.
 set -euo pipefail
@@ -38,6 +38,11 @@ if [ -z "$part" ] || [ "$part" = etcd-stopped ]; then
   step "etcd stopped mid-run, $runs runs on every backend of the build (tcp, ucx, fabric)"
   KVXFER_CHAOS_RUNS="$runs" bounded 3600 \
     cargo test -p kvxfer-cli --features etcd,ucx,fabric --test metadata -- etcd_stopped --nocapture
+fi
+
+if [ -z "$part" ] || [ "$part" = rolling-upgrade ]; then
+  step "rolling upgrade: the previous release's own binary against this one, both ways (builds it: about 8 minutes)"
+  bounded 4000 bash scripts/rolling-upgrade.sh
 fi
 
 step "done"

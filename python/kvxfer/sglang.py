@@ -131,6 +131,18 @@ def _model_kv_heads(server_args: Any) -> int | None:
     return None
 
 
+def pinned_protocol(value: str | None) -> int | None:
+    """``KVXFER_PROTOCOL``: the newest kvxfer protocol this rank speaks (unset: this build's newest).
+    During a rolling upgrade, ``KVXFER_PROTOCOL=2`` keeps an upgraded rank on the previous release's
+    protocol; a version this build does not speak is refused when the agent is made."""
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"KVXFER_PROTOCOL={value!r} is not a protocol version (an integer, e.g. 2)") from None
+
+
 def model_identity(server_args: Any, group: str) -> dict[str, str] | None:
     """The model identity kvxfer publishes with this rank's layout (issue 30): ranks that both name one
     and name different ones never pair. The model path as SGLang was started with it (the draft model's
@@ -465,7 +477,8 @@ class KvxferKVManager(BaseKVManager):
                                          timeout_s=self.timeout_s,
                                          label=f"sglang {self.role} {g.name} pid {os.getpid()}",
                                          digest=self.role == "decode" and os.environ.get("KVXFER_DIGEST") == "1",
-                                         model=model_identity(self.server_args, g.name))
+                                         model=model_identity(self.server_args, g.name),
+                                         protocol=pinned_protocol(os.environ.get("KVXFER_PROTOCOL")))
                     agent.register_kv(ptrs=g.ptrs, lens=g.lens, item_lens=g.items, kind=self.mem_kind,
                                       device=int(getattr(self.kv_args, "gpu_id", 0) or 0))
                     args = self.kv_args

@@ -376,7 +376,8 @@ class KvxferConnector(KVConnectorBase_V1):
                              backend_options=opts or None, timeout_s=float(self.extra.get("timeout_s", 60)),
                              label=f"vllm {self.side} pid {os.getpid()}",
                              digest=self.side == "decode" and bool(self.extra.get("digest", False)),
-                             model=self._model_identity())
+                             model=self._model_identity(),
+                             protocol=int(self.extra["protocol"]) if self.extra.get("protocol") is not None else None)
         agent.register_kv(ptrs=ptrs, lens=lens, item_lens=items, kind=kind, device=device)
         agent.start()
         self.agent = agent

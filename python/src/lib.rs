@@ -730,7 +730,7 @@ impl Agent {
     #[new]
     #[pyo3(signature = (role, topology, tp_rank=0, pp_rank=0, bootstrap=None, backend="tcp", notify="attached",
                         backend_options=None, timeout_s=60.0, connect_timeout_s=None, lease_ttl_s=10.0, label=None,
-                        digest=false, model=None))]
+                        digest=false, model=None, protocol=None))]
     fn new(
         role: &str,
         topology: &Topology,
@@ -746,6 +746,7 @@ impl Agent {
         label: Option<String>,
         digest: bool,
         model: Option<BTreeMap<String, String>>,
+        protocol: Option<u16>,
     ) -> PyResult<Self> {
         guarded("Agent()", || {
             let role = parse_side(role)?;
@@ -797,6 +798,15 @@ impl Agent {
                     Some(id)
                 }
             };
+            if let Some(v) = protocol {
+                if kvxfer::ProtocolRange::pinned(v).is_none() {
+                    return Err(PyValueError::new_err(format!(
+                        "protocol={v}: this build speaks kvxfer protocol {} (pin one of those, or leave it None)",
+                        kvxfer::ProtocolRange::THIS_BUILD
+                    )));
+                }
+            }
+            cfg.protocol = protocol;
             Ok(Self {
                 role,
                 rank,

@@ -120,13 +120,15 @@ def test_agent_errors_are_exceptions_with_the_rust_message():
         a.close()
 
 
-def _in_process_pair(shape: Shape, server, timeout_s: float = 10.0, digest: bool = False):
+def _in_process_pair(shape: Shape, server, timeout_s: float = 10.0, digest: bool = False,
+                     prefill_protocol: int | None = None):
     """A prefill and a decode agent in this process (tcp over loopback), with pools and aux."""
     t = shape.topology()
     agents, pools = [], []
     for role in ("decode", "prefill"):
         a = kvxfer.Agent(role=role, topology=t, bootstrap=server.address, timeout_s=timeout_s, lease_ttl_s=2.0,
-                         digest=digest and role == "decode")
+                         digest=digest and role == "decode",
+                         protocol=prefill_protocol if role == "prefill" else None)
         pool = make_pool(shape, role, 0, PAGES)
         a.register_kv_buffers(pool)
         aux = [np.zeros((8, 8), np.int32)]
@@ -264,6 +266,33 @@ def test_ranks_of_different_models_never_pair():
         finally:
             for a in agents:
                 a.close()
+
+
+def test_a_prefill_pinned_to_the_previous_protocol_serves_an_upgraded_decode():
+    """Issue 30, rolling upgrades: protocol=2 makes a rank speak as the previous release; an upgraded
+    decode pairs with it and every byte lands; a version this build does not speak is refused."""
+    shape = Shape(kv_heads=2, head_dim=8, layers=2)
+    for v in (1, 4):
+        with pytest.raises(ValueError, match=r"this build speaks kvxfer protocol 2\.\.=3"):
+            kvxfer.Agent(role="prefill", topology=shape.topology(), bootstrap="127.0.0.1:1", protocol=v)
+    with kvxfer.BootstrapServer() as server:
+        (dec, pre), ((dpool, _), _) = _in_process_pair(shape, server, prefill_protocol=2)
+        try:
+            r = dec.receiver(5)
+            s = pre.sender(5)
+            s.init(2)
+            r.send_metadata([7, 2])
+            _until(lambda: s.poll() == KVPoll.WaitingForInput, "the handoff")
+            s.send([3, 9])
+            assert r.wait(timeout_s=10) == KVPoll.Success, r.failure_exception()
+            assert s.wait(timeout_s=10) == KVPoll.Success
+            checked, errors = verify_decode(shape, 0, dpool, [([3, 9], [7, 2])], PAGES)
+            assert errors == [] and checked > 0
+            r.clear()
+            s.clear()
+        finally:
+            pre.close()
+            dec.close()
 
 
 def test_clear_while_writes_may_land_releases_after_the_fence():

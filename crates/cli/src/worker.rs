@@ -153,6 +153,11 @@ pub struct WorkerArgs {
     /// standard input is closed (at most 30 s). `demo` sets it to take each worker's final scrape.
     #[arg(long, hide = true, requires = "metrics_listen")]
     pub metrics_hold: bool,
+    /// Pin the newest kvxfer protocol this rank speaks (`AgentConfig::protocol`): during a rolling
+    /// upgrade, `--protocol 2` makes an upgraded rank speak as the previous release does. Unset: this
+    /// build's newest. See docs/operations.md#versions-and-rolling-upgrades.
+    #[arg(long)]
+    pub protocol: Option<u16>,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -476,6 +481,7 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     cfg.request_timeout = w.request_timeout();
     cfg.secret = secret;
     cfg.digest = args.run.digest && side == Side::Decode;
+    cfg.protocol = args.protocol;
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
     let cut_off_wait = cfg.cut_off_timeout + Duration::from_secs(1);
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;

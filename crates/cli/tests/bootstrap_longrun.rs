@@ -187,6 +187,7 @@ fn reg(role: Side, tp: u32, label: &str) -> Registration {
         spec: spec(2),
         label: label.into(),
         model: None,
+        protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
     }
 }
 

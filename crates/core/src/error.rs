@@ -227,13 +227,21 @@ pub enum CodecError {
         /// Total length.
         len: usize,
     },
-    /// Unknown magic or version.
-    #[error("notification has version {found}, this build speaks version {expected}")]
+    /// A version this build does not speak.
+    #[error(
+        "{what} of version {found}, this build speaks {}; upgrade whichever side is older (a rolling \
+         upgrade goes one version at a time)",
+        if oldest == newest { newest.to_string() } else { format!("{oldest}..={newest}") }
+    )]
     Version {
+        /// What was read ("notification", "fragment").
+        what: &'static str,
         /// Version found.
         found: u8,
-        /// Version expected.
-        expected: u8,
+        /// The oldest version this build reads.
+        oldest: u8,
+        /// The newest version this build reads.
+        newest: u8,
     },
     /// Bad magic byte.
     #[error("not a kvxfer notification (magic 0x{found:02x}, expected 0x{expected:02x})")]

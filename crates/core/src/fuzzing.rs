@@ -12,10 +12,13 @@ use crate::SenderKey;
 /// (after the 27-byte header).
 const HANDOFF_FLAG: usize = 27;
 
-/// The canonical form of an encoded notification that decodes: the encoder writes the aux slot of a
-/// handoff without aux as 0 (a receiver ignores it), everything else has exactly one encoding.
-pub fn canonical_notification(data: &[u8]) -> Vec<u8> {
+/// The canonical form of an encoded notification that decodes (`n` is what it decoded to): the
+/// encoder writes the aux slot of a handoff without aux as 0 (a receiver ignores it), and the lowest
+/// wire version that expresses the notification (the decoder also reads a version-3 message that
+/// uses nothing of version 3); everything else has exactly one encoding.
+pub fn canonical_notification(data: &[u8], n: &Notification) -> Vec<u8> {
     let mut c = data.to_vec();
+    c[1] = n.wire_version();
     if c.len() >= HANDOFF_FLAG + 5 && c[2] == 5 && c[HANDOFF_FLAG] & 1 == 0 {
         c[HANDOFF_FLAG + 1..HANDOFF_FLAG + 5].fill(0);
     }
@@ -29,7 +32,7 @@ pub fn notification(data: &[u8]) -> bool {
     let Ok(n) = Notification::decode(data) else { return false };
     let _ = n.to_string();
     let again = n.encode().expect("a decoded notification encodes");
-    assert_eq!(again, canonical_notification(data), "re-encoding {n:?} changed its bytes");
+    assert_eq!(again, canonical_notification(data, &n), "re-encoding {n:?} changed its bytes");
     assert_eq!(Notification::decode(&again).as_ref(), Ok(&n));
     true
 }

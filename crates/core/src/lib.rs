@@ -28,6 +28,7 @@ pub mod notify;
 pub mod oracle;
 pub mod order;
 pub mod plan;
+pub mod protocol;
 pub mod secret;
 pub mod toolkit;
 pub mod tracker;
@@ -48,6 +49,7 @@ pub use model::{
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use order::{CudaHandle, GpuOrder};
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
+pub use protocol::{Feature, Negotiated, ProtocolMismatch, ProtocolRange};
 pub use secret::{Secret, SecretError, SECRET_ENV};
 pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Status, TrackerConfig, TrackerStats};
 

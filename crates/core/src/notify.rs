@@ -1,9 +1,9 @@
 //! Typed notifications and their compact, versioned binary encoding.
 //!
-//! Wire format (little endian), version 2:
+//! Wire format (little endian), versions 2 and 3 (the [kvxfer protocol](crate::protocol)):
 //! ```text
 //! 0      u8   magic 0xKV (0x4b)
-//! 1      u8   version (2)
+//! 1      u8   version (2, or 3 for a message that uses the digest)
 //! 2      u8   kind: 1 kv-chunk, 2 aux, 3 state, 4 failure, 5 handoff, 6 abort, 7 fenced, 8 digest
 //! 3..11  u64  request id (the room)
 //! 11..19 u64  generation (unique per use of a room)
@@ -18,10 +18,12 @@
 //! digest: u32 entry count, that many u64 (at most MAX_PAYLOAD / 8)
 //! ```
 //!
-//! Kind 8 and the wants-digest flag came with the opt-in digest (issue 30): a decode rank sets the
-//! flag only when it verifies digests, and a prefill rank sends kind 8 only to a decode rank that
-//! set it, so ranks that do not use digests exchange exactly the bytes of before (an older peer
-//! refuses the flag and kind 8 as malformed).
+//! Kind 8 and the wants-digest flag came with the opt-in digest in protocol 3. A message is written
+//! in the lowest version that expresses it: one that uses neither is version 2, byte for byte what
+//! a protocol-2 build writes (so it reads it), one that uses either is version 3 (a protocol-2 build
+//! refuses it naming the version). A decode rank sets the flag only towards prefill ranks that
+//! negotiated protocol 3, and a prefill rank sends kind 8 only to a decode rank that set it. The
+//! decoder reads versions 2 and 3, and refuses the flag or kind 8 in a version-2 message.
 //!
 //! Kinds 1-4, 7 and 8 travel from a prefill rank to a decode rank; 5 (the decode rank's destination pages
 //! for one request) and 6 (the decode rank aborted the request: stop writing, then answer `fenced`)
@@ -100,8 +102,10 @@ pub struct Notification {
 }
 
 const MAGIC: u8 = 0x4b;
-/// Wire version this build encodes and decodes.
-pub const VERSION: u8 = 2;
+/// The newest wire version this build encodes and decodes (= [`crate::protocol::PROTOCOL`]).
+pub const VERSION: u8 = 3;
+/// The oldest wire version this build encodes and decodes (= [`crate::protocol::OLDEST_PROTOCOL`]).
+pub const OLDEST_VERSION: u8 = 2;
 /// Largest aux or state payload.
 pub const MAX_PAYLOAD: usize = 1 << 20;
 /// Largest failure reason in bytes (longer reasons are truncated at a char boundary when encoding).
@@ -146,6 +150,15 @@ impl Notification {
         Ok(out)
     }
 
+    /// The wire version it is written in: the lowest that expresses it (3 for a digest or a handoff
+    /// that asks for one, 2 otherwise).
+    pub fn wire_version(&self) -> u8 {
+        match &self.body {
+            NotificationBody::Digest(_) | NotificationBody::Handoff { digest: true, .. } => 3,
+            _ => OLDEST_VERSION,
+        }
+    }
+
     /// Encodes, appending to `out`.
     pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), CodecError> {
         let tag = match &self.body {
@@ -158,7 +171,7 @@ impl Notification {
             NotificationBody::Fenced => 7,
             NotificationBody::Digest(_) => 8,
         };
-        out.extend_from_slice(&[MAGIC, VERSION, tag]);
+        out.extend_from_slice(&[MAGIC, self.wire_version(), tag]);
         out.extend_from_slice(&self.request.0.to_le_bytes());
         out.extend_from_slice(&self.generation.to_le_bytes());
         out.extend_from_slice(&self.sender.to_u64().to_le_bytes());
@@ -215,8 +228,13 @@ impl Notification {
             return Err(CodecError::Magic { found: magic, expected: MAGIC });
         }
         let version = r.u8()?;
-        if version != VERSION {
-            return Err(CodecError::Version { found: version, expected: VERSION });
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
+            return Err(CodecError::Version {
+                what: "notification",
+                found: version,
+                oldest: OLDEST_VERSION,
+                newest: VERSION,
+            });
         }
         let tag = r.u8()?;
         let request = RequestId(r.u64()?);
@@ -258,7 +276,7 @@ impl Notification {
             }
             5 => {
                 let (has_aux, digest) = match r.u8()? {
-                    f if f <= 3 => (f & 1 == 1, f & 2 == 2),
+                    f if f <= 1 || (f <= 3 && version >= 3) => (f & 1 == 1, f & 2 == 2),
                     f => return Err(CodecError::Flag(f)),
                 };
                 let aux = r.u32()?;
@@ -271,7 +289,7 @@ impl Notification {
                 NotificationBody::Handoff { pages, aux_slot: has_aux.then_some(aux), digest }
             }
             7 => NotificationBody::Fenced,
-            8 => {
+            8 if version >= 3 => {
                 let n = r.u32()? as usize;
                 if n > MAX_DIGEST_ENTRIES {
                     return Err(CodecError::TooLong { len: n.saturating_mul(8), max: MAX_PAYLOAD });

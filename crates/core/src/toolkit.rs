@@ -589,7 +589,12 @@ impl Reassembler {
             return Err(CodecError::Magic { found: fragment[0], expected: FRAG_MAGIC });
         }
         if fragment[1] != FRAG_VERSION {
-            return Err(CodecError::Version { found: fragment[1], expected: FRAG_VERSION });
+            return Err(CodecError::Version {
+                what: "fragment",
+                found: fragment[1],
+                oldest: FRAG_VERSION,
+                newest: FRAG_VERSION,
+            });
         }
         let id = u64::from_le_bytes(fragment[2..10].try_into().expect("8 bytes"));
         let index = u16::from_le_bytes([fragment[10], fragment[11]]);

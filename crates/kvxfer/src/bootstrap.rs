@@ -63,7 +63,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::model::kv_mismatches;
-use kvxfer_core::{EndpointMetadata, RankId, Side, SideSpec, Topology};
+use kvxfer_core::{EndpointMetadata, ProtocolRange, RankId, Side, SideSpec, Topology};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -139,6 +139,12 @@ pub struct Registration {
     /// gave none or from a kvxfer older than this field, pairs with anything of the same layout).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelIdentity>,
+    /// The kvxfer protocol versions the rank speaks ([`kvxfer_core::protocol`]); two ranks that
+    /// share none never pair, and the pair uses the highest both speak. A record without it comes
+    /// from a protocol-2 build and reads as speaking 2 only. (Metadata stores keep records as the
+    /// rank wrote them, so a bootstrap service or etcd of any version passes the field on.)
+    #[serde(default)]
+    pub protocol: ProtocolRange,
 }
 
 /// What model a rank's KV cache belongs to, beyond what the layout says: two models of one shape
@@ -367,6 +373,20 @@ pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), Boots
     let mut problems = Vec::new();
     if a.backend != b.backend {
         problems.push(format!("backend differs (prefill {}, decode {})", p.backend, d.backend));
+    }
+    if b.protocol.negotiate(a.protocol, "the peer").is_err() {
+        // Whichever rank is behind is the one to upgrade.
+        let (behind, ahead) = if a.protocol.newest < b.protocol.oldest { (a, b) } else { (b, a) };
+        problems.push(format!(
+            "no common kvxfer protocol ({} speaks {}, {} speaks {}): upgrade {} to a kvxfer that speaks protocol {} or \
+             later (a rolling upgrade goes one protocol version at a time)",
+            describe(behind),
+            behind.protocol,
+            describe(ahead),
+            ahead.protocol,
+            describe(behind),
+            ahead.protocol.oldest,
+        ));
     }
     if let (Some(ma), Some(mb)) = (&a.model, &b.model) {
         if ma != mb {
@@ -1529,6 +1549,7 @@ mod tests {
             spec: s,
             label: String::new(),
             model: None,
+            protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
         }
     }
 

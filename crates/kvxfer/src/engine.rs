@@ -82,9 +82,9 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use kvxfer_core::{
-    BackendConfig, BackendEvent, BufferRef, Fence, KvTransferBackend, MemDesc, Notification, NotificationBody,
-    NotifyStyle, PeerId, RankId, RequestId, Secret, SecretError, SenderKey, Side, Status, Topology, TrackerConfig,
-    TrackerStats,
+    BackendConfig, BackendEvent, BufferRef, Feature, Fence, KvTransferBackend, MemDesc, Notification, NotificationBody,
+    NotifyStyle, PeerId, ProtocolRange, RankId, RequestId, Secret, SecretError, SenderKey, Side, Status, Topology,
+    TrackerConfig, TrackerStats,
 };
 use serde::{Deserialize, Serialize};
 
@@ -207,17 +207,33 @@ pub struct AgentConfig {
     /// and the request succeeds only if they agree. A mismatch fails it (`Failed`, pages reusable:
     /// every sender had finished) with a reason naming the prefill rank, the layer, the kind and
     /// the heads. Costs one read of the request's bytes on each side; needs host memory (refused at
-    /// start otherwise) and prefill ranks of this version (an older one refuses the handoff as
-    /// malformed). Prefill ranks need no setting: they hash only for decode ranks that ask.
+    /// start otherwise) and prefill ranks that speak protocol 3 (a prefill rank that negotiates an
+    /// older protocol is refused at connect, naming it: upgrade it or turn the digest off).
+    /// Prefill ranks need no setting: they hash only for decode ranks that ask.
     pub digest: bool,
     /// The model whose KV cache this rank holds (name, revision, KV dtype), published with the
     /// rank's layout: a rank whose model differs from a registered rank's is refused at
     /// [`Agent::start`] (an error naming both), so two models of one shape never exchange KV.
     /// `None` (the default) compares nothing beyond the layout.
     pub model: Option<crate::bootstrap::ModelIdentity>,
+    /// The newest kvxfer protocol this rank speaks ([`kvxfer_core::protocol`]); `None` (the
+    /// default) is this build's newest, [`kvxfer_core::protocol::PROTOCOL`]. During a rolling
+    /// upgrade, pinning it to the previous version ([`kvxfer_core::protocol::OLDEST_PROTOCOL`])
+    /// makes an upgraded rank speak exactly as the previous release does (features of the newer
+    /// protocol, such as [`Self::digest`], are refused at start); unpin once every rank is
+    /// upgraded. Ranks always negotiate the highest version both speak, so pinning is needed only
+    /// to rehearse or to keep a mixed cluster on the old wire. A version this build does not speak
+    /// is refused at [`Agent::start`].
+    pub protocol: Option<u16>,
 }
 
 impl AgentConfig {
+    /// The protocol range this rank publishes (`None`: this build does not speak the pinned
+    /// version).
+    fn protocol_range(&self) -> ProtocolRange {
+        self.protocol.and_then(ProtocolRange::pinned).unwrap_or(ProtocolRange::THIS_BUILD)
+    }
+
     /// A configuration with the defaults: the `tcp` backend, attached notifications, a 10 s lease,
     /// 60 s to connect and per request.
     pub fn new(role: Side, rank: RankId, topology: Topology, metadata: MetadataAddr) -> Self {
@@ -242,6 +258,7 @@ impl AgentConfig {
             bootstrap_tls: None,
             digest: false,
             model: None,
+            protocol: None,
         }
     }
 
@@ -625,6 +642,21 @@ impl Agent {
         let setup = |detail: String| EngineError::Setup { role, rank, detail };
         let topo = cfg.topology;
         topo.check_rank(role, rank).map_err(|e| setup(e.to_string()))?;
+        if let Some(v) = cfg.protocol {
+            let range = ProtocolRange::pinned(v).ok_or_else(|| {
+                setup(format!(
+                    "protocol {v}: this build speaks kvxfer protocol {} (pin one of those, or leave it unset)",
+                    ProtocolRange::THIS_BUILD
+                ))
+            })?;
+            if cfg.digest && role == Side::Decode && range.newest < Feature::Digest.since() {
+                return Err(setup(format!(
+                    "digest needs kvxfer protocol {} or later, and this rank is pinned to protocol {v}: unpin it \
+                     once every rank is upgraded, or turn the digest off",
+                    Feature::Digest.since()
+                )));
+            }
+        }
         let bcfg = BackendConfig {
             identity: identity(role, rank),
             options: cfg.backend_options.clone(),
@@ -702,6 +734,7 @@ impl Agent {
             spec: topo.side(role),
             label: cfg.label.clone(),
             model: cfg.model.clone(),
+            protocol: cfg.protocol_range(),
         };
         // A rank restarted right after a crash finds its old record until the old lease expires.
         // An unreachable store is the one start failure a retry can fix: it says so by its variant.
@@ -1402,6 +1435,25 @@ impl Inner {
         if reg.role != self.other() || !lock(&self.peers).contains_key(&reg.rank) {
             return Ok(());
         }
+        // The layout check refused ranks that share no protocol version; the features follow from
+        // the version they share.
+        let who = if reg.role == Side::Prefill { "the prefill rank" } else { "the decode rank" };
+        let negotiated = self.cfg.protocol_range().negotiate(reg.protocol, who).map_err(|e| e.to_string())?;
+        if self.cfg.digest && self.cfg.role == Side::Decode && !negotiated.has(Feature::Digest) {
+            return Err(format!(
+                "digest: {} rank {} ({}) speaks kvxfer protocol {}, which has no digest (protocol {} or later has): \
+                 upgrade it (or unpin its protocol), or turn the digest off on this decode rank",
+                reg.role,
+                reg.rank,
+                reg.label,
+                reg.protocol,
+                Feature::Digest.since()
+            ));
+        }
+        tracing::debug!(
+            target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank, protocol = negotiated.version,
+            "negotiated kvxfer protocol with {} rank {}", reg.role, reg.rank
+        );
         let replaced = match lock(&self.peers).get(&reg.rank) {
             Some(p) if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() => return Ok(()),
             Some(p) => p.id.is_some() && p.lost.is_none() && p.epoch < epoch,

@@ -152,6 +152,7 @@ pub fn seed_registration(role: Side) -> Registration {
         spec,
         label: "host-a pid 4242".into(),
         model: None,
+        protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
     }
 }
 

@@ -42,6 +42,7 @@ fn registration() -> Registration {
         },
         label: "well-formed".into(),
         model: None,
+        protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
     }
 }
 

@@ -43,6 +43,7 @@ fn reg(role: Side, tp: u32, s: SideSpec, label: &str) -> Registration {
         spec: s,
         label: label.into(),
         model: None,
+        protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
     }
 }
 
