@@ -373,6 +373,15 @@ impl Topology {
         Ok(self.topo.buffer_bytes(parse_side(side)?, parse_kind(kind)?, 1))
     }
 
+    /// Bytes prefill rank `(tp_rank, pp_rank)` writes per page of a request, summed over the decode
+    /// ranks it feeds (kvxfer's plan: a replicated head is written by one holder only). A request of
+    /// `n` pages that succeeded moved `n` times this from that rank (the engines' transfer stats).
+    #[pyo3(signature = (tp_rank, pp_rank=0))]
+    fn sent_page_bytes(&self, tp_rank: u32, pp_rank: u32) -> PyResult<u64> {
+        let pairs = kvxfer::plan::plan_sender(&self.topo, RankId::new(tp_rank, pp_rank), &[0], &[0]).map_err(err)?;
+        Ok(pairs.iter().map(|p| p.bytes()).sum())
+    }
+
     /// SGLang's `kv_item_lens` for a rank of stage `pp_rank` of `side`: every layer's K, then every
     /// layer's V (MLA: one per layer).
     #[pyo3(signature = (side, pp_rank=0))]
