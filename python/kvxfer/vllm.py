@@ -42,12 +42,17 @@ Requests:
   its uncached tail itself and releases the prefill at once (kvxfer's handoff cannot yet skip the
   first pages); so does a request aborted before it was allocated.
 
+Stats: the workers' transfer stats reach vLLM's own (``get_kv_connector_stats`` -> ``KVOutputAggregator``
+-> ``SchedulerStats`` -> the "KV Transfer metrics: ..." log line and ``vllm:kvxfer_*`` Prometheus metrics):
+``KvxferKVConnectorStats`` and ``KvxferPromMetrics``, after vLLM 0.33.0's ``kv_connector/v1/metrics.py``.
+
 Not supported (refused, naming the reason): pipeline parallelism, hybrid allocators (more than one KV
 cache group), GPU memory with the tcp and local backends (host memory only; UCX moves CUDA memory).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -116,6 +121,187 @@ except Exception:  # noqa: BLE001 - any import failure means: no usable vLLM her
         def _get_connector_metadata(self):
             assert self._connector_metadata is not None
             return self._connector_metadata
+
+
+try:  # vLLM's stats base class (vllm/distributed/kv_transfer/kv_connector/v1/metrics.py at 0.33.0)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found]
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+except Exception:  # noqa: BLE001 - tier 0: no vLLM; the stats class still works on its own
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """Stand-in for vLLM's base class when vLLM is not installed (its one field)."""
+
+        data: dict[str, Any] = field(default_factory=dict)
+
+        def to_dict(self) -> dict[str, Any]:
+            """The serializable payload."""
+            return self.data
+
+    KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
+
+# The lists of a KvxferKVConnectorStats payload. Per transfer that finished on a worker rank (one request
+# on one TP rank: a TP-2 instance records two per request), as vLLM 0.33's NixlKVConnectorStats
+# (kv_connector/v1/nixl/stats.py) records one per NIXL transfer handle: successes carry a duration, the
+# bytes kvxfer moved and the blocks; the counters are lists of 1 (NIXL's convention: ``aggregate`` only
+# concatenates).
+_STAT_LISTS = ("transfer_duration", "bytes_transferred", "num_blocks", "num_failed_transfers",
+               "num_aborted_transfers", "num_digest_mismatches")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default method), without numpy."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class KvxferKVConnectorStats(KVConnectorStats):
+    """kvxfer's transfer stats in vLLM's own stats path (vLLM 0.33.0: ``KVConnectorStats`` in
+    ``kv_connector/v1/metrics.py``): the worker connector returns them from ``get_kv_connector_stats``,
+    ``KVOutputAggregator`` aggregates the TP ranks', the scheduler puts ``to_dict()`` into
+    ``SchedulerStats.kv_connector_stats``, vLLM's ``KVConnectorLogging`` logs ``reduce()`` as "KV Transfer
+    metrics: ..." and ``KVConnectorProm`` exports them through ``KvxferPromMetrics``.
+
+    Recorded where a transfer is final on a worker rank: the prefill when a request's send is final (bytes:
+    the pages sent times ``Topology.sent_page_bytes`` of the rank, what kvxfer's
+    ``kvxfer_transfer_bytes_total`` counts for them), the decode when a load is final (bytes: the blocks
+    times the rank's page bytes, the decode's ``kvxfer_transfer_bytes_total``). Durations: prefill, from
+    the first write posted to the send seen final; decode, from the handoff to the load seen final (at
+    the resolution of vLLM's steps). Failures: transfers that failed (``num_failed_transfers``), ones the
+    engine aborted (``num_aborted_transfers``), digest checks that failed (``num_digest_mismatches``,
+    decode with ``digest``; those loads count as failed too)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+            return
+        missing = [k for k in _STAT_LISTS if k not in self.data]
+        if missing:
+            raise ValueError(f"kvxfer: a KvxferKVConnectorStats payload lacks {missing} (keys {sorted(self.data)})")
+
+    def reset(self):
+        """Empties every list (a new dict: a clone taken before keeps its data)."""
+        self.data = {k: [] for k in _STAT_LISTS}
+
+    def record_success(self, seconds: float, nbytes: int, blocks: int) -> None:
+        """One transfer that succeeded on this rank."""
+        self.data["transfer_duration"].append(float(seconds))
+        self.data["bytes_transferred"].append(int(nbytes))
+        self.data["num_blocks"].append(int(blocks))
+
+    def record_failed(self) -> None:
+        """One transfer that failed on this rank (not aborted by the engine)."""
+        self.data["num_failed_transfers"].append(1)
+
+    def record_aborted(self) -> None:
+        """One transfer the engine aborted (a request aborted or finished before its transfer did)."""
+        self.data["num_aborted_transfers"].append(1)
+
+    def record_digest_mismatches(self, n: int) -> None:
+        """``n`` requests whose end-to-end digest check failed on this rank."""
+        self.data["num_digest_mismatches"].extend([1] * int(n))
+
+    @property
+    def num_successful_transfers(self) -> int:
+        """Transfers that succeeded."""
+        return len(self.data["transfer_duration"])
+
+    def is_empty(self) -> bool:
+        """Nothing recorded (failures alone are not empty: they are reported too)."""
+        return not any(self.data[k] for k in _STAT_LISTS)
+
+    def clone_and_reset(self) -> KvxferKVConnectorStats:
+        """This interval's stats, handed out; this object starts a new interval."""
+        old = copy.copy(self)
+        self.reset()
+        return old
+
+    def aggregate(self, other: KVConnectorStats) -> KvxferKVConnectorStats:
+        """Adds another rank's or interval's observations to these (in place; returns self)."""
+        if not isinstance(other, KvxferKVConnectorStats):
+            raise TypeError(f"kvxfer: cannot aggregate {type(other).__name__} into KvxferKVConnectorStats")
+        if not other.is_empty():
+            for k in _STAT_LISTS:
+                self.data[k].extend(other.data[k])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """One summary of the interval, for vLLM's "KV Transfer metrics:" log line."""
+        n = self.num_successful_transfers
+        out: dict[str, int | float] = {"Num successful transfers": n}
+        if n:
+            secs = self.data["transfer_duration"]
+            nbytes = sum(self.data["bytes_transferred"])
+            total_s = sum(secs)
+            out.update({
+                "Avg xfer time (ms)": round(total_s / n * 1e3, 3),
+                "P90 xfer time (ms)": round(_percentile(secs, 90) * 1e3, 3),
+                "Bytes transferred": nbytes,
+                "Avg MB per transfer": round(nbytes / 2**20 / n, 3),
+                "Throughput (MB/s)": round(nbytes / 2**20 / total_s, 3) if total_s > 0 else 0.0,
+                "Avg blocks per transfer": round(sum(self.data["num_blocks"]) / n, 1),
+            })
+        out["Num failed transfers"] = len(self.data["num_failed_transfers"])
+        out["Num aborted transfers"] = len(self.data["num_aborted_transfers"])
+        out["Num digest mismatches"] = len(self.data["num_digest_mismatches"])
+        return out
+
+
+if KVConnectorPromMetrics is not None:
+    _TIME_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+
+    class KvxferPromMetrics(KVConnectorPromMetrics):
+        """kvxfer's transfer stats as vLLM Prometheus metrics (``KVConnectorPromMetrics``, vLLM 0.33.0), beside
+        vLLM's own on its ``/metrics``: ``vllm:kvxfer_xfer_time_seconds``, ``vllm:kvxfer_bytes_transferred``,
+        ``vllm:kvxfer_num_blocks`` (histograms, one observation per successful transfer) and the counters
+        ``vllm:kvxfer_num_failed_transfers``, ``vllm:kvxfer_num_aborted_transfers``,
+        ``vllm:kvxfer_num_digest_mismatches``. Labelled like vLLM's metrics (model name, engine)."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            from vllm.v1.metrics.utils import create_metric_per_engine  # type: ignore[import-not-found]
+
+            def per_engine(metric):
+                return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+            self.histograms = {
+                "transfer_duration": per_engine(self._histogram_cls(
+                    name="vllm:kvxfer_xfer_time_seconds", buckets=_TIME_BUCKETS, labelnames=labelnames,
+                    documentation="Duration of kvxfer KV cache transfers (prefill: first write to the send "
+                                  "final; decode: handoff to the load final), per request and TP rank.")),
+                "bytes_transferred": per_engine(self._histogram_cls(
+                    name="vllm:kvxfer_bytes_transferred", buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
+                    labelnames=labelnames,
+                    documentation="Bytes kvxfer moved per successful KV cache transfer (per request and TP rank).")),
+                "num_blocks": per_engine(self._histogram_cls(
+                    name="vllm:kvxfer_num_blocks", labelnames=labelnames,
+                    buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384],
+                    documentation="vLLM blocks per successful kvxfer KV cache transfer.")),
+            }
+            self.counters = {
+                k: per_engine(self._counter_cls(name=f"vllm:kvxfer_{k}", documentation=doc, labelnames=labelnames))
+                for k, doc in (
+                    ("num_failed_transfers", "kvxfer KV cache transfers that failed (per request and TP rank)."),
+                    ("num_aborted_transfers", "kvxfer KV cache transfers the engine aborted."),
+                    ("num_digest_mismatches", "kvxfer loads whose end-to-end digest check failed (decode)."),
+                )
+            }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+            """Records one aggregated ``KvxferKVConnectorStats`` payload."""
+            for k, h in self.histograms.items():
+                for v in transfer_stats_data[k]:
+                    h[engine_idx].observe(v)
+            for k, c in self.counters.items():
+                n = len(transfer_stats_data[k])
+                if n:
+                    c[engine_idx].inc(n)
 
 
 def room_of(request_id: str, params: dict | None) -> int:
@@ -235,6 +421,14 @@ class KvxferConnector(KVConnectorBase_V1):
         self._step_layers: dict[str, set[int]] = {}
         self._pending: list[tuple[Any, str, list[int], int]] = []  # (event, req_id, pages, layer)
         self._finished_seen: set[str] = set()
+        # vLLM's transfer stats (get_kv_connector_stats): per request, pages and first post (prefill),
+        # handoff time (decode); the bytes per page this rank moves, set in register_kv_caches.
+        self._xfer_stats = KvxferKVConnectorStats()
+        self._send_info: dict[str, list] = {}  # req_id -> [total pages, first post time or None]
+        self._recv_t0: dict[str, float] = {}
+        self._recv_aborted: set[str] = set()
+        self._page_bytes = 0
+        self._digest_mismatches_seen = 0
         self.stats = {"layer_pushes": 0, "whole_chunks": 0, "loads": 0, "releases": 0, "failed_sends": 0}
         if role == KVConnectorRole.SCHEDULER and self.side == "prefill" and self.extra.get("serve_bootstrap"):
             host, _, port = str(self.extra["bootstrap"]).rpartition(":")
@@ -381,6 +575,9 @@ class KvxferConnector(KVConnectorBase_V1):
         agent.register_kv(ptrs=ptrs, lens=lens, item_lens=items, kind=kind, device=device)
         agent.start()
         self.agent = agent
+        # Bytes per page of a request this rank moves: what kvxfer_transfer_bytes_total counts for it.
+        self._page_bytes = (topo.sent_page_bytes(rank) if self.side == "prefill"
+                            else sum(topo.item_lens("decode")))
         self._layer_index = {name: i for i, name in enumerate(names)}
         logger.info("kvxfer: vLLM %s TP rank %d/%d: %d layers of %d blocks (%s pages, %s), %s backend, bootstrap %s",
                     self.side, rank, my_tp, len(views), blocks, layout, topo, backend, self.extra["bootstrap"])
@@ -410,6 +607,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 s = self.agent.sender(save.room)
                 s.init(save.total_pages)
                 self._send[req_id] = s
+                self._send_info[req_id] = [save.total_pages, None]
             self._step_layerwise.pop(req_id, None)
             self._step_layers.pop(req_id, None)
         for req_id, room in connector_metadata.abort_send.items():
@@ -431,6 +629,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def _send_whole(self, req_id: str, pages: list[int]) -> None:
         try:
             self._send[req_id].send(pages)
+            self._posted(req_id)
             self.stats["whole_chunks"] += 1
         except kvxfer.KvxferError as e:  # a failed request: poll reports it; never raise into vLLM's step
             self._fail_send(req_id, str(e))
@@ -461,10 +660,16 @@ class KvxferConnector(KVConnectorBase_V1):
                 continue
             try:
                 self._send[req_id].send_layers(pages, layer, layer + 1)
+                self._posted(req_id)
                 self.stats["layer_pushes"] += 1
                 self._step_layers.setdefault(req_id, set()).add(layer)
             except kvxfer.KvxferError as e:
                 self._fail_send(req_id, str(e))
+
+    def _posted(self, req_id: str) -> None:
+        info = self._send_info.get(req_id)
+        if info is not None and info[1] is None:
+            info[1] = time.monotonic()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole requests into blocks no forward reads before ``get_transfer_results`` reports them."""
@@ -511,6 +716,7 @@ class KvxferConnector(KVConnectorBase_V1):
                     if layer not in done:
                         try:
                             self._send[req_id].send_layers(list(save.pages), layer, layer + 1)
+                            self._posted(req_id)
                         except kvxfer.KvxferError as e:
                             self._fail_send(req_id, str(e))
                             break
@@ -540,11 +746,13 @@ class KvxferConnector(KVConnectorBase_V1):
                 logger.warning("kvxfer: handing off %s failed: %s", req_id, e)
                 r.abort(str(e))
             self._recv[req_id] = (r, blocks)
+            self._recv_t0[req_id] = time.monotonic()
             self.stats["loads"] += 1
         for req_id, room in meta.abort_recv.items():
             entry = self._recv.get(req_id)
             if entry is not None:
                 entry[0].abort("the decode request was aborted")
+                self._recv_aborted.add(req_id)
         for req_id, room in meta.release.items():
             # The decode will not load this request: tell the prefill at once, so it frees its blocks. An
             # empty page list names no block (no write can land anywhere; the prefill's sends are refused),
@@ -570,6 +778,7 @@ class KvxferConnector(KVConnectorBase_V1):
             if v == KVPoll.Success or (v == KVPoll.Failed and s.pages_reusable()):
                 if v == KVPoll.Failed and req_id not in self._aborting:
                     logger.warning("kvxfer: sending %s failed: %s", req_id, s.failure_exception())
+                self._record_send(req_id, v)
                 s.clear()
                 del self._send[req_id]
                 out.finished_sending.add(req_id)
@@ -582,12 +791,13 @@ class KvxferConnector(KVConnectorBase_V1):
                 self._aborting.discard(req_id)
                 self._send_failed.pop(req_id, None)
                 self._deferred.pop(req_id, None)
-        for req_id, (r, _blocks) in list(self._recv.items()):
+        for req_id, (r, blocks) in list(self._recv.items()):
             v = r.poll()
             if v in (KVPoll.Success, KVPoll.Failed) and r.pages_reusable():
                 if v == KVPoll.Failed:
                     logger.warning("kvxfer: loading %s failed: %s", req_id, r.failure_exception())
                     out.failed_recving.add(req_id)
+                self._record_load(req_id, v, len(blocks))
                 r.clear()
                 del self._recv[req_id]
                 out.finished_recving.add(req_id)
@@ -596,6 +806,56 @@ class KvxferConnector(KVConnectorBase_V1):
                 r.clear()
                 self._releasing.remove(r)
         return out
+
+    def _record_send(self, req_id: str, v: int) -> None:
+        """A prefill send is final: one transfer in vLLM's stats."""
+        info = self._send_info.pop(req_id, None)
+        if v == KVPoll.Success and info is not None:
+            pages, first = info
+            now = time.monotonic()
+            self._xfer_stats.record_success(now - first if first is not None else 0.0, pages * self._page_bytes,
+                                            pages)
+        elif req_id in self._aborting:
+            self._xfer_stats.record_aborted()
+        else:
+            self._xfer_stats.record_failed()
+
+    def _record_load(self, req_id: str, v: int, blocks: int) -> None:
+        """A decode load is final: one transfer in vLLM's stats."""
+        t0 = self._recv_t0.pop(req_id, None)
+        aborted = req_id in self._recv_aborted
+        self._recv_aborted.discard(req_id)
+        if v == KVPoll.Success:
+            self._xfer_stats.record_success(time.monotonic() - t0 if t0 is not None else 0.0,
+                                            blocks * self._page_bytes, blocks)
+            return
+        if aborted:
+            self._xfer_stats.record_aborted()
+        else:
+            self._xfer_stats.record_failed()
+        if self.agent is not None and self.extra.get("digest"):
+            seen = int(self.agent.stats()["digest_mismatches"])
+            self._xfer_stats.record_digest_mismatches(seen - self._digest_mismatches_seen)
+            self._digest_mismatches_seen = seen
+
+    def get_kv_connector_stats(self) -> KvxferKVConnectorStats | None:
+        """This rank's transfer stats since the last call (vLLM 0.33: called by the worker driver after
+        every step, aggregated over TP ranks by ``KVOutputAggregator``); None when nothing finished."""
+        if self._xfer_stats.is_empty():
+            return None
+        return self._xfer_stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferKVConnectorStats:
+        """The stats object of an aggregated payload (vLLM's ``KVConnectorLogging`` calls it)."""
+        return KvxferKVConnectorStats(data=data) if data is not None else KvxferKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """kvxfer's Prometheus metrics in vLLM's registry (vLLM's ``KVConnectorProm`` calls it)."""
+        if KVConnectorPromMetrics is None:
+            raise kvxfer.KvxferError("kvxfer: build_prom_metrics needs vLLM (its KVConnectorPromMetrics)")
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

@@ -180,7 +180,7 @@ def transfer(pair: Pair, *, ptp: int, dtp: int, kv_heads: int, mla: bool, prompt
     pytest.param(1, 2, "mla", 1, id="mla-deepseek"),
 ])
 def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
-    pair = Pair(models[model], ptp, dtp)
+    pair = Pair(models[model], ptp, dtp, p={"log_stats": True}, d={"log_stats": True})
     try:
         # vLLM took the connector's layout preference (MLA: no preference, vLLM's CPU default).
         assert pair.p.layout == "LBHNC" and pair.d.layout == "LBHNC", (pair.p.layout, pair.d.layout)
@@ -191,8 +191,52 @@ def test_vllm_pd_transfer(models, ptp, dtp, model, heads):
         # Chunks computed before the decode's block list arrived go whole, later; the rest layer by layer
         # from save_kv_layer during the forward (which of the two a chunk takes depends on timing).
         assert all(s["whole_chunks"] + s["layer_pushes"] >= 1 and not s["failed_sends"] for s in stats), stats
+        # vLLM's own stats path: per worker get_kv_connector_stats -> KVOutputAggregator -> the scheduler's
+        # SchedulerStats.kv_connector_stats -> vLLM's KVConnectorLogging and KVConnectorProm. One transfer per
+        # TP rank of each side, carrying the bytes each rank's kvxfer agent counted.
+        moved = {"p": pair.p.moved_bytes(), "d": pair.d.moved_bytes()}
+        assert moved["p"] == moved["d"] > 0, moved
+        for side, inst, ranks in (("p", pair.p, ptp), ("d", pair.d, dtp)):
+            check_vllm_stats(inst, transfers=ranks, nbytes=moved[side], blocks=10)
     finally:
         pair.close()
+
+
+def check_vllm_stats(inst, *, transfers: int, nbytes: int, blocks: int):
+    """vLLM 0.33's KVConnectorLogging and KVConnectorProm fed the instance's scheduler stats payloads, as its
+    LoggingStatLogger and PrometheusStatLogger do, show these transfers (none failed)."""
+    import functools
+
+    import prometheus_client as prom
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    payloads = inst.kv_connector_stats()
+    assert payloads, "the scheduler returned no kv_connector_stats: the connector's stats did not reach vLLM"
+    logging_ = KVConnectorLogging(inst.vc.kv_transfer_config)
+    registry = prom.CollectorRegistry()
+
+    class Prom(KVConnectorProm):  # vLLM's class, metrics in a registry of this test
+        _gauge_cls = functools.partial(prom.Gauge, registry=registry)
+        _counter_cls = functools.partial(prom.Counter, registry=registry)
+        _histogram_cls = functools.partial(prom.Histogram, registry=registry)
+
+    exporter = Prom(inst.vc, labelnames=["model_name", "engine"], per_engine_labelvalues={0: ["m", "0"]})
+    for data in payloads:
+        logging_.observe(data)
+        exporter.observe(data, 0)
+    lines = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and lines[0].startswith("KV Transfer metrics: "), lines
+    fields = dict(kv.split("=", 1) for kv in lines[0].removeprefix("KV Transfer metrics: ").split(", "))
+    assert int(fields["Num successful transfers"]) == transfers, lines
+    assert int(fields["Bytes transferred"]) == nbytes, (lines, nbytes)
+    assert float(fields["Avg blocks per transfer"]) == blocks, lines
+    assert int(fields["Num failed transfers"]) == 0 and int(fields["Num aborted transfers"]) == 0, lines
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvxfer_bytes_transferred_count", labels) == transfers
+    assert registry.get_sample_value("vllm:kvxfer_bytes_transferred_sum", labels) == nbytes
+    assert registry.get_sample_value("vllm:kvxfer_xfer_time_seconds_count", labels) == transfers
+    assert registry.get_sample_value("vllm:kvxfer_num_blocks_sum", labels) == blocks * transfers
 
 
 @pytest.fixture(scope="module")

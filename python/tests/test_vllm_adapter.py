@@ -62,6 +62,46 @@ def step(worker, meta, layers: int, finished=frozenset()):
     return out
 
 
+def moved_bytes(agent, nonzero: bool = True, timeout_s: float = 10.0) -> int:
+    """The agent's ``kvxfer_transfer_bytes_total`` once it stopped changing (and, with ``nonzero``, is not 0:
+    the progress task records a decode's bytes as it sees the request final, maybe just after a poll did)."""
+    def read() -> int:
+        line = next(x for x in agent.metrics().splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    deadline, last = time.monotonic() + timeout_s, -1
+    while True:
+        now = read()
+        if now == last and (now > 0 or not nonzero) or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.05)
+
+
+def test_transfer_stats_follow_vllm_033_kvconnectorstats_semantics():
+    """KvxferKVConnectorStats as vLLM 0.33's aggregation path uses it: clone_and_reset hands the interval
+    out, aggregate concatenates ranks, is_empty keeps failure-only intervals, reduce summarises."""
+    s = adapter.KvxferKVConnectorStats()
+    assert s.is_empty() and s.reduce()["Num successful transfers"] == 0
+    s.record_success(0.5, 3 * 2**20, 3)
+    s.record_success(1.5, 1 * 2**20, 1)
+    out = s.clone_and_reset()
+    assert s.is_empty() and out.num_successful_transfers == 2
+    other = adapter.KvxferKVConnectorStats()
+    other.record_failed()
+    other.record_aborted()
+    other.record_digest_mismatches(1)
+    assert not other.is_empty()  # failures alone are reported
+    agg = adapter.KvxferConnector.build_kv_connector_stats(out.to_dict()).aggregate(other)
+    r = agg.reduce()
+    assert r["Num successful transfers"] == 2 and r["Bytes transferred"] == 4 * 2**20
+    assert r["Avg xfer time (ms)"] == 1000.0 and r["Throughput (MB/s)"] == 2.0 and r["Avg blocks per transfer"] == 2.0
+    assert (r["Num failed transfers"], r["Num aborted transfers"], r["Num digest mismatches"]) == (1, 1, 1)
+    assert adapter.KvxferConnector.build_kv_connector_stats(None).is_empty()
+    with pytest.raises(ValueError, match="lacks"):
+        adapter.KvxferKVConnectorStats(data={"transfer_duration": [1.0]})
+
+
 def test_page_geometry_reads_vllm_033_views_and_refuses_block_outer_layouts():
     lbhnc = np.zeros((3, 8, 2, 16, 128), np.uint16)[1]  # [B, H, N, C] of layer 1
     assert adapter.page_geometry(lbhnc) == ("hnd", 8, 2, 16, 128)
@@ -150,6 +190,20 @@ def test_call_order_of_vllm_033(shape: Shape):
             for r, (_, worker, ref, _) in enumerate(d_conns):
                 _, errors = verify_decode(shape, r, ref, [(src, dst)], BLOCKS)
                 assert errors == [], errors
+            # vLLM's transfer stats: one transfer per rank, the bytes each agent counted.
+            p_stats = p_worker.get_kv_connector_stats()
+            assert p_stats.num_successful_transfers == 1 and p_stats.data["num_blocks"] == [10]
+            assert p_stats.data["bytes_transferred"] == [moved_bytes(p_worker.agent)]
+            assert p_worker.get_kv_connector_stats() is None  # handed out and reset
+            d_stats = adapter.KvxferConnector.build_kv_connector_stats()
+            for _, worker, _, _ in d_conns:
+                d_stats = d_stats.aggregate(worker.get_kv_connector_stats())
+            assert d_stats.num_successful_transfers == shape.decode_tp
+            assert d_stats.data["bytes_transferred"] == [moved_bytes(c[1].agent) for c in d_conns]
+            assert sum(d_stats.data["bytes_transferred"]) == p_stats.data["bytes_transferred"][0]
+            summary = d_stats.reduce()
+            assert summary["Bytes transferred"] == p_stats.data["bytes_transferred"][0]
+            assert summary["Num failed transfers"] == 0 and summary["Num aborted transfers"] == 0
         finally:
             for w in [p_worker] + [c[1] for c in d_conns]:
                 w.shutdown()

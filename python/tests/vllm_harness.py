@@ -114,6 +114,7 @@ class InstanceSpec:
     failure_policy: str = "fail"
     prefix_caching: bool = False
     timeout_s: float = 60.0
+    log_stats: bool = False  # the Scheduler's log_stats: SchedulerStats (with kv_connector_stats) every step
     extra: dict = field(default_factory=dict)
 
 
@@ -306,6 +307,9 @@ def _worker_loop(ws: WorkerSpec, vc, inq, outq) -> None:
             if msg[0] == "stats":
                 outq.put(("stats", ws.rank, dict(driver.kv_connector.stats)))
                 continue
+            if msg[0] == "metrics":  # the rank's kvxfer agent's OpenMetrics text
+                outq.put(("metrics", ws.rank, driver.kv_connector.agent.metrics()))
+                continue
             if msg[0] == "write":  # rewrite blocks with a marker (what a new request's forward does)
                 for n in names:
                     _view_np(kv_caches[n])[msg[1]] = msg[2]
@@ -396,7 +400,7 @@ class Instance:
         self.vc = vllm_config(spec)
         configs, sched_cfg, self.layout = engine_kv_caches(self.vc)
         self.scheduler = Scheduler(self.vc, sched_cfg, StructuredOutputManager(self.vc), block_size=BLOCK,
-                                   log_stats=False)
+                                   log_stats=spec.log_stats)
         self.connector = self.scheduler.connector
         self.aggregator = KVOutputAggregator.from_connector(self.connector, spec.tp)
         ctx = mp.get_context("spawn")
@@ -443,6 +447,25 @@ class Instance:
         eco = self.scheduler.update_from_output(so, out)
         self.outputs.append((so, out, eco))
         return so, out, eco
+
+    def kv_connector_stats(self) -> list[dict]:
+        """Every non-empty ``SchedulerStats.kv_connector_stats`` payload the scheduler returned so far (vLLM
+        0.33: ``update_from_output`` -> ``make_stats``, what the engine core sends to the stat loggers)."""
+        got = []
+        for _, _, eco in self.outputs:
+            for outs in (eco or {}).values():
+                st = getattr(outs, "scheduler_stats", None)
+                if st is not None and st.kv_connector_stats:
+                    got.append(st.kv_connector_stats)
+        return got
+
+    def moved_bytes(self) -> int:
+        """Sum over this instance's TP ranks of their agents' ``kvxfer_transfer_bytes_total``."""
+        total = 0
+        for text in self.ask("metrics"):
+            line = next(x for x in text.splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
+            total += int(float(line.rsplit(" ", 1)[1]))
+        return total
 
     def block_hasher(self):
         from vllm.utils.hashing import get_hash_fn_by_name
