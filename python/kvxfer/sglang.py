@@ -378,6 +378,7 @@ class KvxferKVManager(BaseKVManager):
         # Whether the backend takes GPU memory is the agent's to say: its start() refuses, naming the
         # backends compiled in that can (tcp and local need the CUDA driver on this host).
         self.groups = self._groups(args)
+        self._sent_page_bytes: list[int] | None = None
         self.prefill_dp = (_resolved(server_args, "dp_size", 1) or 1) if self.role == "prefill" and _dp_attention(
             server_args) else (_env_int("KVXFER_PREFILL_DP") or 1)
         if self.role == "decode" and _dp_attention(server_args) and (_resolved(server_args, "dp_size", 1) or 1) > 1:
@@ -524,6 +525,13 @@ class KvxferKVManager(BaseKVManager):
     def agent(self, bootstrap_addr: str | None = None) -> kvxfer.Agent:
         return self.agents(bootstrap_addr)[0]
 
+    def sent_page_bytes(self) -> list[int]:
+        """Prefill: per group, the bytes this rank writes per page of a request (kvxfer's plan,
+        ``Topology.sent_page_bytes``): what its ``kvxfer_transfer_bytes_total`` counts per page sent."""
+        if self._sent_page_bytes is None:
+            self._sent_page_bytes = [g.topology.sent_page_bytes(self.tp_rank, self.pp_rank) for g in self.groups]
+        return self._sent_page_bytes
+
     # ---------------------------------------------------------------------- SGLang's manager API
 
     def register_to_bootstrap(self):
@@ -595,6 +603,10 @@ class KvxferKVSender(BaseKVSender):
         self.bootstrap_room = int(bootstrap_room)
         self.parts = [a.sender(self.bootstrap_room) for a in mgr.agents()]
         self.init_time: float | None = None
+        # SGLang's transfer metric (get_transfer_metric): pages sent per part, first send, latency.
+        self._pages_sent = [0] * len(self.parts)
+        self._transfer_start: float | None = None
+        self._transfer_latency_s: float | None = None
         self.conclude_state: int | None = None
         self._failure: str | None = None
         self._state_inited: set[int] = set()
@@ -619,15 +631,19 @@ class KvxferKVSender(BaseKVSender):
         if self._failure is not None:
             return
         try:
-            for g, p in zip(self.kv_mgr.groups, self.parts):
+            if self._transfer_start is None:
+                self._transfer_start = time.perf_counter()
+            for i, (g, p) in enumerate(zip(self.kv_mgr.groups, self.parts)):
                 if g.state is None:
                     p.send(kv_indices)
+                    self._pages_sent[i] += len(kv_indices)
                 elif state_indices is not None and g.state < len(state_indices) and state_indices[g.state] is not None:
                     idx = list(state_indices[g.state])
                     if id(p) not in self._state_inited:
                         p.init(len(idx))
                         self._state_inited.add(id(p))
                     p.send(idx)
+                    self._pages_sent[i] += len(idx)
         except kvxfer.KvxferError as e:  # e.g. the decode aborted: poll reports Failed
             self._fail(str(e))
 
@@ -635,6 +651,8 @@ class KvxferKVSender(BaseKVSender):
         v = _combined(self.parts, self._failure)
         if v in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = v
+            if v == KVPoll.Success and self._transfer_latency_s is None and self._transfer_start is not None:
+                self._transfer_latency_s = time.perf_counter() - self._transfer_start
         return v
 
     def poll_pp_consensus(self) -> int:
@@ -657,7 +675,17 @@ class KvxferKVSender(BaseKVSender):
             p.clear()
 
     def get_transfer_metric(self):
-        return KVTransferMetric()
+        """SGLang 0.5.23's per-request transfer metric (``BaseKVSender.get_transfer_metric``; its prefill
+        loop observes it for every finished request into ``sglang:kv_transfer_latency_ms``,
+        ``sglang:kv_transfer_total_mb`` and ``sglang:kv_transfer_speed_gb_s``): the bytes this rank wrote
+        (pages sent times ``Topology.sent_page_bytes`` per agent: what kvxfer's
+        ``kvxfer_transfer_bytes_total`` counts) and the time from the first send to the poll that saw
+        ``Success``. Both None until the request succeeded (a failed request's writes did not all land;
+        SGLang observes only requests that succeeded)."""
+        if self._transfer_latency_s is None:
+            return KVTransferMetric()
+        nbytes = sum(n * b for n, b in zip(self._pages_sent, self.kv_mgr.sent_page_bytes()))
+        return KVTransferMetric(transfer_latency_s=self._transfer_latency_s, transfer_total_bytes=nbytes)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # The last chunk is sent even when empty: it is what completes the request.

@@ -325,6 +325,13 @@ def _run(spec: RankSpec, server_args, torch, dist, out, ev):
                 except Exception as e:  # noqa: BLE001
                     rec["reason"] = str(e)
             sender.clear()
+            # process_disagg_prefill_inflight_queue then hands a successful request's transfer metric (read
+            # after clear()) to ReqTimeStats.compute_and_observe_kv_transfer_metrics.
+            from sglang.srt.disaggregation.base.conn import KVTransferMetric
+
+            tm = sender.get_transfer_metric()
+            assert isinstance(tm, KVTransferMetric), type(tm)
+            rec["transfer_metric"] = (tm.transfer_latency_s, tm.transfer_total_bytes)
         else:
             receiver = get_kv_class(backend, KVClassType.RECEIVER)(mgr=mgr, bootstrap_addr=r.get("addr", bootstrap),
                                                                    bootstrap_room=r["room"])
@@ -438,6 +445,8 @@ def _run(spec: RankSpec, server_args, torch, dist, out, ev):
                     break
         out["checked"] = checked
     out["stats"] = [a.stats() for agents in mgr._agents.values() for a in agents]
+    out["moved_bytes"] = sum(int(float(line.rsplit(" ", 1)[1])) for agents in mgr._agents.values() for a in agents
+                             for line in a.metrics().splitlines() if line.startswith("kvxfer_transfer_bytes_total"))
     return None
 
 

@@ -55,6 +55,22 @@ def server_args(tp: int, port: int):
                            host="127.0.0.1", disaggregation_bootstrap_port=port, dist_init_addr=None)
 
 
+def moved_bytes(agent, nonzero: bool = True, timeout_s: float = 10.0) -> int:
+    """The agent's ``kvxfer_transfer_bytes_total`` once it stopped changing (and, with ``nonzero``, is not 0:
+    the progress task records a decode's bytes as it sees the request final, maybe just after a poll did)."""
+    def read() -> int:
+        line = next(x for x in agent.metrics().splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    deadline, last = time.monotonic() + timeout_s, -1
+    while True:
+        now = read()
+        if now == last and (now > 0 or not nonzero) or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.05)
+
+
 def _until(f, what, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not f():
@@ -115,6 +131,7 @@ def test_sglang_call_sequence(shape: Shape, monkeypatch):
         for tx in senders:
             _until(lambda tx=tx: tx.poll() == KVPoll.WaitingForInput, "the page lists")
             tx.init(len(src), 5)
+            assert tx.get_transfer_metric().transfer_total_bytes is None  # only once it succeeded
         for chunk in (src[:4], src[4:8], src[8:]):
             last = chunk is not None and chunk[-1] == src[-1]
             for tx in senders:
@@ -129,6 +146,14 @@ def test_sglang_call_sequence(shape: Shape, monkeypatch):
             assert errors == [], errors
             a, b = aux_row(room)
             assert np.array_equal(aux[0][2], a) and np.array_equal(aux[1][2], b)
+        # SGLang's transfer metric (prefill.py observes it per finished request): the bytes each prefill
+        # rank's agent counted, the decode's total, and a latency.
+        metrics = [tx.get_transfer_metric() for tx in senders]
+        for m, got in zip(pre, metrics):  # (MLA: one prefill rank writes the latent, the other nothing)
+            assert got.transfer_total_bytes == moved_bytes(m.agent(), nonzero=False), got
+            assert got.transfer_latency_s is not None and got.transfer_latency_s > 0, got
+        total = sum(g.transfer_total_bytes for g in metrics)
+        assert total == sum(moved_bytes(m.agent(addr)) for m, _, _ in dec) > 0, metrics
         for x in receivers + senders:
             x.clear()
         # A failure is raised, SGLang-style, with the Rust message.

@@ -103,6 +103,16 @@ def test_sglang_p2_d1_with_draft_kv(models, boot):
                          scr=script(rooms=(7001, 7002), aux_p=3, aux_d=5)))
     check(outs)
     assert all(o["groups"] == ["kv", "draft"] for o in outs), [o["groups"] for o in outs]
+    # SGLang's KVTransferMetric per request (its sglang:kv_transfer_* histograms): each prefill rank's
+    # requests add up to the bytes its agents (kv and draft) counted; the decode received them all.
+    sent = 0
+    for o in outs:
+        if o["role"] == "prefill":
+            got = [rec["transfer_metric"] for rec in o["requests"].values() if rec]
+            assert len(got) == 2 and all(lat is not None and lat > 0 for lat, _ in got), got
+            assert sum(b for _, b in got) == o["moved_bytes"] > 0, (got, o["moved_bytes"])
+            sent += o["moved_bytes"]
+    assert sent == sum(o["moved_bytes"] for o in outs if o["role"] == "decode"), outs
 
 
 def test_sglang_p4_d2_two_kv_heads(models, boot):
