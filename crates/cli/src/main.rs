@@ -9,6 +9,8 @@ mod bootstrap;
 mod demo;
 mod metrics_http;
 mod model;
+#[cfg(feature = "otel")]
+mod otel;
 mod plan;
 mod svg;
 mod worker;
@@ -45,16 +47,50 @@ enum Command {
 
 /// Log filter: `KVXFER_LOG`, else `RUST_LOG`, else `warn` (the library's warnings: refused
 /// handshakes, forged notifications, lost peers, failed reconnects). Logs go to stderr, so the
-/// JSON and text reports on stdout stay clean.
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
+/// JSON and text reports on stdout stay clean. With the `otel` feature and
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` set, request traces are also exported (see `otel.rs`); the
+/// returned guard flushes them at exit.
+fn init_logging(command: &str) -> Option<Box<dyn std::any::Any>> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{EnvFilter, Layer as _};
     let filter = std::env::var("KVXFER_LOG")
         .or_else(|_| std::env::var("RUST_LOG"))
         .ok()
         .and_then(|f| EnvFilter::try_new(f).ok())
         .unwrap_or_else(|| EnvFilter::new("warn"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).with_filter(filter);
+    #[cfg(feature = "otel")]
+    {
+        let (spans, guard) = match otel::from_env(command) {
+            Ok(Some((l, g))) => (Some(l), Some(g)),
+            Ok(None) => (None, None),
+            Err(e) => {
+                eprintln!("kvxfer: {e}; request traces are not exported");
+                (None, None)
+            }
+        };
+        let only_requests = tracing_subscriber::filter::Targets::new()
+            .with_target("kvxfer::request", tracing_subscriber::filter::LevelFilter::DEBUG);
+        let _ = tracing_subscriber::registry().with(fmt).with(spans.with_filter(only_requests)).try_init();
+        guard.map(|g| Box::new(g) as Box<dyn std::any::Any>)
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = command;
+        if ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+        {
+            eprintln!(
+                "kvxfer: OTEL_EXPORTER_OTLP_ENDPOINT is set, but this kvxfer was built without the `otel` feature: no \
+                 request traces are exported (cargo build --release -p kvxfer-cli --features otel)"
+            );
+        }
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
+        None
+    }
 }
 
 fn main() -> ExitCode {
@@ -66,8 +102,20 @@ fn main() -> ExitCode {
     if std::env::var_os("FI_AV_REMOVE_CLEANUP").is_none() {
         std::env::set_var("FI_AV_REMOVE_CLEANUP", "1");
     }
-    init_logging();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let command = match &cli.command {
+        Command::Plan(_) => "plan",
+        Command::Demo(_) => "demo",
+        Command::Worker(_) => "worker",
+        Command::Bootstrap(_) => "bootstrap",
+        Command::Bench(_) => "bench",
+        Command::BenchPeer(_) => "bench-peer",
+        #[cfg(feature = "fabric")]
+        Command::FabricBaselineTarget(_) => "fabric-baseline-target",
+    };
+    // Dropped after the command returned: flushes exported traces (bounded).
+    let _traces = init_logging(command);
+    match cli.command {
         Command::Plan(args) => plan::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Worker(args) => worker::run(&args),

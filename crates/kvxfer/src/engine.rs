@@ -2198,6 +2198,14 @@ impl Inner {
             self.settle(room);
             return;
         }
+        if !mine {
+            // Nothing of it was posted here: this rank's part of the request ends with the fence.
+            tracing::debug!(
+                target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
+                rank = %self.cfg.rank, role = "prefill", dst = %d, fenced = true,
+                "final: failed: aborted by decode rank {d} before this rank wrote anything; fenced at once"
+            );
+        }
         let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
             .with_generation(n.generation);
         let this = Arc::clone(self);
