@@ -15,8 +15,13 @@
 //! {"op":"delete","key":"req/7"}                       -> {"ok":true,"deleted":true|false}
 //! {"op":"stats"}                                      -> {"ok":true,"stats":<ServerStats>}
 //! {"op":"store","call":<StoreCall>}                   -> {"ok":true,"result":{"Ok":<JSON>}|{"Err":<MemError>}}
-//! any failure                                         -> {"ok":false,"error":"<what and what to do>"[,"kind":"auth"|"busy"|"limit"]}
+//! any failure                                         -> {"ok":false,"error":"<what and what to do>"[,"kind":"auth"|"busy"|"limit"|"version"]}
 //! ```
+//!
+//! Every request also carries `"v"`, the kvxfer protocol of the client ([`kvxfer_core::protocol`]; a
+//! request without it is of protocol 2, the previous release, whose client wrote none), and every
+//! answer `"v"`, the newest protocol of the service. A request of a version the service does not
+//! speak is refused by name (`kind` `version`).
 //!
 //! `store` carries the [`crate::metadata::MetadataStore`] interface (leases, put, create, get, list,
 //! delete, watch with a revision) to an in-memory store ([`crate::metadata::memory`]) kept apart from
@@ -588,8 +593,14 @@ impl Response {
         Response { ok: false, error: Some(error), kind: kind.map(str::to_owned), ..Default::default() }
     }
 
+    /// The answer's line: with `v`, the newest kvxfer protocol this service speaks.
     fn line(&self) -> Vec<u8> {
-        let mut out = serde_json::to_vec(self).unwrap_or_else(|_| b"{\"ok\":false}".to_vec());
+        let mut out = serde_json::to_value(self)
+            .and_then(|mut v| {
+                v["v"] = Value::from(kvxfer_core::protocol::PROTOCOL);
+                serde_json::to_vec(&v)
+            })
+            .unwrap_or_else(|_| b"{\"ok\":false}".to_vec());
         out.push(b'\n');
         out
     }
@@ -1217,7 +1228,8 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(svc: &Service, stream: S)
         }
         Err(e) => {
             bump(&svc.counters.malformed);
-            Response::error(None, format!("malformed request: {e}"))
+            let kind = matches!(e, RequestError::Version { .. }).then_some("version");
+            Response::error(kind, e.to_string())
         }
     };
     let out = resp.line();
@@ -1229,10 +1241,60 @@ async fn serve_conn<S: AsyncRead + AsyncWrite + Unpin>(svc: &Service, stream: S)
     .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the client does not read its answer"))?
 }
 
+/// A request line's body as the service reads it: the kvxfer protocol the client speaks (`v`;
+/// absent from a protocol-2 client) beside the request.
+#[derive(Deserialize)]
+struct Incoming {
+    #[serde(default = "unversioned")]
+    v: u16,
+    #[serde(flatten)]
+    req: Request,
+}
+
+/// A request as a client writes it: `v` (this build's protocol) beside the request.
+#[derive(Serialize)]
+struct Outgoing<'a> {
+    v: u16,
+    #[serde(flatten)]
+    req: &'a Request,
+}
+
+fn unversioned() -> u16 {
+    kvxfer_core::protocol::UNVERSIONED
+}
+
+/// A request line the service cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RequestError {
+    /// Not a request of any version.
+    #[error("malformed request: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// A request of a protocol version this service does not speak.
+    #[error(
+        "a bootstrap request of kvxfer protocol {found}; this service speaks {}: upgrade whichever side is \
+         older (a rolling upgrade goes one protocol version at a time)",
+        ProtocolRange::THIS_BUILD
+    )]
+    Version {
+        /// The client's version.
+        found: u16,
+    },
+}
+
 /// Decodes a request line's body (after its proof was checked, when the service has a secret) as the
-/// service does. Pure; the `bootstrap_request` fuzz target (`crate::fuzzing`) drives it.
-pub(crate) fn parse_request(body: &str) -> Result<Request, serde_json::Error> {
-    serde_json::from_str(body)
+/// service does: a version this build does not speak is refused by name. Pure; the
+/// `bootstrap_request` fuzz target (`crate::fuzzing`) drives it.
+pub(crate) fn parse_request(body: &str) -> Result<Request, RequestError> {
+    let Incoming { v, req } = serde_json::from_str(body)?;
+    if !ProtocolRange::THIS_BUILD.contains(v) {
+        return Err(RequestError::Version { found: v });
+    }
+    Ok(req)
+}
+
+/// A request's body as this build's client writes it.
+pub(crate) fn request_body(req: &Request) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(&Outgoing { v: kvxfer_core::protocol::PROTOCOL, req })
 }
 
 /// Reads one line (up to and including `\n`, or up to the end of the stream) into `line` and returns
@@ -1344,7 +1406,7 @@ impl BootstrapClient {
         let io = |detail: String| BootstrapError::Io { addr: self.addr.clone(), detail };
         let (r, mut w) = tokio::io::split(stream);
         let mut r = BufReader::new(r);
-        let body = serde_json::to_vec(req).map_err(|e| io(e.to_string()))?;
+        let body = request_body(req).map_err(|e| io(e.to_string()))?;
         let mut line = match &self.secret {
             None => body,
             Some(secret) => {
@@ -1680,6 +1742,37 @@ mod tests {
         assert_eq!(server.stats().ranks, 1);
     }
 
+    /// Issue 30, versions: requests carry the client's kvxfer protocol; a protocol-2 client's line
+    /// (none; the fixture is the register line kvxfer 4022094's client wrote, its fuzz seed) is
+    /// served, a version this service does not speak is refused by name, answers carry `v`.
+    #[tokio::test]
+    async fn requests_carry_their_protocol_and_two_versions_back_are_refused() {
+        let server = server_with(Limits::default(), None).await;
+        let addr = server.addr();
+        let ask = |line: String| async move {
+            let mut r = BufReader::new(TcpStream::connect(addr).await.unwrap());
+            r.get_mut().write_all(line.as_bytes()).await.unwrap();
+            serde_json::from_str::<Value>(&raw_line(&mut r).await).unwrap()
+        };
+        let old = include_str!("../tests/fixtures/protocol2-bootstrap-register.jsonl");
+        let parsed: Value = serde_json::from_str(old).unwrap();
+        assert!(parsed.get("v").is_none(), "a protocol-2 line names no version");
+        let a = ask(old.to_owned()).await;
+        assert_eq!((a["ok"].as_bool(), a["epoch"].as_u64()), (Some(true), Some(1)), "{a}");
+        assert_eq!(a["v"], kvxfer_core::protocol::PROTOCOL, "{a}");
+        for v in [1, 4] {
+            let a = ask(format!("{{\"v\":{v},\"op\":\"stats\"}}\n")).await;
+            assert_eq!((a["ok"].as_bool(), a["kind"].as_str()), (Some(false), Some("version")), "{a}");
+            let e = a["error"].as_str().unwrap();
+            assert!(e.contains(&format!("kvxfer protocol {v}; this service speaks 2..=3")), "{e}");
+        }
+        // This build's client writes its version, and is served.
+        let body = String::from_utf8(request_body(&Request::Stats).unwrap()).unwrap();
+        assert!(body.contains("\"v\":3"), "{body}");
+        let c = BootstrapClient::new(server.addr().to_string());
+        assert_eq!(c.stats().await.unwrap().ranks, 1);
+    }
+
     #[tokio::test]
     async fn connections_beyond_the_limit_get_one_error_line_and_the_service_goes_on() {
         let server = server_with(Limits { max_connections: 3, ..Limits::default() }, None).await;
@@ -1849,22 +1942,25 @@ mod tests {
         let server = server_with(Limits::default(), Some(secret.clone())).await;
         let addr = server.addr().to_string();
         let good = BootstrapClient::new(addr.clone()).with_secret(secret.clone());
-        good.put("k", Value::from("v")).await.unwrap();
-        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("v"));
+        good.put("k", Value::from("stored-value")).await.unwrap();
+        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("stored-value"));
         // No secret, a wrong one: refused, no value.
         let e = BootstrapClient::new(addr.clone()).get("k", Duration::from_secs(1)).await.unwrap_err();
         assert!(matches!(&e, BootstrapError::Auth { detail, .. } if detail.contains("authentication required")), "{e}");
         let wrong = BootstrapClient::new(addr.clone()).with_secret(Secret::new(b"wrong".to_vec()).unwrap());
         let e = wrong.get("k", Duration::from_secs(1)).await.unwrap_err();
         assert!(matches!(&e, BootstrapError::Auth { detail, .. } if detail.contains("authentication failed")), "{e}");
-        assert!(!e.to_string().contains("\"v\""), "{e}");
+        assert!(!e.to_string().contains("stored-value"), "{e}");
         // A raw client: a challenge, then a refusal, then the end.
         let mut r = BufReader::new(TcpStream::connect(&addr).await.unwrap());
         let ch = raw_line(&mut r).await;
         let nonce = auth::parse_challenge(&ch).unwrap_or_else(|| panic!("no challenge: {ch}"));
         r.get_mut().write_all(b"{\"op\":\"get\",\"key\":\"k\",\"timeout_ms\":0}\n").await.unwrap();
         let l = raw_line(&mut r).await;
-        assert!(l.contains("\"ok\":false") && l.contains("authentication required") && !l.contains("\"v\""), "{l}");
+        assert!(
+            l.contains("\"ok\":false") && l.contains("authentication required") && !l.contains("stored-value"),
+            "{l}"
+        );
         // A line proven for one connection, replayed on another: refused.
         let line = auth::sign(&secret, &nonce, br#"{"op":"put","key":"k","value":"evil"}"#);
         let mut r = BufReader::new(TcpStream::connect(&addr).await.unwrap());
@@ -1872,7 +1968,7 @@ mod tests {
         r.get_mut().write_all(&[line.as_slice(), b"\n"].concat()).await.unwrap();
         let l = raw_line(&mut r).await;
         assert!(l.contains("authentication failed"), "{l}");
-        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("v"));
+        assert_eq!(good.get("k", Duration::from_secs(1)).await.unwrap(), Value::from("stored-value"));
         assert_eq!(good.stats().await.unwrap().auth_failures, 4);
         // A client with a secret against a service without one: a clear error after its timeout.
         let open = BootstrapServer::start("127.0.0.1:0").await.unwrap();

@@ -186,7 +186,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
     ];
     let mut out = Vec::new();
     for (name, req) in reqs {
-        let mut line = serde_json::to_vec(&req).expect("serializes");
+        let mut line = crate::bootstrap::request_body(&req).expect("serializes");
         let mut signed = auth::sign(&secret(), &NONCE, &line);
         line.push(b'\n');
         signed.push(b'\n');
