@@ -231,6 +231,22 @@ class RankSpec:
     window: int = 4
 
 
+def moved_bytes(agent, nonzero: bool = True, timeout_s: float = 10.0) -> int:
+    """The agent's ``kvxfer_transfer_bytes_total`` once it stopped changing (and, with ``nonzero``, is not 0:
+    the progress task records a decode's bytes as it sees the request final, maybe just after a poll did)."""
+    def read() -> int:
+        line = next(x for x in agent.metrics().splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    deadline, last = time.monotonic() + timeout_s, -1
+    while True:
+        now = read()
+        if now == last and (now > 0 or not nonzero) or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.05)
+
+
 def _poll_until(obj, want: set[int], deadline: float, sleep: float = 0.0005) -> int:
     while True:
         v = obj.poll()

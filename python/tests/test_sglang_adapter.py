@@ -18,7 +18,7 @@ import pytest
 import kvxfer
 from kvxfer import KVPoll
 from kvxfer import sglang as adapter
-from kvxfer._testing import Shape, aux_row, make_aux, make_pool, verify_decode
+from kvxfer._testing import Shape, aux_row, make_aux, make_pool, moved_bytes, verify_decode
 
 PAGES = 48
 
@@ -53,22 +53,6 @@ def kv_args(shape: Shape, role: str, rank: int, pool, aux):
 def server_args(tp: int, port: int):
     return SimpleNamespace(tp_size=tp, dp_size=1, pp_size=1, enable_dp_attention=False, device="cpu",
                            host="127.0.0.1", disaggregation_bootstrap_port=port, dist_init_addr=None)
-
-
-def moved_bytes(agent, nonzero: bool = True, timeout_s: float = 10.0) -> int:
-    """The agent's ``kvxfer_transfer_bytes_total`` once it stopped changing (and, with ``nonzero``, is not 0:
-    the progress task records a decode's bytes as it sees the request final, maybe just after a poll did)."""
-    def read() -> int:
-        line = next(x for x in agent.metrics().splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
-        return int(float(line.rsplit(" ", 1)[1]))
-
-    deadline, last = time.monotonic() + timeout_s, -1
-    while True:
-        now = read()
-        if now == last and (now > 0 or not nonzero) or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(0.05)
 
 
 def _until(f, what, timeout=20.0):

@@ -17,7 +17,7 @@ import pytest
 
 import kvxfer
 from kvxfer import vllm as adapter
-from kvxfer._testing import Shape, make_pool, verify_decode
+from kvxfer._testing import Shape, make_pool, moved_bytes, verify_decode
 
 BLOCKS = 32
 ROLE = adapter.KVConnectorRole
@@ -60,22 +60,6 @@ def step(worker, meta, layers: int, finished=frozenset()):
     out = worker.get_transfer_results(set(finished))
     worker.clear_connector_metadata()
     return out
-
-
-def moved_bytes(agent, nonzero: bool = True, timeout_s: float = 10.0) -> int:
-    """The agent's ``kvxfer_transfer_bytes_total`` once it stopped changing (and, with ``nonzero``, is not 0:
-    the progress task records a decode's bytes as it sees the request final, maybe just after a poll did)."""
-    def read() -> int:
-        line = next(x for x in agent.metrics().splitlines() if x.startswith("kvxfer_transfer_bytes_total"))
-        return int(float(line.rsplit(" ", 1)[1]))
-
-    deadline, last = time.monotonic() + timeout_s, -1
-    while True:
-        now = read()
-        if now == last and (now > 0 or not nonzero) or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(0.05)
 
 
 def test_transfer_stats_follow_vllm_033_kvconnectorstats_semantics():
