@@ -4,7 +4,7 @@
 # network namespaces of the link cases. Every step is bounded; the script stops at the first failure.
 #
 #   bash scripts/extended-checks.sh            # everything (about 70-80 minutes on 2 cores)
-#   bash scripts/extended-checks.sh fuzz       # one part: fuzz | presumed-dead | etcd-stopped | rolling-upgrade
+#   bash scripts/extended-checks.sh fuzz       # one part: fuzz | presumed-dead | etcd-stopped | rolling-upgrade | otel
 #
 # Runs: KVXFER_EXT_RUNS (default 10) for the presumed-dead parts.
 set -euo pipefail
@@ -43,6 +43,11 @@ fi
 if [ -z "$part" ] || [ "$part" = rolling-upgrade ]; then
   step "rolling upgrade: the previous release's own binary against this one, both ways (builds it: about 8 minutes)"
   bounded 4000 bash scripts/rolling-upgrade.sh
+fi
+
+if [ -z "$part" ] || [ "$part" = otel ]; then
+  step "request traces over OTLP (the otel feature): a demo with aborts against a collector stand-in"
+  bounded 1800 cargo test -p kvxfer-cli --features otel --test otel
 fi
 
 step "done"
