@@ -12,6 +12,7 @@ mod model;
 #[cfg(feature = "otel")]
 mod otel;
 mod plan;
+mod scale;
 mod svg;
 mod worker;
 
@@ -36,6 +37,9 @@ enum Command {
     Bootstrap(bootstrap::BootstrapArgs),
     /// Bandwidth of a backend between two processes, next to memcpy and a plain socket.
     Bench(Box<bench::BenchArgs>),
+    /// The control plane at scale: many simulated ranks join one metadata store at once; reports the
+    /// time until every rank sees the full membership, and memory per rank.
+    Scale(scale::ScaleArgs),
     /// The receiving process of `bench` (started by it).
     #[command(hide = true)]
     BenchPeer(bench::PeerArgs),
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         Command::Worker(_) => "worker",
         Command::Bootstrap(_) => "bootstrap",
         Command::Bench(_) => "bench",
+        Command::Scale(_) => "scale",
         Command::BenchPeer(_) => "bench-peer",
         #[cfg(feature = "fabric")]
         Command::FabricBaselineTarget(_) => "fabric-baseline-target",
@@ -121,6 +126,7 @@ fn main() -> ExitCode {
         Command::Worker(args) => worker::run(&args),
         Command::Bootstrap(args) => bootstrap::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Scale(args) => scale::run(&args),
         Command::BenchPeer(args) => bench::peer(&args),
         #[cfg(feature = "fabric")]
         Command::FabricBaselineTarget(args) => bench::fabric_target(&args),

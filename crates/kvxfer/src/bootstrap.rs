@@ -885,10 +885,17 @@ impl Service {
                     StoreCall::Watch { timeout_ms, .. } if *timeout_ms > 0 => Some(self.wait_slot()?),
                     _ => None,
                 };
-                let r = self.store.call(call).await;
-                match serde_json::to_value(r) {
-                    Ok(v) => Ok(Response { result: Some(v), ..ok() }),
-                    Err(e) => Err(err(format!("cannot encode the store's answer: {e}"))),
+                // `{"Ok": answer}` (as serde writes a Result) around the answer itself, not a copy
+                // of it: a list or watch answer holds every rank's record.
+                match self.store.call(call).await {
+                    Ok(v) => Ok(Response {
+                        result: Some(Value::Object([("Ok".to_owned(), v)].into_iter().collect())),
+                        ..ok()
+                    }),
+                    Err(e) => match serde_json::to_value(Err::<Value, _>(e)) {
+                        Ok(v) => Ok(Response { result: Some(v), ..ok() }),
+                        Err(e) => Err(err(format!("cannot encode the store's answer: {e}"))),
+                    },
                 }
             }
             Request::Get { key, timeout_ms } => {

@@ -133,7 +133,8 @@ impl BootstrapStore {
     }
 
     fn field<T: DeserializeOwned>(&self, v: &Value, f: &str) -> Result<T, StoreError> {
-        serde_json::from_value(v.get(f).cloned().unwrap_or(Value::Null)).map_err(|e| StoreError::Unavailable {
+        // In place: a list answer holds every rank's record.
+        T::deserialize(v.get(f).unwrap_or(&Value::Null)).map_err(|e| StoreError::Unavailable {
             store: self.name.clone(),
             op: "call".into(),
             detail: format!("malformed answer: field {f}: {e}"),

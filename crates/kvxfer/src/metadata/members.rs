@@ -52,7 +52,8 @@ impl Member {
     }
 
     fn from_entry(store: &str, e: &Entry) -> Result<Self, StoreError> {
-        let rec: RankRecord = serde_json::from_value(e.value.clone()).map_err(|err| StoreError::Malformed {
+        // Read from the value in place: a record is kilobytes, and every rank reads every record.
+        let rec = RankRecord::deserialize(&e.value).map_err(|err| StoreError::Malformed {
             store: store.to_owned(),
             key: e.key.clone(),
             detail: err.to_string(),
@@ -152,27 +153,58 @@ async fn live(store: &dyn MetadataStore, role: Option<Side>) -> Result<(Vec<Memb
     Ok((v, rev))
 }
 
-/// Lists the live ranks of `role` until `enough` says they are enough (`Ok`) or `timeout` passes
-/// (`Err` with the last list; a store error is returned as such).
+/// Lists the live ranks of `role`, then follows the store's changes under the role's prefix, until
+/// `enough` says they are enough (`Ok`) or `timeout` passes (`Err` with the ranks live then; a store
+/// error is returned as such). One list, then one watch applied event by event: each change costs
+/// its own record, not a list of every rank (with `N` ranks joining at once, re-listing on every
+/// change cost each waiting rank `N` lists of up to `N` records). A watch that fell behind the
+/// store's history lists again.
 async fn wait_live(
     store: &dyn MetadataStore,
     role: Side,
     timeout: Duration,
-    enough: impl Fn(&[Member]) -> bool,
+    enough: impl Fn(&[&Member]) -> bool,
 ) -> Result<Result<Vec<Member>, Vec<Member>>, MetadataError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let (found, rev) = live(store, Some(role)).await?;
-        let now = tokio::time::Instant::now();
-        if enough(&found) {
-            return Ok(Ok(found));
+    let prefix = role_prefix(role);
+    let owned = |m: &BTreeMap<String, Member>| m.values().filter(|m| !m.left).cloned().collect::<Vec<_>>();
+    'list: loop {
+        let (es, mut rev) = store.list(&prefix).await?;
+        let mut known = BTreeMap::new();
+        for e in &es {
+            known.insert(e.key.clone(), Member::from_entry(store.name(), e)?);
         }
-        if now >= deadline {
-            return Ok(Err(found));
+        let mut w = store.watch(&prefix, rev).await?;
+        loop {
+            let found: Vec<&Member> = known.values().filter(|m| !m.left).collect();
+            if enough(&found) {
+                return Ok(Ok(owned(&known)));
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(Err(owned(&known)));
+            }
+            let evs = match w.next(deadline - now).await {
+                Ok(evs) => evs,
+                Err(StoreError::Compacted { .. }) => continue 'list,
+                Err(e) => return Err(e.into()),
+            };
+            for ev in evs {
+                if ev.revision <= rev {
+                    continue;
+                }
+                rev = ev.revision;
+                match (ev.kind, ev.entry) {
+                    (EventKind::Put, Some(e)) => {
+                        known.insert(ev.key, Member::from_entry(store.name(), &e)?);
+                    }
+                    (EventKind::Put, None) => {}
+                    (EventKind::Delete, _) => {
+                        known.remove(&ev.key);
+                    }
+                }
+            }
         }
-        let mut w = store.watch(&role_prefix(role), rev).await?;
-        // Any change under the role's prefix: list again.
-        let _ = w.next(deadline - now).await?;
     }
 }
 
@@ -203,7 +235,7 @@ pub async fn peers_among(
     need: &[RankId],
     timeout: Duration,
 ) -> Result<Vec<Member>, MetadataError> {
-    let missing = |found: &[Member]| -> Vec<RankId> {
+    let missing = |found: &[&Member]| -> Vec<RankId> {
         need.iter().filter(|r| !found.iter().any(|m| m.registration.rank == **r)).copied().collect()
     };
     wait_live(store, role, timeout, |found| missing(found).is_empty() && !found.is_empty()).await?.map_err(|found| {
@@ -213,7 +245,7 @@ pub async fn peers_among(
             missing: if need.is_empty() {
                 vec!["any".into()]
             } else {
-                missing(&found).iter().map(ToString::to_string).collect()
+                missing(&found.iter().collect::<Vec<_>>()).iter().map(ToString::to_string).collect()
             },
             have: found.iter().map(|m| m.registration.rank.to_string()).collect(),
             after: timeout,

@@ -41,6 +41,11 @@ pub const MAX_WATCH_WAIT: Duration = Duration::from_secs(30);
 /// How often waiting watches look for expired leases.
 const EXPIRY_TICK: Duration = Duration::from_millis(50);
 
+/// A watch that finds changes waits this long once more before answering, so that a burst of
+/// changes (hundreds of ranks joining at once) is answered in a few answers, not one per change for
+/// every watcher: with `N` watchers and `N` joins that is `N` squared round trips otherwise.
+pub const WATCH_COALESCE: Duration = Duration::from_millis(10);
+
 /// A store call, as the bootstrap service receives it (keys are full, prefix included).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -159,6 +164,9 @@ pub struct MemState {
     log_bytes: usize,
     compacted: u64,
     leases: HashMap<LeaseId, LeaseState>,
+    /// No lease expires before this (a lower bound: keep-alives only move expiries later), so
+    /// [`MemState::expire`] looks at the leases only once it has passed, not on every call.
+    next_expiry: Option<Instant>,
     next_lease: u64,
 }
 
@@ -179,6 +187,7 @@ impl MemState {
             log_bytes: 0,
             compacted: 0,
             leases: HashMap::new(),
+            next_expiry: None,
             next_lease: 0x6b76_0000,
         }
     }
@@ -230,10 +239,14 @@ impl MemState {
 
     /// Deletes the keys of every lease that expired by `now`; returns how many leases expired.
     pub fn expire(&mut self, now: Instant) -> usize {
+        if self.next_expiry.map_or(true, |t| now < t) {
+            return 0;
+        }
         let gone: Vec<LeaseId> = self.leases.iter().filter(|(_, l)| l.expires <= now).map(|(id, _)| *id).collect();
         for id in &gone {
             self.drop_lease(*id);
         }
+        self.next_expiry = self.leases.values().map(|l| l.expires).min();
         gone.len()
     }
 
@@ -282,11 +295,16 @@ impl MemState {
 
     /// Events under `prefix` with a revision above `after`.
     pub fn events_after(&self, prefix: &str, after: u64) -> Result<Vec<StoreEvent>, MemError> {
+        Ok(self.events_ref(prefix, after)?.into_iter().cloned().collect())
+    }
+
+    /// [`Self::events_after`] without copying them (a watch answer is built from them once).
+    fn events_ref(&self, prefix: &str, after: u64) -> Result<Vec<&StoreEvent>, MemError> {
         if after < self.compacted {
             return Err(MemError::Compacted { compacted: self.compacted });
         }
         let start = self.log.partition_point(|e| e.revision <= after);
-        Ok(self.log.iter().skip(start).filter(|e| e.key.starts_with(prefix)).cloned().collect())
+        Ok(self.log.iter().skip(start).filter(|e| e.key.starts_with(prefix)).collect())
     }
 
     /// Applies one call that does not wait (`Watch` answers with what is there now).
@@ -298,6 +316,7 @@ impl MemState {
                 let id = LeaseId(self.next_lease);
                 let ttl = Duration::from_millis(ttl_ms.max(1));
                 self.leases.insert(id, LeaseState { ttl, expires: now + ttl, keys: BTreeSet::new() });
+                self.next_expiry = Some(self.next_expiry.map_or(now + ttl, |t| t.min(now + ttl)));
                 json!({"lease": id, "ttl_ms": ttl.as_millis() as u64})
             }
             StoreCall::KeepAlive { lease } => {
@@ -329,7 +348,7 @@ impl MemState {
             }
             StoreCall::Delete { key } => json!({"deleted": self.remove(&key), "revision": self.rev}),
             StoreCall::Watch { prefix, after, .. } => {
-                json!({"events": self.events_after(&prefix, after)?, "revision": self.rev})
+                json!({"events": self.events_ref(&prefix, after)?, "revision": self.rev})
             }
         })
     }
@@ -368,28 +387,54 @@ impl MemShared {
     pub async fn call(&self, call: StoreCall) -> Result<Value, MemError> {
         if let StoreCall::Watch { prefix, after, timeout_ms } = &call {
             let deadline = Instant::now() + Duration::from_millis(*timeout_ms).min(MAX_WATCH_WAIT);
+            let mut coalesced = false;
             loop {
                 let notified = self.changed.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
+                // None: nothing yet; Some(None): changes, wait WATCH_COALESCE once for more;
+                // Some(Some(answer)): the answer, built from the history in place.
                 let (expired, answer) = {
                     let mut st = self.lock();
                     let expired = st.expire(Instant::now());
-                    let evs = st.events_after(prefix, *after)?;
-                    (expired, (!evs.is_empty() || Instant::now() >= deadline).then(|| (evs, st.revision())))
+                    let evs = st.events_ref(prefix, *after)?;
+                    let now = Instant::now();
+                    let answer = if evs.is_empty() && now < deadline {
+                        None
+                    } else if !evs.is_empty() && !coalesced && now + WATCH_COALESCE < deadline {
+                        Some(None)
+                    } else {
+                        Some(Some(json!({"events": evs, "revision": st.revision()})))
+                    };
+                    (expired, answer)
                 };
                 if expired > 0 {
                     self.changed.notify_waiters();
                 }
-                if let Some((evs, rev)) = answer {
-                    return Ok(json!({"events": evs, "revision": rev}));
+                match answer {
+                    Some(Some(v)) => return Ok(v),
+                    Some(None) => {
+                        coalesced = true;
+                        tokio::time::sleep(WATCH_COALESCE).await;
+                        continue;
+                    }
+                    None => {}
                 }
                 let tick = (deadline - Instant::now().min(deadline)).min(EXPIRY_TICK);
                 let _ = tokio::time::timeout(tick, notified).await;
             }
         }
-        let r = self.lock().apply(call, Instant::now());
-        self.changed.notify_waiters();
+        // Waiting watches are woken only by a change (a new revision); lease expiry they check
+        // themselves every EXPIRY_TICK.
+        let (r, changed) = {
+            let mut st = self.lock();
+            let before = st.revision();
+            let r = st.apply(call, Instant::now());
+            (r, st.revision() != before)
+        };
+        if changed {
+            self.changed.notify_waiters();
+        }
         r
     }
 }
