@@ -291,6 +291,8 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
 
     let n = regs.len();
     let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+    // One start time for every rank and the whole run, set before the barrier releases anyone.
+    let common_t0 = Arc::new(std::sync::OnceLock::<Instant>::new());
     let done = Arc::new(tokio::sync::Barrier::new(n + 1));
     let (report_tx, mut report_rx) = tokio::sync::mpsc::channel::<Result<Times, String>>(n);
     let ttl = Duration::from_secs_f64(args.lease_ttl_s);
@@ -298,9 +300,10 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
     let mut tasks = Vec::with_capacity(n);
     for (me, store) in regs.into_iter().zip(stores) {
         let (start, done, tx, topo) = (Arc::clone(&start), Arc::clone(&done), report_tx.clone(), topo);
+        let t0_cell = Arc::clone(&common_t0);
         tasks.push(tokio::spawn(async move {
             start.wait().await;
-            let t0 = Instant::now();
+            let t0 = *t0_cell.get().expect("set before the start");
             let r = tokio::time::timeout(deadline, one_rank(store, me, &topo, ttl, deadline, t0)).await;
             let (r, membership) = match r {
                 Ok(Ok((times, m))) => (Ok(times), Some(m)),
@@ -316,8 +319,8 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
         }));
     }
     drop(report_tx);
+    let t0 = *common_t0.get_or_init(Instant::now);
     start.wait().await;
-    let t0 = Instant::now();
     let mut times = Vec::with_capacity(n);
     let mut failures = Vec::new();
     while let Some(r) = report_rx.recv().await {

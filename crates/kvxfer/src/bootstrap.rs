@@ -577,7 +577,7 @@ pub(crate) struct Response {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     value: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    result: Option<Value>,
+    result: Option<StoreAnswer>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     epoch: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -588,6 +588,42 @@ pub(crate) struct Response {
     stats: Option<ServerStats>,
 }
 
+/// A `store` request's answer: read by a client as a JSON value; written by the service from the
+/// store's JSON text as it is (a list or watch answer holds every rank's record, written once when it
+/// was stored), or from a value.
+#[derive(Debug)]
+pub(crate) enum StoreAnswer {
+    /// A value (what a client reads).
+    Value(Value),
+    /// JSON text, sent as it is.
+    Text(Box<serde_json::value::RawValue>),
+}
+
+impl StoreAnswer {
+    /// The answer as a value.
+    pub(crate) fn into_value(self) -> Value {
+        match self {
+            Self::Value(v) => v,
+            Self::Text(t) => serde_json::from_str(t.get()).unwrap_or(Value::Null),
+        }
+    }
+}
+
+impl Serialize for StoreAnswer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Value(v) => v.serialize(s),
+            Self::Text(t) => t.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StoreAnswer {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Value::deserialize(d).map(Self::Value)
+    }
+}
+
 impl Response {
     fn error(kind: Option<&str>, error: String) -> Self {
         Response { ok: false, error: Some(error), kind: kind.map(str::to_owned), ..Default::default() }
@@ -595,11 +631,15 @@ impl Response {
 
     /// The answer's line: with `v`, the newest kvxfer protocol this service speaks.
     fn line(&self) -> Vec<u8> {
-        let mut out = serde_json::to_value(self)
-            .and_then(|mut v| {
-                v["v"] = Value::from(kvxfer_core::protocol::PROTOCOL);
-                serde_json::to_vec(&v)
-            })
+        /// The answer and `v`, written in one pass (a store answer holds every rank's record: no
+        /// intermediate JSON value of it).
+        #[derive(Serialize)]
+        struct Line<'a> {
+            #[serde(flatten)]
+            answer: &'a Response,
+            v: u16,
+        }
+        let mut out = serde_json::to_vec(&Line { answer: self, v: kvxfer_core::protocol::PROTOCOL })
             .unwrap_or_else(|_| b"{\"ok\":false}".to_vec());
         out.push(b'\n');
         out
@@ -887,15 +927,14 @@ impl Service {
                 };
                 // `{"Ok": answer}` (as serde writes a Result) around the answer itself, not a copy
                 // of it: a list or watch answer holds every rank's record.
-                match self.store.call(call).await {
-                    Ok(v) => Ok(Response {
-                        result: Some(Value::Object([("Ok".to_owned(), v)].into_iter().collect())),
-                        ..ok()
-                    }),
-                    Err(e) => match serde_json::to_value(Err::<Value, _>(e)) {
-                        Ok(v) => Ok(Response { result: Some(v), ..ok() }),
-                        Err(e) => Err(err(format!("cannot encode the store's answer: {e}"))),
-                    },
+                let answer = match self.store.call_text(call).await {
+                    Ok(text) => serde_json::value::RawValue::from_string(format!("{{\"Ok\":{}}}", text.get()))
+                        .map(StoreAnswer::Text),
+                    Err(e) => serde_json::to_value(Err::<Value, _>(e)).map(StoreAnswer::Value),
+                };
+                match answer {
+                    Ok(a) => Ok(Response { result: Some(a), ..ok() }),
+                    Err(e) => Err(err(format!("cannot encode the store's answer: {e}"))),
                 }
             }
             Request::Get { key, timeout_ms } => {
@@ -1556,7 +1595,7 @@ impl BootstrapClient {
     /// One call of the metadata-store interface (the `store` request): the in-memory store's answer.
     pub(crate) async fn store_call(&self, call: StoreCall, wait: Duration) -> Result<Value, BootstrapError> {
         let op = call.describe();
-        Ok(self.call(&op, &Request::Store { call }, wait).await?.result.unwrap_or(Value::Null))
+        Ok(self.call(&op, &Request::Store { call }, wait).await?.result.map_or(Value::Null, StoreAnswer::into_value))
     }
 
     /// Stores `value` under `key` (overwrites); it stays until deleted.

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use super::{Entry, EventKind, LeaseId, StoreEvent};
@@ -158,7 +159,11 @@ struct LeaseState {
 pub struct MemState {
     rev: u64,
     kv: BTreeMap<String, Entry>,
+    /// Each entry of `kv` as JSON, written once when it is set: list answers are made of these.
+    kv_json: HashMap<String, Box<RawValue>>,
     log: VecDeque<StoreEvent>,
+    /// Each event of `log` as JSON, written once: watch answers are made of these.
+    log_json: VecDeque<Box<RawValue>>,
     /// The size of each event of `log` (key and value bytes), and their sum.
     log_sizes: VecDeque<usize>,
     log_bytes: usize,
@@ -182,7 +187,9 @@ impl MemState {
         Self {
             rev: 1,
             kv: BTreeMap::new(),
+            kv_json: HashMap::new(),
             log: VecDeque::new(),
+            log_json: VecDeque::new(),
             log_sizes: VecDeque::new(),
             log_bytes: 0,
             compacted: 0,
@@ -213,12 +220,17 @@ impl MemState {
     }
 
     fn record(&mut self, kind: EventKind, key: String, entry: Option<Entry>) {
-        let size = 2 * key.len() + entry.as_ref().map_or(0, |e| json_len(&e.value)) + 64;
-        self.log.push_back(StoreEvent { kind, key, entry, revision: self.rev });
+        let event = StoreEvent { kind, key, entry, revision: self.rev };
+        let json = raw(&event);
+        // The event as a value and as its JSON text: both count against HISTORY_BYTES.
+        let size = 2 * event.key.len() + event.entry.as_ref().map_or(0, |e| json_len(&e.value)) + 64 + json.get().len();
+        self.log_json.push_back(json);
+        self.log.push_back(event);
         self.log_sizes.push_back(size);
         self.log_bytes += size;
         while self.log.len() > HISTORY || (self.log_bytes > HISTORY_BYTES && self.log.len() > 1) {
             self.log_bytes -= self.log_sizes.pop_front().unwrap_or(0);
+            self.log_json.pop_front();
             if let Some(e) = self.log.pop_front() {
                 self.compacted = e.revision;
             }
@@ -227,6 +239,7 @@ impl MemState {
 
     fn remove(&mut self, key: &str) -> bool {
         let Some(old) = self.kv.remove(key) else { return false };
+        self.kv_json.remove(key);
         if let Some(l) = old.lease {
             if let Some(ls) = self.leases.get_mut(&l) {
                 ls.keys.remove(key);
@@ -288,6 +301,7 @@ impl MemState {
             mod_revision: rev,
             lease,
         };
+        self.kv_json.insert(key.clone(), raw(&entry));
         self.kv.insert(key.clone(), entry.clone());
         self.record(EventKind::Put, key, Some(entry));
         rev
@@ -295,16 +309,63 @@ impl MemState {
 
     /// Events under `prefix` with a revision above `after`.
     pub fn events_after(&self, prefix: &str, after: u64) -> Result<Vec<StoreEvent>, MemError> {
-        Ok(self.events_ref(prefix, after)?.into_iter().cloned().collect())
+        Ok(self.events_ref(prefix, after)?.into_iter().map(|(e, _)| e.clone()).collect())
     }
 
-    /// [`Self::events_after`] without copying them (a watch answer is built from them once).
-    fn events_ref(&self, prefix: &str, after: u64) -> Result<Vec<&StoreEvent>, MemError> {
+    /// [`Self::events_after`] without copying them, each with its JSON.
+    fn events_ref(&self, prefix: &str, after: u64) -> Result<Vec<(&StoreEvent, &RawValue)>, MemError> {
         if after < self.compacted {
             return Err(MemError::Compacted { compacted: self.compacted });
         }
         let start = self.log.partition_point(|e| e.revision <= after);
-        Ok(self.log.iter().skip(start).filter(|e| e.key.starts_with(prefix)).collect())
+        Ok(self
+            .log
+            .iter()
+            .zip(&self.log_json)
+            .skip(start)
+            .filter(|(e, _)| e.key.starts_with(prefix))
+            .map(|(e, j)| (e, &**j))
+            .collect())
+    }
+
+    /// A watch's answer, `{"events":[...],"revision":N}`, as JSON text made of the events' JSON
+    /// written when they happened.
+    fn watch_text(&self, events: &[(&StoreEvent, &RawValue)]) -> Box<RawValue> {
+        #[derive(Serialize)]
+        struct Answer<'a> {
+            events: Vec<&'a RawValue>,
+            revision: u64,
+        }
+        raw(&Answer { events: events.iter().map(|(_, j)| *j).collect(), revision: self.rev })
+    }
+
+    /// [`Self::apply`], answering as JSON text: list and watch answers are made of the JSON each
+    /// entry and event got when it was written, so the bootstrap service writes every rank's
+    /// record once, not once per reader (see docs/performance/2026-12-06-control-plane.md).
+    pub fn apply_text(&mut self, call: StoreCall, now: Instant) -> Result<Box<RawValue>, MemError> {
+        match call {
+            StoreCall::List { prefix } => {
+                self.expire(now);
+                #[derive(Serialize)]
+                struct Answer<'a> {
+                    entries: Vec<&'a RawValue>,
+                    revision: u64,
+                }
+                let entries = self
+                    .kv
+                    .range(prefix.clone()..)
+                    .take_while(|(k, _)| k.starts_with(&prefix))
+                    .filter_map(|(k, _)| self.kv_json.get(k).map(|j| &**j))
+                    .collect();
+                Ok(raw(&Answer { entries, revision: self.rev }))
+            }
+            StoreCall::Watch { prefix, after, .. } => {
+                self.expire(now);
+                let evs = self.events_ref(&prefix, after)?;
+                Ok(self.watch_text(&evs))
+            }
+            call => self.apply(call, now).map(|v| raw(&v)),
+        }
     }
 
     /// Applies one call that does not wait (`Watch` answers with what is there now).
@@ -348,7 +409,8 @@ impl MemState {
             }
             StoreCall::Delete { key } => json!({"deleted": self.remove(&key), "revision": self.rev}),
             StoreCall::Watch { prefix, after, .. } => {
-                json!({"events": self.events_ref(&prefix, after)?, "revision": self.rev})
+                let evs: Vec<&StoreEvent> = self.events_ref(&prefix, after)?.into_iter().map(|(e, _)| e).collect();
+                json!({"events": evs, "revision": self.rev})
             }
         })
     }
@@ -385,6 +447,13 @@ impl MemShared {
     /// Serves one call. A `Watch` with nothing to report waits (at most its timeout, at most
     /// [`MAX_WATCH_WAIT`]) for the first change, checking lease expiry meanwhile.
     pub async fn call(&self, call: StoreCall) -> Result<Value, MemError> {
+        let text = self.call_text(call).await?;
+        Ok(serde_json::from_str(text.get()).unwrap_or(Value::Null))
+    }
+
+    /// [`Self::call`], answering as JSON text (see [`MemState::apply_text`]): what the bootstrap
+    /// service sends.
+    pub async fn call_text(&self, call: StoreCall) -> Result<Box<RawValue>, MemError> {
         if let StoreCall::Watch { prefix, after, timeout_ms } = &call {
             let deadline = Instant::now() + Duration::from_millis(*timeout_ms).min(MAX_WATCH_WAIT);
             let mut coalesced = false;
@@ -393,7 +462,7 @@ impl MemShared {
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 // None: nothing yet; Some(None): changes, wait WATCH_COALESCE once for more;
-                // Some(Some(answer)): the answer, built from the history in place.
+                // Some(Some(answer)): the answer.
                 let (expired, answer) = {
                     let mut st = self.lock();
                     let expired = st.expire(Instant::now());
@@ -404,7 +473,7 @@ impl MemShared {
                     } else if !evs.is_empty() && !coalesced && now + WATCH_COALESCE < deadline {
                         Some(None)
                     } else {
-                        Some(Some(json!({"events": evs, "revision": st.revision()})))
+                        Some(Some(st.watch_text(&evs)))
                     };
                     (expired, answer)
                 };
@@ -429,7 +498,7 @@ impl MemShared {
         let (r, changed) = {
             let mut st = self.lock();
             let before = st.revision();
-            let r = st.apply(call, Instant::now());
+            let r = st.apply_text(call, Instant::now());
             (r, st.revision() != before)
         };
         if changed {
@@ -437,6 +506,11 @@ impl MemShared {
         }
         r
     }
+}
+
+/// `v` as JSON text (the store's own types and values always serialize).
+fn raw<T: Serialize>(v: &T) -> Box<RawValue> {
+    serde_json::value::to_raw_value(v).unwrap_or_else(|_| RawValue::from_string("null".into()).expect("null is JSON"))
 }
 
 #[cfg(test)]
