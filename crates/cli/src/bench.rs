@@ -110,6 +110,36 @@ pub struct BenchArgs {
     /// Raw workloads only (a --model run has no block size).
     #[arg(long, value_name = "FILE.svg", conflicts_with = "model")]
     pub plot: Option<PathBuf>,
+    /// What carries the bytes: `raw` (backend posts between two processes, the default) or
+    /// `engine`: requests through the engine API (`Agent`s of every rank of the `--prefill-tp` x
+    /// `--decode-tp` cluster in this process; `--model`, default llama3-8b), reported beside the
+    /// same bytes moved raw in the same run, with latency percentiles, a one-page request's fixed
+    /// overhead, first-request vs steady latency and registration time per GiB.
+    #[arg(long, value_enum, default_value = "raw", conflicts_with = "plot")]
+    pub through: Through,
+    /// With `--through engine`: also the request on a fragmented pool (source and destination
+    /// pages shuffled), beside the contiguous one.
+    #[arg(long)]
+    pub fragmented: bool,
+    /// With `--through engine`: one-page requests timed for the latency percentiles.
+    #[arg(long, default_value_t = 200)]
+    pub small_requests: u32,
+    /// With `--through engine`: host memory registered in one call for the registration figure.
+    #[arg(long, value_parser = parse_size, default_value = "1G")]
+    pub register_size: u64,
+    /// Test-only, with `--through engine`: flip one landed byte before the engine path's
+    /// verification, so it fails and the bench exits non-zero.
+    #[arg(long, hide = true)]
+    pub inject_wrong_byte: bool,
+}
+
+/// What carries the bytes in `kvxfer bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Through {
+    /// Backend posts (and the sessions, for model-shaped cases) between two processes.
+    Raw,
+    /// Requests through the engine API (`kvxfer::engine::Agent`), in one process.
+    Engine,
 }
 
 /// Arguments of the hidden `kvxfer bench-peer` (the receiving process).
@@ -471,7 +501,7 @@ impl crate::model::Workload {
     }
 }
 
-fn human(b: u64) -> String {
+pub(crate) fn human(b: u64) -> String {
     if b % (1 << 30) == 0 {
         format!("{} GiB", b >> 30)
     } else if b % (1 << 20) == 0 {
@@ -501,7 +531,7 @@ fn hash_desc(d: &MemDesc) -> Result<u64, String> {
     Ok(hash(g.as_slice()))
 }
 
-fn fill_pattern(bytes: &mut [u8], seed: u64) {
+pub(crate) fn fill_pattern(bytes: &mut [u8], seed: u64) {
     let mut g = SplitMix(seed);
     for c in bytes.chunks_mut(8) {
         let w = g.next_u64().to_le_bytes();
@@ -865,6 +895,9 @@ fn check_plot_path(path: &Path) -> Result<(), String> {
 
 /// Runs the bench.
 pub fn run(args: &BenchArgs) -> ExitCode {
+    if args.through == Through::Engine {
+        return crate::bench_engine::run(args);
+    }
     if let Some(path) = &args.plot {
         if let Err(e) = check_plot_path(path) {
             eprintln!("kvxfer bench: {e}");

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_engine;
 mod bootstrap;
 mod demo;
 mod metrics_http;

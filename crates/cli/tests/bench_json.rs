@@ -37,3 +37,72 @@ fn bench_reports_every_baseline_and_verifies() {
         assert!(c["native"].is_null(), "{c}");
     }
 }
+
+/// `--through engine`: requests through the engine API beside the same bytes moved raw, the
+/// fields issue 31's goals are read from present and numbers, and every byte verified on both
+/// paths, contiguous and fragmented.
+#[test]
+fn bench_through_engine_reports_the_engine_view() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args(["bench", "--through", "engine", "--backend", "tcp", "--model", "llama3-8b"])
+        .args(["--prefill-tp", "2", "--decode-tp", "1", "--layers", "2", "--tokens", "256", "--fragmented"])
+        .args(["--runs", "2", "--small-requests", "20", "--register-size", "16M", "--format", "json"])
+        .output()
+        .expect("running kvxfer bench --through engine");
+    assert!(out.status.success(), "kvxfer bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench prints JSON");
+    assert_eq!(v["through"], "engine");
+    assert_eq!(v["small"]["requests"], 20);
+    // One page of llama3-8b with 2 layers: 16 tokens x 2 layers x 8 heads x 128 x 2 (K, V) x 2 bytes.
+    assert_eq!(v["small"]["bytes"], 16 * 2 * 8 * 128 * 2 * 2);
+    assert_eq!(v["register"]["bytes"], 16 << 20);
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 2, "contiguous and fragmented");
+    for c in cases {
+        assert_eq!(c["verified"], true, "{c}");
+        // 256 tokens x 2 layers x 8 heads x 128 x 2 (K, V) x 2 bytes, from both prefill ranks.
+        assert_eq!(c["bytes"], 256 * 2 * 8 * 128 * 2 * 2, "{c}");
+        assert_eq!(c["pairs"], 2, "{c}");
+        for k in [
+            "ops_per_pair",
+            "fragmented_vs_contiguous",
+            "engine_vs_raw",
+            "small_request_overhead_us",
+            "register_ms_per_gib",
+            "first_vs_steady",
+        ] {
+            assert!(c[k].as_f64().is_some_and(f64::is_finite), "{k} is not a number: {c}");
+        }
+        for path in ["engine", "raw"] {
+            let g = c[path]["median_gbps"].as_f64().unwrap_or(0.0);
+            assert!(g > 0.0 && g.is_finite(), "{path}: {c}");
+            let l = &c[path]["latency"];
+            assert!(l["p50_us"].as_f64().unwrap() <= l["p99_us"].as_f64().unwrap(), "{c}");
+        }
+        assert!(c["engine"]["post"]["p50_us"].as_f64().is_some(), "{c}");
+    }
+    // Contiguous pages are one run per (layer, kind); a shuffled pool is one per page.
+    let ops = |i: usize| cases[i]["ops_per_pair"].as_u64().unwrap();
+    assert_eq!(ops(0), 2 * 2, "contiguous: 2 layers x 2 kinds");
+    assert!(ops(1) > ops(0) * 8, "fragmented {} vs contiguous {}", ops(1), ops(0));
+}
+
+/// The engine bench's verification can fail: one landed byte flipped, and the bench says so and
+/// exits non-zero.
+#[test]
+fn bench_through_engine_fails_on_a_wrong_byte() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
+        .args(["bench", "--through", "engine", "--prefill-tp", "1", "--decode-tp", "1", "--layers", "1"])
+        .args(["--tokens", "32", "--runs", "1", "--small-requests", "2", "--register-size", "1M"])
+        .args(["--inject-wrong-byte", "--format", "json"])
+        .output()
+        .expect("running kvxfer bench --through engine");
+    assert!(!out.status.success(), "a flipped byte must fail the bench");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("verification FAILED"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bench prints JSON");
+    assert_eq!(v["cases"][0]["verified"], false);
+}

@@ -1315,6 +1315,17 @@ impl Sender {
         self.inner.sender_status(self.room)
     }
 
+    /// Waits until the request leaves `Bootstrapping`, at most until `deadline`: every decode rank
+    /// it feeds handed off, so [`Self::send`] is accepted (`WaitingForInput`), or it already has an
+    /// outcome (a decode rank aborted it, a peer was lost: `Aborting`/`Failed`). Returns that
+    /// status; a `Timeout` error leaves the request as it is (abort it, or wait again).
+    ///
+    /// For an engine with a task per request: it wakes when the last handoff arrives instead of
+    /// polling [`Self::status`] on a timer (an engine loop that polls every step needs neither).
+    pub async fn wait_ready(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
+        self.inner.wait_for(self.room, Side::Prefill, deadline, |s| s.phase != Phase::Bootstrapping).await
+    }
+
     /// Waits until the request is final, at most until `deadline`.
     pub async fn wait(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
         self.inner.wait_for(self.room, Side::Prefill, deadline, |s| s.phase.is_final()).await
