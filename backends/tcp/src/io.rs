@@ -123,9 +123,11 @@ async fn spin<T>(poll: Duration, mut try_io: impl FnMut() -> io::Result<T>) -> O
 /// Why poll: on loopback and in virtual machines the wake-up of a sleeping receiver (an
 /// inter-processor interrupt, a halted vCPU) can cost more than the bytes that arrive meanwhile.
 /// It pays where a core would otherwise idle (one stream, or more cores than streams); when every
-/// core is busy it only burns CPU, so it is off by default (`poll_us`): with two streams on the
-/// 2-core development machine every polling setting was slower. A stream polls only for `poll`
-/// after its last byte.
+/// core is busy it only burns CPU and delays the other tasks of the runtime (the spin yields, but
+/// takes its turns): with two streams on the 2-core development machine every polling setting was
+/// slower, and with every rank of a cluster in one process on 2 cores (`kvxfer bench --through
+/// engine`) it doubled a one-page request's latency. So it is bounded: a stream polls only for
+/// `poll` (`poll_us`, default 200 us, 0 never polls) after its last byte.
 pub(crate) async fn read_vectored_polling(
     r: &OwnedReadHalf,
     iov: &mut [IoSliceMut<'_>],
