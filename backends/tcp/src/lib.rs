@@ -321,16 +321,13 @@ fn from_hex(s: &str) -> Option<[u8; wire::TOKEN_LEN]> {
     Some(out)
 }
 
-/// Random bytes from the OS (`/dev/urandom`).
+/// Random bytes from the OS, through the one source in core ([`kvxfer_core::secret::random_bytes`]).
 fn random_bytes<const N: usize>() -> Result<[u8; N], BackendError> {
-    use std::io::Read;
-    let mut b = [0u8; N];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).map_err(|e| BackendError::Io {
+    kvxfer_core::secret::random_bytes().map_err(|e| BackendError::Io {
         backend: NAME,
-        context: "reading /dev/urandom for the access token".into(),
+        context: "drawing random bytes (access token, instance and link ids)".into(),
         detail: e.to_string(),
-    })?;
-    Ok(b)
+    })
 }
 
 /// A background runtime for endpoints created outside any tokio runtime (e.g. to read capabilities).

@@ -136,7 +136,13 @@ fn os_bytes(v: std::ffi::OsString) -> Vec<u8> {
 
 /// A fresh challenge nonce from the operating system's random source.
 pub fn nonce() -> std::io::Result<[u8; NONCE_BYTES]> {
-    let mut n = [0u8; NONCE_BYTES];
+    random_bytes()
+}
+
+/// `N` bytes from the operating system's random source (`getrandom`): the one source of
+/// unpredictable values in kvxfer (nonces, access tokens, instance and link ids).
+pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut n = [0u8; N];
     getrandom::getrandom(&mut n).map_err(std::io::Error::other)?;
     Ok(n)
 }
