@@ -1,7 +1,8 @@
 //! `kvxfer bench --through engine`: what an engine feels. Requests go through the engine API
 //! (`Agent`, `Sender`, `Receiver`: the handoff, the planner, the window, the attached
 //! notifications and the decode tracker), every rank of a `--prefill-tp` x `--decode-tp` cluster
-//! an [`Agent`] in this process on one runtime, over the chosen backend on loopback; the same
+//! an [`Agent`] in this process on a runtime of its own (2 worker threads, as the Python bindings
+//! give each agent), over the chosen backend on loopback; the same
 //! bytes are then moved raw (the planner's ops of every pair posted at once on plain endpoints of
 //! the same backend, registered on the same memory) in the same run, so `engine_vs_raw` compares
 //! like with like.
@@ -38,6 +39,7 @@ use kvxfer_core::{
     Transfer, WriteOp,
 };
 use serde::Serialize;
+use tokio::runtime::Handle;
 
 use crate::bench::{fill_pattern, BenchArgs};
 use crate::model::{request_pages, Preset};
@@ -250,7 +252,10 @@ struct Cluster {
     next_room: u64,
 }
 
-async fn start(a: &BenchArgs, topo: Topology, pages: u32) -> Result<Cluster, String> {
+/// Starts every agent on its own runtime (`rts`: prefill ranks, then decode ranks), as each rank
+/// of a deployment runs in its own process with its own runtime (the Python bindings give each
+/// agent one of 2 worker threads): one rank's tasks never wait behind another's.
+async fn start(a: &BenchArgs, topo: Topology, pages: u32, rts: &[Handle]) -> Result<Cluster, String> {
     let server = BootstrapServer::start("127.0.0.1:0").await.map_err(|e| format!("bootstrap service: {e}"))?;
     let addr = MetadataAddr::parse(&server.addr().to_string()).map_err(|e| e.to_string())?;
     let config = |role: Side, tp: u32| {
@@ -261,19 +266,20 @@ async fn start(a: &BenchArgs, topo: Topology, pages: u32) -> Result<Cluster, Str
         c.label = format!("kvxfer bench {role} {tp}");
         c
     };
+    let on = |rt: &Handle, cfg: AgentConfig, memory: KvMemory| {
+        let started = rt.spawn(Agent::start(cfg, memory));
+        async move { started.await.map_err(|e| format!("starting an agent: {e}"))?.map_err(|e| e.to_string()) }
+    };
+    let ptp = topo.parallel(Side::Prefill).tp;
     let mut prefill = Vec::new();
-    for tp in 0..topo.parallel(Side::Prefill).tp {
-        let agent = Agent::start(config(Side::Prefill, tp), KvMemory::Host { pages, fill: 0 })
-            .await
-            .map_err(|e| e.to_string())?;
-        prefill.push(agent);
+    for tp in 0..ptp {
+        let memory = KvMemory::Host { pages, fill: 0 };
+        prefill.push(on(&rts[tp as usize], config(Side::Prefill, tp), memory).await?);
     }
     let mut decode = Vec::new();
     for tp in 0..topo.parallel(Side::Decode).tp {
-        let agent = Agent::start(config(Side::Decode, tp), KvMemory::Host { pages, fill: DECODE_FILL })
-            .await
-            .map_err(|e| e.to_string())?;
-        decode.push(agent);
+        let memory = KvMemory::Host { pages, fill: DECODE_FILL };
+        decode.push(on(&rts[(ptp + tp) as usize], config(Side::Decode, tp), memory).await?);
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     for agent in prefill.iter().chain(&decode) {
@@ -362,18 +368,21 @@ struct Raw {
     _decode: Vec<Arc<dyn KvTransferBackend>>,
 }
 
-async fn raw_endpoints(a: &BenchArgs, c: &Cluster) -> Result<Raw, String> {
+/// Each rank's raw endpoint runs on that rank's runtime (`rts`, as in [`start`]).
+async fn raw_endpoints(a: &BenchArgs, c: &Cluster, rts: &[Handle]) -> Result<Raw, String> {
     let mut regs = Vec::new();
-    let make = |agents: &[Agent], base: u64| -> Result<Vec<_>, String> {
-        (0..agents.len() as u64)
-            .map(|i| {
-                let config = BackendConfig { identity: base + i, options: options(a), secret: None };
+    let make = |rts: &[Handle], base: u64| -> Result<Vec<_>, String> {
+        rts.iter()
+            .zip(base..)
+            .map(|(rt, identity)| {
+                let _on = rt.enter();
+                let config = BackendConfig { identity, options: options(a), secret: None };
                 kvxfer::backends::create(&a.backend, &config).map_err(|e| e.to_string())
             })
             .collect()
     };
-    let prefill = make(&c.prefill, 1 << 40)?;
-    let decode = make(&c.decode, 2 << 40)?;
+    let prefill = make(&rts[..c.prefill.len()], 1 << 40)?;
+    let decode = make(&rts[c.prefill.len()..], 2 << 40)?;
     for (agents, bes) in [(&c.prefill, &prefill), (&c.decode, &decode)] {
         for (agent, be) in agents.iter().zip(bes.iter()) {
             for m in agent.host_memory() {
@@ -557,13 +566,28 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
     let topo = w.topology()?;
     let n = w.pages_per_request();
     let pool = w.pool_pages();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let build = |threads: usize, name: String| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name(name)
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start a runtime: {e}"))
+    };
+    // The driver (this bench, the bootstrap service), then one runtime per rank. Dropped after
+    // the driver's `block_on` returned (a runtime cannot be dropped inside another).
+    let rt = build(2, "kvxfer-bench".into())?;
+    let ranks: Vec<tokio::runtime::Runtime> = (0..a.prefill_tp)
+        .map(|tp| build(2, format!("kvxfer-prefill{tp}")))
+        .chain((0..a.decode_tp).map(|tp| build(2, format!("kvxfer-decode{tp}"))))
+        .collect::<Result<_, _>>()?;
+    let rts: Vec<Handle> = ranks.iter().map(|r| r.handle().clone()).collect();
     rt.block_on(async {
         let t0 = Instant::now();
-        let mut c = start(a, topo, pool).await?;
+        let mut c = start(a, topo, pool, &rts).await?;
         let start_ms = t0.elapsed().as_secs_f64() * 1e3;
         fill_sources(&c, a.seed)?;
-        let raw = raw_endpoints(a, &c).await?;
+        let raw = raw_endpoints(a, &c, &rts).await?;
 
         // The first request after every agent connected, then the small ones.
         let one: Arc<[u32]> = vec![0u32].into();
