@@ -70,8 +70,9 @@ pub struct SoakArgs {
     /// Transport (`kvxfer worker --backend`).
     #[arg(long, default_value = "tcp")]
     pub backend: String,
-    /// Lease TTL of every rank, seconds: a killed rank is named lost within about this long.
-    #[arg(long, default_value_t = 2.0, value_parser = crate::model::parse_seconds)]
+    /// Lease TTL of every rank, seconds: a killed rank is named lost within about this long (the
+    /// worker's default; shorter leases may expire on a loaded machine).
+    #[arg(long, default_value_t = 5.0, value_parser = crate::model::parse_seconds)]
     pub lease_ttl_s: f64,
     /// Request deadline of the workers, seconds.
     #[arg(long, default_value_t = 20.0, value_parser = crate::model::parse_seconds)]
@@ -79,7 +80,8 @@ pub struct SoakArgs {
     /// Largest allowed growth of RSS and of the fd count after warm-up, percent.
     #[arg(long, default_value_t = 5.0)]
     pub max_growth_pct: f64,
-    /// Keep the workers' logs here (default: a new directory under the system's temp dir).
+    /// Keep the workers' logs here, and the JSON report (`report.json`) whatever the format
+    /// (default: a new directory under the system's temp dir).
     #[arg(long)]
     pub logs: Option<PathBuf>,
     /// Output format of the summary.
@@ -374,6 +376,11 @@ pub struct SoakReport {
 pub fn run(args: &SoakArgs) -> ExitCode {
     match soak(args) {
         Ok(r) => {
+            let file = Path::new(&r.logs).join("report.json");
+            let json = serde_json::to_string_pretty(&r).expect("report serializes");
+            if let Err(e) = std::fs::write(&file, json + "\n") {
+                eprintln!("kvxfer soak: cannot write {}: {e}", file.display());
+            }
             match args.format {
                 Format::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serializes")),
                 Format::Table => print_table(&r),
