@@ -84,6 +84,9 @@ pub struct SoakArgs {
     /// (default: a new directory under the system's temp dir).
     #[arg(long)]
     pub logs: Option<PathBuf>,
+    /// One more flag for every worker (repeatable), e.g. `--worker-arg=--digest`.
+    #[arg(long, allow_hyphen_values = true)]
+    pub worker_arg: Vec<String>,
     /// Output format of the summary.
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
@@ -424,7 +427,8 @@ fn soak(a: &SoakArgs) -> Result<SoakReport, String> {
             .args(["--inflight", &a.inflight.to_string(), "--backend", &a.backend])
             .args(["--abort-rate", &a.abort_rate.to_string(), "--lease-ttl-s", &a.lease_ttl_s.to_string()])
             .args(["--request-timeout-s", &a.request_timeout_s.to_string(), "--keep-going"])
-            .args(["--duration-s", &secs(run), "--parent-pid", &std::process::id().to_string()]);
+            .args(["--duration-s", &secs(run), "--parent-pid", &std::process::id().to_string()])
+            .args(&a.worker_arg);
         c.env_remove("KVXFER_SECRET");
         c
     };
@@ -709,6 +713,9 @@ fn print_table(r: &SoakReport) {
         q.prefill_abandoned
     );
     println!();
+    if r.kills.is_empty() {
+        println!("kills: none (a kill needs --kill-every + 20 s within --duration)");
+    }
     println!(
         "{:>3} {:>8} {:>5} {:>6} {:>12} {:>10} {:>10} {:>12} {:>4}",
         "#", "at s", "rank", "epoch", "named after", "new epoch", "it sent", "decode done", "ok"

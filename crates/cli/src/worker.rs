@@ -172,6 +172,11 @@ pub struct WorkerArgs {
     /// the first failure ends the run.
     #[arg(long)]
     pub keep_going: bool,
+    /// Decode: how many released requests the completion tracker remembers to drop their late
+    /// notifications (`TrackerConfig::released_memory`, 65,536 by default). For soak runs that
+    /// check how much of the memory growth this bound explains.
+    #[arg(long, hide = true)]
+    pub released_memory: Option<usize>,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -609,6 +614,9 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     cfg.secret = secret;
     cfg.digest = args.run.digest && side == Side::Decode;
     cfg.protocol = args.protocol;
+    if let Some(n) = args.released_memory {
+        cfg.tracker.released_memory = n;
+    }
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
     let cut_off_wait = cfg.cut_off_timeout + Duration::from_secs(1);
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
