@@ -13,7 +13,8 @@
 //! - every long-lived process's RSS and fd count, from the first sample after `--warmup` to the last
 //!   one and to the largest, grew by at most `--max-growth-pct`;
 //! - no wrong byte: the decode counted every completed request verified, and its summary has no
-//!   error (a wrong byte, a byte changed after a fence or outside any request, quarantined pages);
+//!   error (a wrong byte, a byte changed after a fence or outside any request, a request whose
+//!   pages never became reusable, quarantined pages);
 //! - every kill: the decode named the killed rank and epoch lost, and the restarted rank served
 //!   requests again (it sent some, and the decode completed some after its restart);
 //! - every worker exited 0 at the end.
@@ -154,7 +155,7 @@ impl Kid {
                 let Ok(line) = line else { break };
                 let v: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
                 let kind = v["kind"].as_str().unwrap_or("");
-                if !matches!(kind, "done" | "sent" | "aborted") {
+                if !matches!(kind, "done" | "sent") {
                     let _ = writeln!(log, "{line}");
                 }
                 let mut s = lock(&s);
@@ -331,12 +332,13 @@ pub struct Requests {
     pub aborted: u64,
     /// Failed (a lost peer, a deadline) and counted (`--keep-going`).
     pub failed: u64,
-    /// Of those, pages quarantined.
+    /// Of those, requests whose pages never became reusable (the worker's `quarantined`).
     pub quarantined: u64,
     /// Requests prefill ranks gave up before their handoff (numbering moved on, end of run).
     pub prefill_abandoned: u64,
     /// Decode errors about bytes: a wrong byte, a byte changed after a fence or outside any
-    /// request (each error is one request or one buffer; must be 0).
+    /// request (each error is one request or one buffer; must be 0). Pages of a request that
+    /// never became reusable are not checked (`quarantined` counts it).
     pub wrong_byte_errors: u64,
 }
 
@@ -702,7 +704,7 @@ fn print_table(r: &SoakReport) {
     println!();
     let q = &r.requests;
     println!(
-        "requests (decode): completed {} (verified {}, {:.2} GB), aborted {}, failed {} (quarantined {}), wrong-byte errors {}; prefill abandoned {}",
+        "requests (decode): completed {} (verified {}, {:.2} GB), aborted {}, failed {} (pages never reusable {}), wrong-byte errors {}; prefill abandoned {}",
         q.completed,
         q.verified,
         q.verified_bytes as f64 / 1e9,

@@ -227,6 +227,9 @@ pub struct WorkerSummary {
     /// The union of the intervals already folded out of `intervals` (`--duration-s`).
     #[serde(skip)]
     pub folded_seconds: f64,
+    /// The length of `intervals` at which they are folded next.
+    #[serde(skip)]
+    pub fold_at: usize,
     /// Per-request completion latency in microseconds (decode: from the handoff to success).
     pub latencies_us: Vec<u64>,
     /// Bytes compared against the oracle (decode).
@@ -244,7 +247,9 @@ pub struct WorkerSummary {
     /// numbering moved on after a restart, or the run's duration ended).
     #[serde(default)]
     pub abandoned: u32,
-    /// `--keep-going`: requests whose pages stayed quarantined (never reused: their slot stopped).
+    /// `--keep-going`: requests whose pages never became reusable (still not final 10 s after the
+    /// worker aborted them at their deadline: quarantined by the engine, or a fence that never came).
+    /// Their pages are never reused (their slot stops) nor checked at the end.
     #[serde(default)]
     pub quarantined: u32,
     /// `--keep-going`: request numberings used (1 + the prefill membership changes seen).
@@ -523,6 +528,8 @@ struct Ctx {
     end: Option<Instant>,
     /// Prefill ranks of the run (`--keep-going`: a numbering needs every one's epoch).
     prefill_ranks: usize,
+    /// `--keep-going`, decode: requests (and their pages) that never became reusable.
+    held: Mutex<Vec<(u32, Vec<u32>)>>,
 }
 
 impl Ctx {
@@ -565,10 +572,12 @@ impl Ctx {
         let (a, b) = ((t0 - self.started).as_secs_f64(), self.started.elapsed().as_secs_f64());
         let mut s = lock(&self.summary);
         s.intervals.push((a, b));
-        if self.end.is_some() && s.intervals.len() >= 1024 {
+        // Folded when the list doubled since the last fold (amortized: no copy per request).
+        if self.end.is_some() && s.intervals.len() >= s.fold_at.max(1024) {
             let cutoff = b - (self.w.request_timeout() + Duration::from_secs(30)).as_secs_f64();
             let (mut old, new): (Vec<_>, Vec<_>) = s.intervals.iter().partition(|iv| iv.1 < cutoff);
             s.folded_seconds += union(&mut old);
+            s.fold_at = 2 * new.len();
             s.intervals = new;
         }
     }
@@ -644,6 +653,7 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
         keep_going: args.keep_going,
         end: args.duration_s.map(|d| Instant::now() + Duration::from_secs_f64(d)),
         prefill_ranks: (w.prefill_tp * w.prefill_pp) as usize,
+        held: Mutex::new(Vec::new()),
     });
     served.attach(&ctx);
     let result = run_slots(&ctx, &*store, side, wait).await;
@@ -709,7 +719,16 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
             progress(json!({"kind": "linger", "seconds": ctx.linger.as_secs_f64()}));
             tokio::time::sleep(ctx.linger).await;
         }
-        let all: Vec<u32> = (0..ctx.pages).collect();
+        // `--keep-going`: the pages of a request that never became reusable are not checked (its
+        // writes may still land); the request is named instead.
+        let held = lock(&ctx.held).clone();
+        let all: Vec<u32> = (0..ctx.pages).filter(|p| !held.iter().any(|(_, pages)| pages.contains(p))).collect();
+        for (r, pages) in &held {
+            lock(&ctx.summary).errors.push(format!(
+                "request {r} never became final with its pages reusable: its {} pages were left unchecked and unused",
+                pages.len()
+            ));
+        }
         let c = Arc::clone(ctx);
         let stray = tokio::task::spawn_blocking(move || sentinel_errors(&c, &all, "bytes changed outside any request"))
             .await
@@ -935,6 +954,9 @@ fn account(ctx: &Ctx, r: u32, res: Result<Outcome, String>, after_abort: bool) -
             s.requests += 1;
             s.failed += 1;
             s.quarantined += 1;
+            if s.failures.len() < FAILURES_KEPT {
+                s.failures.push(format!("request {r}: {why}"));
+            }
             progress(json!({"kind": "quarantined", "request": r, "error": why}));
             after_abort
         }
@@ -1009,7 +1031,10 @@ async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool, numbering: Option<u3
     let settled = req.settle(ctx, t0 + ctx.w.request_timeout() + Duration::from_secs(5), numbering).await;
     let st = match settled {
         Ok(st) => st,
-        Err(u) if ctx.keep_going && !u.reusable => return Ok(Outcome::Stuck(u.why)),
+        Err(u) if ctx.keep_going && !u.reusable => {
+            lock(&ctx.held).push((r, dst));
+            return Ok(Outcome::Stuck(u.why));
+        }
         Err(u) if ctx.keep_going => {
             // Fenced after a late abort: reset the pages (the next request checks them), release.
             let c = Arc::clone(ctx);
