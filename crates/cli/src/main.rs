@@ -14,6 +14,7 @@ mod model;
 mod otel;
 mod plan;
 mod scale;
+mod soak;
 mod svg;
 mod worker;
 
@@ -41,6 +42,10 @@ enum Command {
     /// The control plane at scale: many simulated ranks join one metadata store at once; reports the
     /// time until every rank sees the full membership, and memory per rank.
     Scale(scale::ScaleArgs),
+    /// Sustained load: a bootstrap, a decode and prefill workers stream requests for a long time
+    /// while a prefill rank is killed and restarted; RSS and open fds sampled (scripts/soak.sh).
+    #[command(hide = true)]
+    Soak(soak::SoakArgs),
     /// The receiving process of `bench` (started by it).
     #[command(hide = true)]
     BenchPeer(bench::PeerArgs),
@@ -115,6 +120,7 @@ fn main() -> ExitCode {
         Command::Bootstrap(_) => "bootstrap",
         Command::Bench(_) => "bench",
         Command::Scale(_) => "scale",
+        Command::Soak(_) => "soak",
         Command::BenchPeer(_) => "bench-peer",
         #[cfg(feature = "fabric")]
         Command::FabricBaselineTarget(_) => "fabric-baseline-target",
@@ -128,6 +134,7 @@ fn main() -> ExitCode {
         Command::Bootstrap(args) => bootstrap::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Scale(args) => scale::run(&args),
+        Command::Soak(args) => soak::run(&args),
         Command::BenchPeer(args) => bench::peer(&args),
         #[cfg(feature = "fabric")]
         Command::FabricBaselineTarget(args) => bench::fabric_target(&args),

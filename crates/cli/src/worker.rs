@@ -158,6 +158,25 @@ pub struct WorkerArgs {
     /// build's newest. See docs/operations.md#versions-and-rolling-upgrades.
     #[arg(long)]
     pub protocol: Option<u16>,
+    /// Long runs: stream requests for this many seconds (no new request starts after it; those in
+    /// flight finish), then end the run as usual (decode: the whole-pool check). `--requests` is then
+    /// ignored. A prefill rank restarted during a run is given the time left.
+    #[arg(long, value_parser = crate::model::parse_seconds)]
+    pub duration_s: Option<f64>,
+    /// Long runs with faults (`kvxfer soak`): a request that fails (a lost peer, a deadline) is
+    /// counted in the summary (`failed`, `failures`) and its slot goes on with the next request once
+    /// the failed one's pages are reusable; a slot whose request's pages stay quarantined stops
+    /// (counted in `quarantined`). Request numbers then follow the prefill ranks' membership epochs
+    /// (a restarted prefill rank starts a new numbering on every rank), so every rank of the run
+    /// needs the flag. A wrong byte, a stray write or a lost store still fails the run. Without it
+    /// the first failure ends the run.
+    #[arg(long)]
+    pub keep_going: bool,
+    /// Decode: how many released requests the completion tracker remembers to drop their late
+    /// notifications (`TrackerConfig::released_memory`, 65,536 by default). For soak runs that
+    /// check how much of the memory growth this bound explains.
+    #[arg(long, hide = true)]
+    pub released_memory: Option<usize>,
     /// Test-only fault: prefill rank 0/0 corrupts one source byte of request 0 after filling it,
     /// so verification must fail and the run must exit non-zero.
     #[arg(long, hide = true)]
@@ -205,13 +224,44 @@ pub struct WorkerSummary {
     /// Transfer intervals, seconds since the stream started (merged into `transfer_seconds`).
     #[serde(skip)]
     pub intervals: Vec<(f64, f64)>,
+    /// The union of the intervals already folded out of `intervals` (`--duration-s`).
+    #[serde(skip)]
+    pub folded_seconds: f64,
+    /// The length of `intervals` at which they are folded next.
+    #[serde(skip)]
+    pub fold_at: usize,
     /// Per-request completion latency in microseconds (decode: from the handoff to success).
     pub latencies_us: Vec<u64>,
     /// Bytes compared against the oracle (decode).
     pub verified_bytes: u64,
     /// Every failure, with the request.
     pub errors: Vec<String>,
+    /// `--keep-going`: requests that failed in the engine (a lost peer, a deadline) and were
+    /// counted instead of ending the run.
+    #[serde(default)]
+    pub failed: u32,
+    /// `--keep-going`: the first [`FAILURES_KEPT`] of those failures, with the request.
+    #[serde(default)]
+    pub failures: Vec<String>,
+    /// `--keep-going`, prefill: requests given up before any decode rank handed them off (the
+    /// numbering moved on after a restart, or the run's duration ended).
+    #[serde(default)]
+    pub abandoned: u32,
+    /// `--keep-going`: requests whose pages never became reusable (still not final 10 s after the
+    /// worker aborted them at their deadline: quarantined by the engine, or a fence that never came).
+    /// Their pages are never reused (their slot stops) nor checked at the end.
+    #[serde(default)]
+    pub quarantined: u32,
+    /// `--keep-going`: request numberings used (1 + the prefill membership changes seen).
+    #[serde(default)]
+    pub numberings: u32,
+    /// `--keep-going`: every rank the store reported lost, as reported.
+    #[serde(default)]
+    pub lost: Vec<String>,
 }
+
+/// How many failures a `--keep-going` summary lists (all are counted).
+pub const FAILURES_KEPT: usize = 50;
 
 /// Runs a worker; the exit code is 0 only if every request moved and verified (or was aborted).
 pub fn run(args: &WorkerArgs) -> ExitCode {
@@ -328,6 +378,8 @@ fn watch_parent(parent: u32, report: Arc<Report>, who: String) {
 #[derive(Default)]
 struct Report {
     verdicts: Mutex<Vec<String>>,
+    /// The epoch of every prefill rank registered now (`--keep-going` numbers requests by them).
+    prefill_epochs: Mutex<std::collections::BTreeMap<RankId, u64>>,
     fatal: Mutex<Option<String>>,
     changed: tokio::sync::Notify,
 }
@@ -381,6 +433,7 @@ async fn watch_members(store: Arc<dyn MetadataStore>, mut mw: MemberWatch, repor
             Ok(evs) => {
                 failing = None;
                 for e in evs {
+                    note_epoch(&report, &e);
                     let (kind, m) = match &e {
                         MemberEvent::Joined(m) => ("peer_joined", m),
                         MemberEvent::Left(m) => ("peer_left", m),
@@ -418,6 +471,41 @@ async fn watch_members(store: Arc<dyn MetadataStore>, mut mw: MemberWatch, repor
     }
 }
 
+/// Keeps [`Report::prefill_epochs`] up to date.
+fn note_epoch(report: &Report, e: &MemberEvent) {
+    let mut epochs = lock(&report.prefill_epochs);
+    match e {
+        MemberEvent::Joined(m) if m.registration.role == Side::Prefill => {
+            epochs.insert(m.registration.rank, m.epoch);
+        }
+        // Only if no newer instance replaced it meanwhile.
+        MemberEvent::Left(m) | MemberEvent::Lost(m)
+            if m.registration.role == Side::Prefill && epochs.get(&m.registration.rank) == Some(&m.epoch) =>
+        {
+            epochs.remove(&m.registration.rank);
+        }
+        _ => {}
+    }
+}
+
+/// Requests of one `--keep-going` numbering at most (a range of the u32 request space each).
+const NUMBERING_SPAN: u32 = 1 << 20;
+/// Numberings the request space holds (`NUMBERING_SPAN` each); two runs of prefill epochs share
+/// one with a chance of 1 in this.
+const NUMBERINGS: u64 = 4_000;
+
+/// The first request number of the numbering of these prefill epochs, a multiple of `inflight`
+/// (so that request `base + i` lands on slot `i`'s pages). Every rank computes the same from the
+/// same epochs; a stale write of another numbering carries other token numbers (the oracle sees it).
+fn numbering_base(epochs: &std::collections::BTreeMap<RankId, u64>, inflight: u32) -> u32 {
+    let mut h = 0x534f_414b_u64;
+    for (r, e) in epochs {
+        h = SplitMix(h ^ (u64::from(r.tp) << 48) ^ (u64::from(r.pp) << 32) ^ e).next_u64();
+    }
+    let base = (h % NUMBERINGS) as u32 * NUMBERING_SPAN;
+    base - base % inflight.max(1)
+}
+
 /// One worker's state, shared by its request slots.
 struct Ctx {
     agent: Agent,
@@ -432,7 +520,16 @@ struct Ctx {
     report: Arc<Report>,
     summary: Mutex<WorkerSummary>,
     /// Set after the first failure: no new request starts (requests in flight finish or fail).
+    /// With `--keep-going` only by an error of the run itself (a wrong byte).
     stop: AtomicBool,
+    /// `--keep-going`.
+    keep_going: bool,
+    /// `--duration-s`: when the last request may start.
+    end: Option<Instant>,
+    /// Prefill ranks of the run (`--keep-going`: a numbering needs every one's epoch).
+    prefill_ranks: usize,
+    /// `--keep-going`, decode: requests (and their pages) that never became reusable.
+    held: Mutex<Vec<(u32, Vec<u32>)>>,
 }
 
 impl Ctx {
@@ -440,8 +537,49 @@ impl Ctx {
         self.stop.load(Ordering::Acquire) || self.report.fatal().is_some()
     }
 
-    fn interval(&self, t0: Instant) -> (f64, f64) {
-        ((t0 - self.started).as_secs_f64(), self.started.elapsed().as_secs_f64())
+    /// Whether `--duration-s` ran out.
+    fn ended(&self) -> bool {
+        self.end.is_some_and(|e| Instant::now() >= e)
+    }
+
+    /// `--keep-going`: the numbering of the prefill epochs now, once every prefill rank is
+    /// registered.
+    fn numbering(&self) -> Option<u32> {
+        let epochs = lock(&self.report.prefill_epochs);
+        (epochs.len() == self.prefill_ranks).then(|| numbering_base(&epochs, self.w.inflight))
+    }
+
+    /// `--keep-going`: waits until every peer is connected and every prefill rank registered;
+    /// the numbering then, or `None` once the run ended or stopped.
+    async fn ready(&self) -> Option<u32> {
+        loop {
+            if self.stopped() || self.ended() {
+                return None;
+            }
+            if self.agent.is_connected() {
+                if let Some(n) = self.numbering() {
+                    return Some(n);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Records a transfer interval that started at `t0` and ends now. A `--duration-s` run folds
+    /// the old ones into their union as it goes (its memory must stay flat): no later interval can
+    /// overlap one that ended longer ago than a request may last.
+    fn push_interval(&self, t0: Instant) {
+        let (a, b) = ((t0 - self.started).as_secs_f64(), self.started.elapsed().as_secs_f64());
+        let mut s = lock(&self.summary);
+        s.intervals.push((a, b));
+        // Folded when the list doubled since the last fold (amortized: no copy per request).
+        if self.end.is_some() && s.intervals.len() >= s.fold_at.max(1024) {
+            let cutoff = b - (self.w.request_timeout() + Duration::from_secs(30)).as_secs_f64();
+            let (mut old, new): (Vec<_>, Vec<_>) = s.intervals.iter().partition(|iv| iv.1 < cutoff);
+            s.folded_seconds += union(&mut old);
+            s.fold_at = 2 * new.len();
+            s.intervals = new;
+        }
     }
 }
 
@@ -467,8 +605,11 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     // The worker's own store client: the membership watch behind the progress lines, `finished/`.
     let store =
         metadata::connect_with(&addr, metadata::DEFAULT_OP_TIMEOUT, secret.clone()).await.map_err(|e| e.to_string())?;
-    let (members, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
+    let (members, now) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| e.to_string())?;
     let report = Arc::new(Report::default());
+    for m in now {
+        note_epoch(&report, &MemberEvent::Joined(m));
+    }
     if let Some(parent) = args.parent_pid {
         watch_parent(parent, Arc::clone(&report), format!("{side} {rank}"));
     }
@@ -482,6 +623,9 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     cfg.secret = secret;
     cfg.digest = args.run.digest && side == Side::Decode;
     cfg.protocol = args.protocol;
+    if let Some(n) = args.released_memory {
+        cfg.tracker.released_memory = n;
+    }
     let (pages, fill) = (w.pool_pages(), if side == Side::Decode { SENTINEL } else { 0 });
     let cut_off_wait = cfg.cut_off_timeout + Duration::from_secs(1);
     let agent = Agent::start(cfg, KvMemory::Host { pages, fill }).await.map_err(|e| e.to_string())?;
@@ -506,6 +650,10 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
         report: Arc::clone(&report),
         summary: Mutex::new(summary),
         stop: AtomicBool::new(false),
+        keep_going: args.keep_going,
+        end: args.duration_s.map(|d| Instant::now() + Duration::from_secs_f64(d)),
+        prefill_ranks: (w.prefill_tp * w.prefill_pp) as usize,
+        held: Mutex::new(Vec::new()),
     });
     served.attach(&ctx);
     let result = run_slots(&ctx, &*store, side, wait).await;
@@ -538,7 +686,10 @@ async fn worker(args: &WorkerArgs, served: &Arc<Served>) -> Result<WorkerSummary
     if !s.errors.is_empty() {
         s.errors.extend(lock(&report.verdicts).iter().cloned());
     }
-    s.transfer_seconds = union(&mut s.intervals);
+    s.transfer_seconds = s.folded_seconds + union(&mut s.intervals);
+    if ctx.keep_going {
+        s.lost = lock(&report.verdicts).clone();
+    }
     let st = ctx.agent.stats();
     (s.digest_bytes, s.digest_mismatches) = (st.digest_bytes, st.digest_mismatches);
     // Leave the cluster (peers see `left`) and close the registrations.
@@ -557,8 +708,8 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
         r = ctx.agent.wait_connected(Instant::now() + wait + Duration::from_secs(1)) => r.map_err(|e| e.to_string())?,
         f = ctx.report.fatal_set() => return Err(f),
     }
-    let slots: Vec<_> =
-        (0..ctx.w.inflight.min(ctx.w.requests)).map(|i| tokio::spawn(slot(Arc::clone(ctx), i))).collect();
+    let n = if ctx.end.is_some() { ctx.w.inflight } else { ctx.w.inflight.min(ctx.w.requests) };
+    let slots: Vec<_> = (0..n).map(|i| tokio::spawn(slot(Arc::clone(ctx), i))).collect();
     for h in slots {
         h.await.map_err(|e| format!("a request slot panicked: {e}"))?;
     }
@@ -568,7 +719,16 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
             progress(json!({"kind": "linger", "seconds": ctx.linger.as_secs_f64()}));
             tokio::time::sleep(ctx.linger).await;
         }
-        let all: Vec<u32> = (0..ctx.pages).collect();
+        // `--keep-going`: the pages of a request that never became reusable are not checked (its
+        // writes may still land); the request is named instead.
+        let held = lock(&ctx.held).clone();
+        let all: Vec<u32> = (0..ctx.pages).filter(|p| !held.iter().any(|(_, pages)| pages.contains(p))).collect();
+        for (r, pages) in &held {
+            lock(&ctx.summary).errors.push(format!(
+                "request {r} never became final with its pages reusable: its {} pages were left unchecked and unused",
+                pages.len()
+            ));
+        }
         let c = Arc::clone(ctx);
         let stray = tokio::task::spawn_blocking(move || sentinel_errors(&c, &all, "bytes changed outside any request"))
             .await
@@ -625,6 +785,22 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
     r
 }
 
+/// The abort reason of a `--keep-going` request whose numbering is no longer the prefill epochs'.
+const MOVED_ON: &str = "the prefill ranks' epochs changed (a rank restarted): this request's numbering moved on";
+
+/// A request [`Req::settle`] gave up on: why, and whether its pages are reusable anyway (the abort
+/// was fenced) or not (never reuse them).
+struct Unsettled {
+    why: String,
+    reusable: bool,
+}
+
+impl From<Unsettled> for String {
+    fn from(u: Unsettled) -> String {
+        u.why
+    }
+}
+
 /// Either side's request, for the wait both sides share.
 enum Req {
     Recv(Receiver),
@@ -641,12 +817,19 @@ impl Req {
 
     /// Waits until the request is final with its pages reusable. Past `deadline` (or when the store
     /// is lost) aborts it and waits, bounded, for the fence; an error then means the request failed.
-    async fn settle(&self, ctx: &Ctx, deadline: Instant) -> Result<RequestStatus, String> {
+    /// `numbering` (`--keep-going`, decode): the request is aborted once the prefill epochs changed.
+    async fn settle(&self, ctx: &Ctx, deadline: Instant, numbering: Option<u32>) -> Result<RequestStatus, Unsettled> {
         let mut late: Option<String> = None;
         let mut limit = deadline;
+        let mut moved = false;
         loop {
             if let Some(f) = ctx.report.fatal() {
                 self.abort(&f);
+            }
+            if numbering.is_some() && !moved && ctx.numbering().is_some_and(|n| Some(n) != numbering) {
+                // Requests of the old numbering are never served by the restarted rank.
+                self.abort(MOVED_ON);
+                moved = true;
             }
             let until = limit.min(Instant::now() + Duration::from_millis(200));
             let s = match self {
@@ -654,7 +837,7 @@ impl Req {
                 Req::Send(s) => s.wait(until).await,
             };
             match s {
-                Ok(s) if s.pages_reusable => return late.map_or(Ok(s), Err),
+                Ok(s) if s.pages_reusable => return late.map_or(Ok(s), |why| Err(Unsettled { why, reusable: true })),
                 Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
                 Err(EngineError::Timeout { .. }) if Instant::now() < limit => {}
                 Err(e) if late.is_none() => {
@@ -662,7 +845,10 @@ impl Req {
                     self.abort(&why);
                     (late, limit) = (Some(why), Instant::now() + Duration::from_secs(10));
                 }
-                Err(e) => return Err(format!("{}; its pages are still not reusable: {e}", late.unwrap_or_default())),
+                Err(e) => {
+                    let why = format!("{}; its pages are still not reusable: {e}", late.unwrap_or_default());
+                    return Err(Unsettled { why, reusable: false });
+                }
             }
         }
     }
@@ -694,46 +880,125 @@ enum Outcome {
         latency: Duration,
     },
     Aborted(String),
+    /// Failed in the engine (a lost peer, a deadline), its pages reusable; `--keep-going` counts it.
+    Failed(String),
+    /// Prefill, `--keep-going`: given up before the decode ranks handed it off.
+    Abandoned(String),
+    /// `--keep-going`: failed, and its pages stayed quarantined.
+    Stuck(String),
 }
 
 /// Runs requests `i, i + inflight, ...` one after the other on the slot's pages.
 async fn slot(ctx: Arc<Ctx>, i: u32) {
+    if ctx.keep_going {
+        return slot_keep_going(ctx, i).await;
+    }
     let decode = ctx.agent.role() == Side::Decode;
     let mut after_abort = false;
-    for r in (i..ctx.w.requests).step_by(ctx.w.inflight as usize) {
-        if ctx.stopped() {
+    let last = if ctx.end.is_some() { u32::MAX } else { ctx.w.requests };
+    for r in (i..last).step_by(ctx.w.inflight as usize) {
+        if ctx.stopped() || ctx.ended() {
             break;
         }
-        let res = if decode { receive(&ctx, r, after_abort).await } else { send(&ctx, r).await };
-        let mut s = lock(&ctx.summary);
-        match res {
-            Ok(Outcome::Done { bytes, ops, latency }) => {
-                after_abort = false;
-                s.requests += 1;
-                s.completed += 1;
-                s.bytes += bytes;
-                s.ops += ops;
-                if decode {
-                    let us = latency.as_micros() as u64;
-                    s.verified += 1;
-                    s.verified_bytes += bytes;
+        let res = if decode { receive(&ctx, r, after_abort, None).await } else { send(&ctx, r, None).await };
+        after_abort = account(&ctx, r, res, after_abort);
+    }
+}
+
+/// Counts one request's outcome in the summary and prints its progress line; whether the slot's
+/// pages were reset after a fence (the next request checks they kept the sentinel).
+fn account(ctx: &Ctx, r: u32, res: Result<Outcome, String>, after_abort: bool) -> bool {
+    let decode = ctx.agent.role() == Side::Decode;
+    let mut s = lock(&ctx.summary);
+    match res {
+        Ok(Outcome::Done { bytes, ops, latency }) => {
+            s.requests += 1;
+            s.completed += 1;
+            s.bytes += bytes;
+            s.ops += ops;
+            if decode {
+                let us = latency.as_micros() as u64;
+                s.verified += 1;
+                s.verified_bytes += bytes;
+                // A long run keeps the first latencies only (its memory must stay flat).
+                if ctx.end.is_none() || s.latencies_us.len() < LATENCIES_KEPT {
                     s.latencies_us.push(us);
-                    progress(json!({"kind": "done", "request": r, "latency_us": us}));
-                } else {
-                    progress(json!({"kind": "sent", "request": r}));
                 }
+                progress(json!({"kind": "done", "request": r, "latency_us": us}));
+            } else {
+                progress(json!({"kind": "sent", "request": r}));
             }
-            Ok(Outcome::Aborted(why)) => {
-                after_abort = true;
-                s.requests += 1;
-                s.aborted += 1;
-                progress(json!({"kind": "aborted", "request": r, "reason": why}));
+            false
+        }
+        Ok(Outcome::Aborted(why)) => {
+            s.requests += 1;
+            s.aborted += 1;
+            progress(json!({"kind": "aborted", "request": r, "reason": why}));
+            true
+        }
+        Ok(Outcome::Failed(why)) if ctx.keep_going => {
+            s.requests += 1;
+            s.failed += 1;
+            if s.failures.len() < FAILURES_KEPT {
+                s.failures.push(format!("request {r}: {why}"));
             }
-            Err(e) => {
-                progress(json!({"kind": "failed", "request": r, "error": e}));
-                s.errors.push(format!("request {r}: {e}"));
-                ctx.stop.store(true, Ordering::Release);
+            progress(json!({"kind": "failed", "request": r, "error": why, "counted": true}));
+            true
+        }
+        Ok(Outcome::Abandoned(why)) => {
+            s.abandoned += 1;
+            progress(json!({"kind": "abandoned", "request": r, "reason": why}));
+            true
+        }
+        Ok(Outcome::Stuck(why)) => {
+            s.requests += 1;
+            s.failed += 1;
+            s.quarantined += 1;
+            if s.failures.len() < FAILURES_KEPT {
+                s.failures.push(format!("request {r}: {why}"));
             }
+            progress(json!({"kind": "quarantined", "request": r, "error": why}));
+            after_abort
+        }
+        Ok(Outcome::Failed(e)) | Err(e) => {
+            progress(json!({"kind": "failed", "request": r, "error": e}));
+            s.errors.push(format!("request {r}: {e}"));
+            ctx.stop.store(true, Ordering::Release);
+            after_abort
+        }
+    }
+}
+
+/// Latencies a `--duration-s` run keeps (the first ones).
+const LATENCIES_KEPT: usize = 10_000;
+
+/// `--keep-going`: slot `i` runs requests `base + i, base + i + inflight, ...` of the numbering of
+/// the prefill epochs now; a failed request is counted and the slot goes on; when the prefill
+/// epochs change (a rank restarted) it starts over in the new numbering.
+async fn slot_keep_going(ctx: Arc<Ctx>, i: u32) {
+    let decode = ctx.agent.role() == Side::Decode;
+    let k = ctx.w.inflight.max(1);
+    let (mut base, mut next, mut after_abort) = (None, 0u32, false);
+    while let Some(now) = ctx.ready().await {
+        if base != Some(now) {
+            if i == 0 {
+                lock(&ctx.summary).numberings += 1;
+                progress(json!({"kind": "numbering", "base": now}));
+            }
+            (base, next) = (Some(now), 0);
+        }
+        let off = next.saturating_mul(k).saturating_add(i);
+        if off >= NUMBERING_SPAN {
+            break;
+        }
+        next += 1;
+        let r = now + off;
+        let res = if decode { receive(&ctx, r, after_abort, Some(now)).await } else { send(&ctx, r, Some(now)).await };
+        let stuck = matches!(res, Ok(Outcome::Stuck(_)));
+        after_abort = account(&ctx, r, res, after_abort);
+        if stuck {
+            // Its pages may still be written: never reuse them.
+            break;
         }
     }
 }
@@ -742,7 +1007,9 @@ async fn blocking<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 
     tokio::task::spawn_blocking(f).await.map_err(|e| format!("{what} panicked: {e}"))
 }
 
-async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool) -> Result<Outcome, String> {
+/// Decode: one request. `numbering`: `--keep-going` (see [`Req::settle`]); a failure is then an
+/// outcome, not an error.
+async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool, numbering: Option<u32>) -> Result<Outcome, String> {
     let dst = request_pages(&ctx.w, r, SALT_DECODE);
     if after_abort {
         // The slot's previous request was aborted and its pages reset once fenced: nothing may land since.
@@ -761,10 +1028,25 @@ async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool) -> Result<Outcome, S
         rx.abort(&format!("decode rank {} aborts request {r} (--abort-rate {})", ctx.rank, ctx.run.abort_rate));
     }
     let req = Req::Recv(rx);
-    let st = req.settle(ctx, t0 + ctx.w.request_timeout() + Duration::from_secs(5)).await?;
+    let settled = req.settle(ctx, t0 + ctx.w.request_timeout() + Duration::from_secs(5), numbering).await;
+    let st = match settled {
+        Ok(st) => st,
+        Err(u) if ctx.keep_going && !u.reusable => {
+            lock(&ctx.held).push((r, dst));
+            return Ok(Outcome::Stuck(u.why));
+        }
+        Err(u) if ctx.keep_going => {
+            // Fenced after a late abort: reset the pages (the next request checks them), release.
+            let c = Arc::clone(ctx);
+            blocking("resetting pages", move || verify_and_reset(&c, &dst, r, false)).await??;
+            req.release()?;
+            return Ok(Outcome::Failed(u.why));
+        }
+        Err(u) => return Err(u.why),
+    };
     let (latency, ok) = (t0.elapsed(), st.phase == Phase::Success);
     if ok {
-        lock(&ctx.summary).intervals.push(ctx.interval(t0));
+        ctx.push_interval(t0);
     }
     // Verify (a completed transfer) and restore the sentinel either way; then release.
     let c = Arc::clone(ctx);
@@ -776,6 +1058,8 @@ async fn receive(ctx: &Arc<Ctx>, r: u32, after_abort: bool) -> Result<Outcome, S
     } else if abort.is_some() && why.contains("--abort-rate") {
         // Failed by this rank's abort (or another decode rank's, through the prefill ranks).
         Ok(Outcome::Aborted(why))
+    } else if ctx.keep_going {
+        Ok(Outcome::Failed(why))
     } else {
         Err(why)
     }
@@ -898,7 +1182,13 @@ fn chunk_len(w: &Workload, pages: usize) -> usize {
     }
 }
 
-async fn send(ctx: &Arc<Ctx>, r: u32) -> Result<Outcome, String> {
+/// How long past `--duration-s` a `--keep-going` prefill rank waits for the handoff of a request it
+/// already created before it abandons it.
+const END_GRACE: Duration = Duration::from_secs(10);
+
+/// Prefill: one request. `numbering`: `--keep-going`: a failure is then an outcome, and a request
+/// not handed off when the numbering moves on (or the run ended) is abandoned.
+async fn send(ctx: &Arc<Ctx>, r: u32, numbering: Option<u32>) -> Result<Outcome, String> {
     let (w, src) = (&ctx.w, request_pages(&ctx.w, r, SALT_PREFILL));
     let tx = ctx.agent.sender(RequestId(u64::from(r))).map_err(|e| e.to_string())?;
     // The slot's previous request is final: nothing reads these pages.
@@ -908,11 +1198,20 @@ async fn send(ctx: &Arc<Ctx>, r: u32) -> Result<Outcome, String> {
     let deadline = Instant::now() + w.request_timeout() + Duration::from_secs(5);
     // Every decode rank's handoff (the agent fails the request at its deadline or on a lost peer).
     let mut phase = tx.status().phase;
+    let mut abandoned = None;
+    let moved = || numbering.is_some() && ctx.numbering().is_some_and(|n| Some(n) != numbering);
+    let past_end = || numbering.is_some() && ctx.end.is_some_and(|e| Instant::now() >= e + END_GRACE);
     while phase == Phase::Bootstrapping && Instant::now() < deadline && !ctx.stopped() {
+        if moved() || past_end() {
+            abandoned = Some(if moved() { MOVED_ON.to_owned() } else { "the run's --duration-s ended".to_owned() });
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(1)).await;
         phase = tx.status().phase;
     }
-    if phase == Phase::Bootstrapping {
+    if let Some(why) = &abandoned {
+        tx.abort(&format!("prefill rank {} abandons request {r}: {why}", ctx.rank));
+    } else if phase == Phase::Bootstrapping {
         tx.abort(&format!("prefill rank {} stopped before every decode rank handed request {r} off", ctx.rank));
     }
     let t0 = Instant::now();
@@ -929,17 +1228,30 @@ async fn send(ctx: &Arc<Ctx>, r: u32) -> Result<Outcome, String> {
             // Failed meanwhile (a decode rank aborted it, a peer was lost): the status says why.
             if !matches!(tx.status().phase, Phase::Aborting | Phase::Failed) {
                 tx.abort(&e.to_string());
-                return Err(e.to_string());
+                if !ctx.keep_going {
+                    return Err(e.to_string());
+                }
             }
             break;
         }
     }
     let req = Req::Send(tx);
-    let st = req.settle(ctx, deadline).await?;
+    let st = match req.settle(ctx, deadline, None).await {
+        Ok(st) => st,
+        Err(u) if ctx.keep_going && !u.reusable => return Ok(Outcome::Stuck(u.why)),
+        Err(u) if ctx.keep_going => {
+            req.release()?;
+            return Ok(Outcome::Failed(u.why));
+        }
+        Err(u) => return Err(u.why),
+    };
     req.release()?;
+    if let Some(why) = abandoned {
+        return Ok(Outcome::Abandoned(why));
+    }
     let why = match st.phase {
         Phase::Success => {
-            lock(&ctx.summary).intervals.push(ctx.interval(t0));
+            ctx.push_interval(t0);
             // The planner's count of this rank's share (every decode rank hands off the same choice).
             let (dst, n) = (request_pages(w, r, SALT_DECODE), chunk_len(w, src.len()));
             let pairs =
@@ -951,6 +1263,8 @@ async fn send(ctx: &Arc<Ctx>, r: u32) -> Result<Outcome, String> {
     };
     if ctx.run.abort_rate > 0.0 && why.contains("aborted the request") {
         Ok(Outcome::Aborted(why))
+    } else if ctx.keep_going {
+        Ok(Outcome::Failed(why))
     } else {
         Err(why)
     }
