@@ -39,7 +39,11 @@
 //! `Transferring` until every byte is confirmed, then `Success` or `Failed`. A failed or aborted
 //! request passes through `Aborting`: until every sender that could still write into the destination
 //! pages has confirmed it cannot any more (it finished, fenced, reported failure, or was cut off),
-//! the pages are NOT free. [`RequestStatus::pages_reusable`] says when they are.
+//! the pages are NOT free. [`RequestStatus::pages_reusable`] says when they are. A decode rank asks
+//! every such sender to stop and fence; while a live sender's fence has not come it asks again
+//! after 1 s, then 2, 4 and every 8 s (a prefill rank answers every ask), so a lost ask or answer
+//! does not leave the request `Aborting` for ever; each repeated ask is a warning naming the rank
+//! and counts in [`AgentStats::fence_reasks`].
 //!
 //! # Giving up on a peer (SEMANTICS §6, "known dead")
 //!
@@ -466,6 +470,10 @@ pub struct AgentStats {
     pub aborts_received: u64,
     /// Fences sent (prefill) or received (decode).
     pub fences: u64,
+    /// Decode: asks to abort sent again because a sender's fence had not come (see the module
+    /// docs' abort section); above zero means an ask or a fence was lost or a prefill rank did not
+    /// answer: its warnings (`kvxfer::request`) name the request and the rank.
+    pub fence_reasks: u64,
     /// Peers given up on (left the cluster, lease expired, transport lost them, replaced by a new
     /// epoch, or this rank's own membership lost).
     pub peers_lost: u64,
@@ -542,8 +550,10 @@ struct SendReq {
 #[derive(Debug)]
 struct RecvReq {
     generation: Option<u64>,
-    /// Senders already asked to abort.
-    abort_sent: BTreeSet<SenderKey>,
+    /// Senders asked to abort: when last asked, and how many times. An ask is repeated
+    /// ([`FENCE_REASK`], doubling up to [`FENCE_REASK_MAX`]) while the sender's fence is missing, so
+    /// a lost ask or answer cannot leave the request `Aborting` for ever.
+    abort_sent: BTreeMap<SenderKey, (Instant, u32)>,
     /// A failure before the handoff (nothing to fence).
     early_failure: Option<String>,
     counted: bool,
@@ -632,6 +642,17 @@ fn rejoin_wait(cfg: &AgentConfig) -> Duration {
 
 /// How often the progress task wakes when nothing arrives (deadlines, early-buffer ages).
 const TICK: Duration = Duration::from_millis(20);
+/// How long a decode rank waits for a sender's fence after asking it to abort before it asks
+/// again; each further ask waits twice as long, up to [`FENCE_REASK_MAX`]. A prefill rank answers
+/// every ask (a repeated one with another fence), so a lost ask or answer costs one wait.
+const FENCE_REASK: Duration = Duration::from_secs(1);
+/// The longest wait between two asks.
+const FENCE_REASK_MAX: Duration = Duration::from_secs(8);
+
+/// The wait before ask number `n + 1` (after `n + 1` asks were sent).
+fn reask_after(n: u32) -> Duration {
+    FENCE_REASK.saturating_mul(1 << n.min(3)).min(FENCE_REASK_MAX)
+}
 
 impl Agent {
     /// Creates the backend endpoint, registers the KV memory, joins the cluster's metadata store
@@ -861,7 +882,7 @@ impl Agent {
             room,
             RecvReq {
                 generation: None,
-                abort_sent: BTreeSet::new(),
+                abort_sent: BTreeMap::new(),
                 early_failure: None,
                 counted: false,
                 handed_off: None,
@@ -1757,14 +1778,32 @@ impl Inner {
                             for k in keys {
                                 // Not connected yet (bootstrapping): ask on a later tick, once it is;
                                 // an ask sent now would be dropped and the fence never close.
-                                if self.peer_id(rank_of_key(k)).is_some() && r.abort_sent.insert(k) {
-                                    asks.push((*room, generation, k));
+                                if self.peer_id(rank_of_key(k)).is_none() {
+                                    continue;
+                                }
+                                let due = match r.abort_sent.get(&k) {
+                                    None => true,
+                                    Some((at, n)) => now.saturating_duration_since(*at) >= reask_after(*n),
+                                };
+                                if due {
+                                    let n = r.abort_sent.get(&k).map_or(0, |(_, n)| n + 1);
+                                    r.abort_sent.insert(k, (now, n));
+                                    asks.push((*room, generation, k, n));
                                 }
                             }
                         }
                     }
                 }
-                for (room, generation, k) in asks {
+                for (room, generation, k, n) in asks {
+                    if n > 0 {
+                        lock(&self.stats).fence_reasks += 1;
+                        tracing::warn!(
+                            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
+                            rank = %self.cfg.rank, role = "decode", prefill = %rank_of_key(k), asks = n + 1,
+                            "no fence from prefill rank {} for a failed request: asking it again to stop and fence",
+                            rank_of_key(k)
+                        );
+                    }
                     let reason = match rx.status(room) {
                         Some(Status::Failed(f)) => f.to_string(),
                         _ => "aborted".into(),
@@ -2708,4 +2747,16 @@ fn check_digests(
         Ok(())
     })();
     (verdict, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fence_asks_are_repeated_after_1_2_4_then_every_8_seconds() {
+        let waits: Vec<u64> = (0..7).map(|n| reask_after(n).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 8, 8, 8]);
+        assert_eq!(reask_after(u32::MAX), FENCE_REASK_MAX, "no overflow however many asks went out");
+    }
 }

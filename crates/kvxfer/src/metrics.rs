@@ -53,6 +53,7 @@ docs! {
     "kvxfer_aborts_total", "counter", "", "Requests aborted by this rank's engine.";
     "kvxfer_aborts_received_total", "counter", "", "Abort requests received from the other side (prefill).";
     "kvxfer_fences_total", "counter", "", "Fences sent (prefill) or received (decode).";
+    "kvxfer_fence_reasks_total", "counter", "", "Asks to abort sent again because a prefill rank's fence had not come within 1 s (doubling to 8 s) (decode); above zero: an ask or a fence was lost, or a prefill rank did not answer.";
     "kvxfer_early_handoffs_kept_total", "counter", "", "Handoffs kept before their sender existed (prefill).";
     "kvxfer_early_handoffs_expired_total", "counter", "", "Kept handoffs dropped: too old or too many (prefill).";
     "kvxfer_early_notifications_kept_total", "counter", "", "Notifications kept before their request was handed off (decode).";
@@ -224,6 +225,7 @@ impl<S: Source> Collector for StatsCollector<S> {
         c(&mut e, "aborts", st.aborted)?;
         c(&mut e, "aborts_received", st.aborts_received)?;
         c(&mut e, "fences", st.fences)?;
+        c(&mut e, "fence_reasks", st.fence_reasks)?;
         c(&mut e, "early_handoffs_kept", st.early_handoffs_kept)?;
         c(&mut e, "early_handoffs_expired", st.early_handoffs_expired)?;
         c(&mut e, "early_notifications_kept", st.tracker.early_kept)?;
