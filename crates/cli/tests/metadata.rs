@@ -354,9 +354,14 @@ mod etcd {
                 // The decode checked its whole pool after lingering; nothing got past the fence.
                 assert!(out.iter().any(|l| l.contains("\"kind\":\"pool_checked\"")), "{backend}: {out:?}");
                 let summary = out.iter().rev().find(|l| l.contains("\"kind\":\"summary\"")).expect("a summary");
+                let v: serde_json::Value = serde_json::from_str(summary).expect("the summary line is JSON");
+                // The errors' texts (the summary also has a `quarantined` count, which must be 0).
+                let errors = v["summary"]["errors"].to_string();
                 for bad in ["changed outside any request", "cannot read page", "after the fence", "quarantined"] {
-                    assert!(!summary.contains(bad), "{backend} run {run}: STRAY ({bad}): {summary}");
+                    assert!(!errors.contains(bad), "{backend} run {run}: STRAY ({bad}): {summary}");
                 }
+                let quarantined = v["summary"]["quarantined"].as_u64().unwrap_or(0);
+                assert_eq!(quarantined, 0, "{backend} run {run}: pages never reusable: {summary}");
                 assert!(ed.contains("cut off prefill rank 0/0"), "{backend}: no confirmed cut-off: {ed}");
             }
         }
