@@ -414,8 +414,10 @@ fn raw_workload(block: u64, total: u64, shuffle: bool, seed: u64) -> Result<Work
     })
 }
 
-fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
-    let w = crate::model::Workload {
+/// The model-shaped workload of `a` (one request, one slot), with requests timing out after
+/// `timeout_s`.
+pub(crate) fn model_shape(a: &BenchArgs, preset: Preset, timeout_s: f64) -> crate::model::Workload {
+    crate::model::Workload {
         model: preset,
         layers: a.layers,
         prefill_tp: a.prefill_tp,
@@ -434,8 +436,26 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
         backend_opts: a.backend_opts.clone(),
         notify: crate::model::NotifyArg::Attached,
         seed: a.seed,
-        request_timeout_s: 60.0,
-    };
+        request_timeout_s: timeout_s,
+    }
+}
+
+/// The backend op of a planned op (regions named by [`region_id`]).
+pub(crate) fn write_op(op: &kvxfer_core::PlannedOp) -> WriteOp {
+    WriteOp {
+        src: region_id(op.src_region),
+        src_offset: op.src_offset,
+        dst: region_id(op.dst_region),
+        dst_offset: op.dst_offset,
+        len: op.len,
+        count: op.count,
+        src_stride: op.src_stride,
+        dst_stride: op.dst_stride,
+    }
+}
+
+fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
+    let w = model_shape(a, preset, 60.0);
     let topo = w.topology()?;
     let pages = w.pool_pages();
     let src_pages = crate::model::request_pages(&w, 0, 1);
@@ -456,22 +476,7 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
     };
     let pairs = plan
         .iter()
-        .map(|pair| PairWork {
-            rank: pair.dst,
-            ops: pair
-                .ops()
-                .map(|op| WriteOp {
-                    src: region_id(op.src_region),
-                    src_offset: op.src_offset,
-                    dst: region_id(op.dst_region),
-                    dst_offset: op.dst_offset,
-                    len: op.len,
-                    count: op.count,
-                    src_stride: op.src_stride,
-                    dst_stride: op.dst_stride,
-                })
-                .collect(),
-        })
+        .map(|pair| PairWork { rank: pair.dst, ops: pair.ops().map(|op| write_op(&op)).collect() })
         .collect::<Vec<_>>();
     let ranks: Vec<String> = plan.iter().map(|p| p.dst.to_string()).collect();
     Ok(Workload {
@@ -493,7 +498,7 @@ fn model_workload(a: &BenchArgs, preset: Preset) -> Result<Workload, String> {
 }
 
 impl crate::model::Workload {
-    fn layout_name(&self) -> &'static str {
+    pub(crate) fn layout_name(&self) -> &'static str {
         match self.layout {
             LayoutArg::Nhd => "nhd",
             LayoutArg::Hnd => "hnd",

@@ -213,30 +213,6 @@ pub fn run(args: &BenchArgs) -> ExitCode {
     }
 }
 
-fn workload(a: &BenchArgs, preset: Preset) -> crate::model::Workload {
-    crate::model::Workload {
-        model: preset,
-        layers: a.layers,
-        prefill_tp: a.prefill_tp,
-        decode_tp: a.decode_tp,
-        prefill_pp: 1,
-        decode_pp: 1,
-        stage_layers: Default::default(),
-        layout: a.layout,
-        page_size: a.page_size,
-        dtype_bytes: 2,
-        tokens: a.tokens,
-        requests: 1,
-        chunk_pages: 0,
-        inflight: 1,
-        backend: a.backend.clone(),
-        backend_opts: a.backend_opts.clone(),
-        notify: crate::model::NotifyArg::Attached,
-        seed: a.seed,
-        request_timeout_s: REQUEST_DEADLINE.as_secs_f64(),
-    }
-}
-
 fn options(a: &BenchArgs) -> BTreeMap<String, String> {
     let mut o: BTreeMap<String, String> = a.backend_opts.iter().cloned().collect();
     if a.backend == "tcp" {
@@ -405,19 +381,7 @@ fn pair_ops(plan: &ChunkPlan) -> Vec<(u32, u32, Vec<WriteOp>)> {
     plan.pairs
         .iter()
         .map(|pair| {
-            let ops = pair
-                .ops()
-                .map(|op| WriteOp {
-                    src: region_id(op.src_region),
-                    src_offset: op.src_offset,
-                    dst: region_id(op.dst_region),
-                    dst_offset: op.dst_offset,
-                    len: op.len,
-                    count: op.count,
-                    src_stride: op.src_stride,
-                    dst_stride: op.dst_stride,
-                })
-                .collect();
+            let ops = pair.ops().map(|op| crate::bench::write_op(&op)).collect();
             (pair.src.tp, pair.dst.tp, ops)
         })
         .collect()
@@ -562,7 +526,7 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
     }
     kvxfer_core::backend::lookup(&a.backend).map_err(|e| e.to_string())?;
     let preset = a.model.unwrap_or(Preset::Llama3_8b);
-    let w = workload(a, preset);
+    let w = crate::bench::model_shape(a, preset, REQUEST_DEADLINE.as_secs_f64());
     let topo = w.topology()?;
     let n = w.pages_per_request();
     let pool = w.pool_pages();
@@ -653,10 +617,7 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
             [c, f] => (Some(f.4.median_gbps / c.4.median_gbps), Some(f.3.median_gbps / c.3.median_gbps)),
             _ => (None, None),
         };
-        let layout = match a.layout {
-            crate::plan::LayoutArg::Nhd => "nhd",
-            crate::plan::LayoutArg::Hnd => "hnd",
-        };
+        let layout = w.layout_name();
         let cases = timed
             .into_iter()
             .map(|(name, bytes, plan, engine, raw, verified)| EngineCase {
