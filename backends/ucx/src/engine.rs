@@ -4,9 +4,12 @@
 //!
 //! Idle strategy: the thread spins on `ucp_worker_progress` (yielding the CPU) for [`SPIN`] after
 //! the last event; then, while anything is in flight or for [`HOT`] after the last event, it naps
-//! on the command channel for [`NAP`] between progress calls, and after that for [`COLD`]. A
-//! command always wakes it at once. After a busy turn with transfers in flight it pauses for
-//! [`BUSY_PAUSES`] `spin_loop` hints before the next progress call.
+//! on the command channel for [`NAP`] between progress calls. After that it sleeps on the worker's
+//! event descriptor (armed with `ucp_worker_arm`) for up to [`COLD`]: network activity wakes it at
+//! once, and so does a command (the sender signals the worker when the thread is parked). Where
+//! UCX cannot arm the worker, it naps on the command channel for [`COLD_NAP`] instead. After a
+//! busy turn with transfers in flight it pauses for [`BUSY_PAUSES`] `spin_loop` hints before the
+//! next progress call.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -22,7 +25,7 @@ use tokio::sync::oneshot;
 
 use crate::liveness::ProcId;
 use crate::ucp::{
-    self, ClosingEndpoint, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Worker,
+    self, ClosingEndpoint, Context, Endpoint, Event, MemHandle, Posted, RemoteKey, Request, UcxError, Waker, Worker,
 };
 use crate::wire::{self, Header, Hello, Kind, Payload, RegionMeta, COMMIT_ABORTED, GOODBYE_SHUTDOWN};
 use crate::NAME;
@@ -32,7 +35,10 @@ const SPIN: Duration = Duration::from_micros(200);
 const NAP: Duration = Duration::from_micros(50);
 /// `spin_loop` hints after a busy turn while anything is in flight (a few hundred nanoseconds).
 const BUSY_PAUSES: u32 = 8;
-const COLD: Duration = Duration::from_millis(1);
+/// Longest sleep on the event descriptor (timers and liveness checks run at least this often).
+const COLD: Duration = Duration::from_millis(10);
+/// The nap when the worker cannot be armed: a message that arrives meanwhile waits up to this long.
+const COLD_NAP: Duration = Duration::from_millis(1);
 /// How long shutdown waits for in-flight transfers and region closes, then for goodbyes.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
 /// Most requests (puts or data messages) one transfer has in flight; the rest wait, so an abort
@@ -88,11 +94,25 @@ pub(crate) struct Shared {
     pub unauthenticated: AtomicU64,
     /// Messages dropped because their sender's instance was cut off.
     pub cut_dropped: AtomicU64,
+    /// The progress thread sleeps on the worker's event descriptor (see the module docs).
+    pub parked: AtomicBool,
+    /// Wakes it (set once the worker exists; a no-op once it is destroyed).
+    pub waker: std::sync::OnceLock<Arc<Waker>>,
 }
 
 impl Shared {
+    /// Queues a command for the progress thread and wakes it if it sleeps.
     pub fn send(&self, cmd: Cmd) -> Result<(), BackendError> {
-        lock(&self.cmds).send(cmd).map_err(|_| BackendError::Closed { backend: NAME })
+        lock(&self.cmds).send(cmd).map_err(|_| BackendError::Closed { backend: NAME })?;
+        // Pairs with the fence in `Engine::sleep`: either the thread sees this command before it
+        // sleeps, or this sees it parked and signals.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            if let Some(w) = self.waker.get() {
+                w.signal();
+            }
+        }
+        Ok(())
     }
 }
 
@@ -661,6 +681,8 @@ enum Token {
 /// The progress thread's state. Field order is drop order: peers (remote keys, endpoints) first,
 /// then registrations, the worker, the context.
 struct Engine {
+    /// The worker's event descriptor, while the thread may sleep on it.
+    efd: Option<std::os::fd::RawFd>,
     peers: BTreeMap<PeerId, Peer>,
     reverse: HashMap<u64, Reverse>,
     acks: Vec<PendingAck>,
@@ -724,7 +746,18 @@ pub(crate) fn start(
                     commit: h(Kind::Commit, 0),
                     commit_aborted: h(Kind::Commit, COMMIT_ABORTED),
                 };
+                let efd = match worker.event_fd() {
+                    Ok(fd) => {
+                        let _ = shared.waker.set(worker.waker());
+                        Some(fd)
+                    }
+                    Err(e) => {
+                        tracing::debug!("ucx: no worker event descriptor ({}: {}); idle polling", e.call, e.text());
+                        None
+                    }
+                };
                 Ok(Engine {
+                    efd,
                     peers: BTreeMap::new(),
                     reverse: HashMap::new(),
                     acks: Vec::new(),
@@ -826,7 +859,21 @@ impl Engine {
                 std::thread::yield_now();
                 continue;
             }
-            let nap = if in_flight || quiet < HOT { NAP } else { COLD };
+            if !in_flight && quiet >= HOT && self.efd.is_some() {
+                match self.sleep(rx) {
+                    Some(Ok(cmd)) => {
+                        if matches!(cmd, Cmd::Shutdown) {
+                            return;
+                        }
+                        self.handle(cmd);
+                        last_busy = Instant::now();
+                    }
+                    Some(Err(())) => return,
+                    None => {}
+                }
+                continue;
+            }
+            let nap = if in_flight || quiet < HOT { NAP } else { COLD_NAP };
             match rx.recv_timeout(nap) {
                 Ok(Cmd::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
                 Ok(cmd) => {
@@ -836,6 +883,39 @@ impl Engine {
                 Err(RecvTimeoutError::Timeout) => {}
             }
         }
+    }
+
+    /// Sleeps on the worker's event descriptor until network activity, a command or [`COLD`].
+    /// Returns a command that was already queued (`Some(Err)`: the channel closed), or `None`
+    /// after the sleep (the caller progresses again).
+    fn sleep(&mut self, rx: &Receiver<Cmd>) -> Option<Result<Cmd, ()>> {
+        let efd = self.efd?;
+        self.shared.parked.store(true, Ordering::SeqCst);
+        // Pairs with the fence in `Shared::send`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let queued = match rx.try_recv() {
+            Ok(cmd) => Some(Ok(cmd)),
+            Err(TryRecvError::Disconnected) => Some(Err(())),
+            Err(TryRecvError::Empty) => None,
+        };
+        if queued.is_none() {
+            match self.worker.arm() {
+                Ok(true) => {
+                    if let Err(e) = ucp::wait_readable(efd, COLD) {
+                        tracing::warn!("ucx: waiting on the worker's event descriptor failed ({e}); polling instead");
+                        self.efd = None;
+                    }
+                }
+                // Events pending: progress first.
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!("ucx: {} failed: {}; polling instead of sleeping", e.call, e.text());
+                    self.efd = None;
+                }
+            }
+        }
+        self.shared.parked.store(false, Ordering::SeqCst);
+        queued
     }
 
     /// Progresses the worker until it has nothing more to do (bounded), then handles every event
@@ -2128,6 +2208,7 @@ impl Engine {
     }
 
     fn shutdown(&mut self, rx: &Receiver<Cmd>) {
+        self.efd = None;
         while let Ok(cmd) = rx.try_recv() {
             self.refuse(cmd);
         }

@@ -258,6 +258,8 @@ impl UcxBackend {
             forged: AtomicU64::new(0),
             unauthenticated: AtomicU64::new(0),
             cut_dropped: AtomicU64::new(0),
+            parked: AtomicBool::new(false),
+            waker: std::sync::OnceLock::new(),
         });
         let (thread, cuda) = engine::start(s, rx, shared.clone())?;
         // Device memory only where UCX can register it and the data path never reads it from

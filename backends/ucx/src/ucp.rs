@@ -12,6 +12,7 @@ use std::ffi::{c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::sync::mpsc;
@@ -107,8 +108,9 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    /// Creates a context with the RMA and AM features and the given UCX configuration overrides
-    /// (e.g. `("TLS", "tcp")`).
+    /// Creates a context with the RMA, AM and wakeup features and the given UCX configuration
+    /// overrides (e.g. `("TLS", "tcp")`). Wakeup lets the progress thread sleep on the worker's
+    /// event descriptor ([`Worker::event_fd`]) when idle instead of polling.
     pub fn new(settings: &[(String, String)]) -> Result<Rc<Self>, UcxError> {
         let mut config = Config::read()?;
         for (k, v) in settings {
@@ -116,7 +118,7 @@ impl Context {
         }
         let mut params: sys::ucp_params_t = zeroed();
         params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64;
-        params.features = (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM) as u64;
+        params.features = (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
         let name = c"kvxfer";
         params.name = name.as_ptr();
         let mut raw = ptr::null_mut();
@@ -225,6 +227,7 @@ pub(crate) const ERR_UNREACHABLE: Status = sys::UCS_ERR_UNREACHABLE as Status;
 /// A UCP worker (`ucp_worker_h`) in single-thread mode, destroyed on drop.
 pub(crate) struct Worker {
     raw: sys::ucp_worker_h,
+    waker: Arc<Waker>,
     sink: Box<mpsc::Sender<RawEvent>>,
     inbox: mpsc::Receiver<RawEvent>,
     _ctx: Rc<Context>,
@@ -294,7 +297,8 @@ impl Worker {
         // SAFETY: ctx is live; params initialised for the named field; raw receives the worker.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.raw, &params, &mut raw) })?;
         let (tx, inbox) = mpsc::channel();
-        let worker = Rc::new(Self { raw, sink: Box::new(tx), inbox, _ctx: ctx.clone() });
+        let waker = Arc::new(Waker(std::sync::Mutex::new(Some(SignalTarget(raw)))));
+        let worker = Rc::new(Self { raw, waker, sink: Box::new(tx), inbox, _ctx: ctx.clone() });
         let mut hp: sys::ucp_am_handler_param_t = zeroed();
         hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
             | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
@@ -313,6 +317,33 @@ impl Worker {
     pub fn progress(&self) -> u32 {
         // SAFETY: the worker is live and only used from this (owning) thread.
         unsafe { sys::ucp_worker_progress(self.raw) }
+    }
+
+    /// The worker's event descriptor: readable when network activity (or [`WorkerSignal::signal`])
+    /// wants [`Self::progress`], once armed ([`Self::arm`]).
+    pub fn event_fd(&self) -> Result<std::os::fd::RawFd, UcxError> {
+        let mut fd: std::os::raw::c_int = -1;
+        // SAFETY: the worker is live (created with the wakeup feature); `fd` receives the descriptor,
+        // which the worker owns.
+        check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(self.raw, &mut fd) })?;
+        Ok(fd)
+    }
+
+    /// Arms the event descriptor: `Ok(true)` when armed (sleeping on it is safe), `Ok(false)`
+    /// when events are pending (progress first, then arm again).
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: the worker is live and only used from this (owning) thread.
+        let status = unsafe { sys::ucp_worker_arm(self.raw) };
+        if status == sys::UCS_ERR_BUSY as Status {
+            return Ok(false);
+        }
+        check("ucp_worker_arm", status).map(|()| true)
+    }
+
+    /// What other threads use to wake a thread sleeping on [`Self::event_fd`]; a no-op once
+    /// this worker is destroyed.
+    pub fn waker(&self) -> Arc<Waker> {
+        self.waker.clone()
     }
 
     /// What callbacks left since the last call.
@@ -351,8 +382,51 @@ impl Worker {
     }
 }
 
+/// The worker a [`Waker`] signals, while it lives.
+struct SignalTarget(sys::ucp_worker_h);
+
+// SAFETY: the pointer is only used for `ucp_worker_signal`, which UCX documents as callable from
+// any thread (also on a UCS_THREAD_MODE_SINGLE worker), and only under the `Waker`'s lock, which
+// the worker's Drop takes to clear it before destroying the worker.
+unsafe impl Send for SignalTarget {}
+
+/// Wakes a worker's sleeping progress thread from any thread ([`Worker::waker`]).
+pub(crate) struct Waker(std::sync::Mutex<Option<SignalTarget>>);
+
+impl Waker {
+    /// Makes the worker's event descriptor readable (the sleeping thread wakes); nothing once the
+    /// worker is destroyed.
+    pub fn signal(&self) {
+        let target = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = target.as_ref() {
+            // SAFETY: the worker is live (its Drop clears the target under this lock first);
+            // ucp_worker_signal is thread-safe.
+            let status = unsafe { sys::ucp_worker_signal(t.0) };
+            if status != sys::UCS_OK as Status {
+                tracing::debug!("ucx: ucp_worker_signal failed: {}", status_text(status));
+            }
+        }
+    }
+}
+
+/// Waits until `fd` is readable or `timeout` passed; `Ok(true)` when readable. An interrupted
+/// wait counts as a timeout (the caller loops).
+pub(crate) fn wait_readable(fd: std::os::fd::RawFd, timeout: Duration) -> std::io::Result<bool> {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let ms = timeout.as_millis().clamp(0, i32::MAX as u128) as libc::c_int;
+    // SAFETY: one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted { Ok(false) } else { Err(e) };
+    }
+    Ok(n > 0)
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
+        // No thread may signal the worker from here on.
+        *self.waker.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
         // Data still queued and held in UCX's buffers goes back before the worker does.
         for e in self.inbox.try_iter() {
             if let RawEvent::Message { data: RawData::Held(ptr, _), .. } = e {
