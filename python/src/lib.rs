@@ -1107,6 +1107,8 @@ impl Agent {
             d.set_item("aborts_received", s.aborts_received)?;
             d.set_item("fences", s.fences)?;
             d.set_item("fence_reasks", s.fence_reasks)?;
+            d.set_item("warm_ups", s.warm_ups)?;
+            d.set_item("warm_up_failures", s.warm_up_failures)?;
             d.set_item("peers_lost", s.peers_lost)?;
             d.set_item("protocol_errors", s.protocol_errors)?;
             d.set_item("digest_bytes", s.digest_bytes)?;

@@ -127,6 +127,10 @@ pub struct BenchArgs {
     /// With `--through engine`: host memory registered in one call for the registration figure.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     pub register_size: u64,
+    /// With `--through engine`: prefill agents do not warm new connections
+    /// (`AgentConfig::warm_up` off), to show what the first request costs without it.
+    #[arg(long)]
+    pub no_warm_up: bool,
     /// Test-only, with `--through engine`: flip one landed byte before the engine path's
     /// verification, so it fails and the bench exits non-zero.
     #[arg(long, hide = true)]

@@ -240,6 +240,7 @@ async fn start(a: &BenchArgs, topo: Topology, pages: u32, rts: &[Handle]) -> Res
         c.backend_options = options(a);
         c.request_timeout = REQUEST_DEADLINE;
         c.label = format!("kvxfer bench {role} {tp}");
+        c.warm_up = !a.no_warm_up;
         c
     };
     let on = |rt: &Handle, cfg: AgentConfig, memory: KvMemory| {

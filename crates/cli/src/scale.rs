@@ -15,7 +15,7 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::Registration;
+use kvxfer::bootstrap::RankRegistration;
 use kvxfer::metadata::{self, MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
 use kvxfer::session::KvPool;
 use kvxfer_core::{BackendConfig, KvSpec, Layout, Parallel, ProtocolRange, RankId, Side, SideSpec, Topology};
@@ -251,7 +251,7 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
         templates.push((role, pool, endpoint));
         endpoints.push((backend, memory));
     }
-    let regs: Vec<Registration> = templates
+    let regs: Vec<RankRegistration> = templates
         .iter()
         .flat_map(|(role, pool, endpoint)| {
             (0..pp).flat_map(move |p| (0..args.tp).map(move |t| (*role, RankId::new(t, p), pool, endpoint)))
@@ -260,7 +260,7 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
         .map(|(i, (role, rank, pool, endpoint))| {
             let mut endpoint = endpoint.clone();
             endpoint.identity = i as u64 + 1;
-            Registration {
+            RankRegistration {
                 role,
                 rank,
                 backend: "tcp".into(),
@@ -270,6 +270,7 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
                 label: format!("scale rank {i}"),
                 model: None,
                 protocol: ProtocolRange::THIS_BUILD,
+                warmup: None,
             }
         })
         .collect();
@@ -375,7 +376,7 @@ async fn measure(args: &ScaleArgs) -> Result<ScaleReport, String> {
 /// watch until it knows every rank.
 async fn one_rank(
     store: Arc<dyn MetadataStore>,
-    me: Registration,
+    me: RankRegistration,
     topo: &Topology,
     ttl: Duration,
     deadline: Duration,

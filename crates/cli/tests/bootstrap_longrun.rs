@@ -21,7 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapClient, BootstrapError, Registration, Secret, ServerStats};
+use kvxfer::bootstrap::{BootstrapClient, BootstrapError, RankRegistration, Secret, ServerStats};
 use kvxfer::metadata::bootstrap::BootstrapStore;
 use kvxfer::metadata::{Membership, MetadataError, MetadataStore};
 use kvxfer::session::KvPool;
@@ -177,8 +177,8 @@ fn spec(tp: u32) -> SideSpec {
     }
 }
 
-fn reg(role: Side, tp: u32, label: &str) -> Registration {
-    Registration {
+fn reg(role: Side, tp: u32, label: &str) -> RankRegistration {
+    RankRegistration {
         role,
         rank: RankId::new(tp, 0),
         backend: "tcp".into(),
@@ -188,6 +188,7 @@ fn reg(role: Side, tp: u32, label: &str) -> Registration {
         label: label.into(),
         model: None,
         protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
+        warmup: None,
     }
 }
 

@@ -6,15 +6,15 @@
 //! closes. Requests:
 //!
 //! ```text
-//! {"op":"register","entry":<Registration>}            -> {"ok":true,"epoch":N[,"replaced":M]}
+//! {"op":"register","entry":<RankRegistration>}        -> {"ok":true,"epoch":N[,"replaced":M]}
 //! {"op":"peers","role":"decode","want":4,"timeout_ms":30000}
-//!                                                     -> {"ok":true,"entries":[<Registration + "epoch">...]}
+//!                                                     -> {"ok":true,"entries":[<RankRegistration + "epoch">...]}
 //! {"op":"put","key":"req/7","value":<any JSON>[,"ttl_ms":60000]}
 //!                                                     -> {"ok":true}
 //! {"op":"get","key":"req/7","timeout_ms":30000}       -> {"ok":true,"value":<JSON>}
 //! {"op":"delete","key":"req/7"}                       -> {"ok":true,"deleted":true|false}
 //! {"op":"stats"}                                      -> {"ok":true,"stats":<ServerStats>}
-//! {"op":"store","call":<StoreCall>}                   -> {"ok":true,"result":{"Ok":<JSON>}|{"Err":<MemError>}}
+//! {"op":"store","call":<StoreCall>}                   -> {"ok":true,"result":{"Ok":<JSON>}|{"Err":<MemStoreError>}}
 //! any failure                                         -> {"ok":false,"error":"<what and what to do>"[,"kind":"auth"|"busy"|"limit"|"version"]}
 //! ```
 //!
@@ -27,7 +27,7 @@
 //! delete, watch with a revision) to an in-memory store ([`crate::metadata::memory`]) kept apart from
 //! the `register`/`put`/`get` table; [`crate::metadata::bootstrap::BootstrapStore`] is its client.
 //!
-//! A [`Registration`] carries the rank's role, TP rank and PP stage, backend name, endpoint
+//! A [`RankRegistration`] carries the rank's role, TP rank and PP stage, backend name, endpoint
 //! metadata, KV pool description, and its [`SideSpec`] (KV layout plus parallel config). `register`
 //! rejects a rank outside its own side's parallel config, a rank whose side spec differs from ranks of
 //! its role already registered, and a rank whose layout is incompatible with any rank of the other
@@ -122,7 +122,7 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_millis(200);
 
 /// What a rank publishes about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Registration {
+pub struct RankRegistration {
     /// Prefill or decode.
     pub role: Side,
     /// TP rank and PP stage.
@@ -150,6 +150,22 @@ pub struct Registration {
     /// rank wrote them, so a bootstrap service or etcd of any version passes the field on.)
     #[serde(default)]
     pub protocol: ProtocolRange,
+    /// A decode rank's warm-up region: each prefill rank writes what a one-page request would
+    /// into it right after connecting ([`crate::session::SenderSession::warm_up`]), so that the
+    /// first request does not pay the transport's first-use costs. `None` for prefill ranks, for
+    /// a backend that takes no host memory, and in records of a kvxfer older than this field
+    /// (those connections are not warmed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<WarmupRegion>,
+}
+
+/// A region a decode rank registered only for warm-up writes; its bytes are never read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmupRegion {
+    /// Its region id ([`crate::session::WARMUP_REGION`]).
+    pub region: kvxfer_core::RegionId,
+    /// Its length: at least [`crate::session::warmup_bytes`] of the rank.
+    pub len: u64,
 }
 
 /// What model a rank's KV cache belongs to, beyond what the layout says: two models of one shape
@@ -185,7 +201,7 @@ impl std::fmt::Display for ModelIdentity {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
     /// What the rank registered.
-    pub registration: Registration,
+    pub registration: RankRegistration,
     /// The epoch of that registration: higher than the epoch of every registration accepted before it
     /// (0 from a service older than epochs).
     pub epoch: u64,
@@ -344,7 +360,7 @@ pub fn check_compatible(prefill: &SideSpec, decode: &SideSpec) -> Result<Topolog
     Err(problems)
 }
 
-pub(crate) fn describe(r: &Registration) -> String {
+pub(crate) fn describe(r: &RankRegistration) -> String {
     let mut s = format!("{} rank {}", r.role, r.rank);
     if !r.label.is_empty() {
         s.push_str(&format!(" ({})", r.label));
@@ -373,7 +389,7 @@ fn side_differences(a: &SideSpec, b: &SideSpec) -> Vec<String> {
 }
 
 /// Checks a new registration against one already there.
-pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), BootstrapError> {
+pub(crate) fn check_pair(a: &RankRegistration, b: &RankRegistration) -> Result<(), BootstrapError> {
     let (p, d) = if a.role == Side::Prefill { (a, b) } else { (b, a) };
     let mut problems = Vec::new();
     if a.backend != b.backend {
@@ -437,7 +453,7 @@ pub(crate) fn check_pair(a: &Registration, b: &Registration) -> Result<(), Boots
 }
 
 /// Checks that a rank lies inside its own side's parallel config: TP rank below TP, PP stage below PP.
-pub fn check_rank_in_config(r: &Registration) -> Result<(), BootstrapError> {
+pub fn check_rank_in_config(r: &RankRegistration) -> Result<(), BootstrapError> {
     let par = &r.spec.parallel;
     if r.rank.tp >= par.tp || r.rank.pp >= par.pp {
         return Err(BootstrapError::RankOutsideConfig { who: describe(r), rank: r.rank, tp: par.tp, pp: par.pp });
@@ -537,7 +553,7 @@ pub struct ServerConfig {
 #[serde(tag = "op", rename_all = "lowercase")]
 pub(crate) enum Request {
     Register {
-        entry: Box<Registration>,
+        entry: Box<RankRegistration>,
     },
     Peers {
         role: Side,
@@ -654,7 +670,7 @@ struct KvEntry {
 
 #[derive(Default)]
 struct State {
-    entries: BTreeMap<(u8, RankId), (Registration, u64)>,
+    entries: BTreeMap<(u8, RankId), (RankRegistration, u64)>,
     last_epoch: u64,
     kv: HashMap<String, KvEntry>,
     /// Keys with a TTL, by expiry.
@@ -866,7 +882,7 @@ impl Service {
                     let notified = self.changed.notified();
                     {
                         let st = self.lock();
-                        let found: Vec<&(Registration, u64)> =
+                        let found: Vec<&(RankRegistration, u64)> =
                             st.entries.values().filter(|(e, _)| e.role == role).collect();
                         if found.len() >= want as usize {
                             let entries = found.iter().map(|(r, epoch)| with_epoch(r, *epoch)).collect();
@@ -964,7 +980,7 @@ impl Service {
 
 /// A registration as `peers` sends it: its JSON object with an `epoch` member added (clients that do
 /// not know epochs ignore it).
-fn with_epoch(r: &Registration, epoch: u64) -> Value {
+fn with_epoch(r: &RankRegistration, epoch: u64) -> Value {
     let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
     if let Value::Object(m) = &mut v {
         m.insert("epoch".into(), Value::from(epoch));
@@ -1524,20 +1540,25 @@ impl BootstrapClient {
     /// Publishes a rank. Fails if the rank lies outside its own parallel config, differs from ranks
     /// of its role, or is incompatible with a rank of the other role; a rank registered before is
     /// replaced (see [`Self::register_with_epoch`]).
-    pub async fn register(&self, entry: &Registration) -> Result<(), BootstrapError> {
+    pub async fn register(&self, entry: &RankRegistration) -> Result<(), BootstrapError> {
         self.register_with_epoch(entry).await.map(|_| ())
     }
 
     /// Publishes a rank (as [`Self::register`]) and returns its epoch, and the epoch of the
     /// registration of the same rank it replaced, if any.
-    pub async fn register_with_epoch(&self, entry: &Registration) -> Result<Registered, BootstrapError> {
+    pub async fn register_with_epoch(&self, entry: &RankRegistration) -> Result<Registered, BootstrapError> {
         let op = format!("register {}", describe(entry));
         let r = self.call(&op, &Request::Register { entry: Box::new(entry.clone()) }, Duration::ZERO).await?;
         Ok(Registered { epoch: r.epoch.unwrap_or(0), replaced: r.replaced })
     }
 
     /// Waits until `want` ranks of `role` are registered (at most `timeout`) and returns them.
-    pub async fn peers(&self, role: Side, want: u32, timeout: Duration) -> Result<Vec<Registration>, BootstrapError> {
+    pub async fn peers(
+        &self,
+        role: Side,
+        want: u32,
+        timeout: Duration,
+    ) -> Result<Vec<RankRegistration>, BootstrapError> {
         Ok(self.peers_with_epochs(role, want, timeout).await?.into_iter().map(|p| p.registration).collect())
     }
 
@@ -1569,11 +1590,11 @@ impl BootstrapClient {
     /// reported before any byte moves. Returns the peers and the topology.
     pub async fn handshake(
         &self,
-        me: &Registration,
+        me: &RankRegistration,
         role: Side,
         want: u32,
         timeout: Duration,
-    ) -> Result<(Vec<Registration>, Topology), BootstrapError> {
+    ) -> Result<(Vec<RankRegistration>, Topology), BootstrapError> {
         let peers = self.peers(role, want, timeout).await?;
         for p in &peers {
             check_pair(me, p)?;
@@ -1647,8 +1668,8 @@ mod tests {
         }
     }
 
-    fn reg(role: Side, tp: u32, s: SideSpec) -> Registration {
-        Registration {
+    fn reg(role: Side, tp: u32, s: SideSpec) -> RankRegistration {
+        RankRegistration {
             role,
             rank: RankId::new(tp, 0),
             backend: "tcp".into(),
@@ -1658,6 +1679,7 @@ mod tests {
             label: String::new(),
             model: None,
             protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
+            warmup: None,
         }
     }
 

@@ -86,9 +86,9 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use kvxfer_core::{
-    BackendConfig, BackendEvent, BufferRef, Feature, Fence, KvTransferBackend, MemDesc, Notification, NotificationBody,
-    NotifyStyle, PeerId, ProtocolRange, RankId, RequestId, Secret, SecretError, SenderKey, Side, Status, Topology,
-    TrackerConfig, TrackerStats,
+    BackendConfig, BackendEvent, BufferRef, Feature, Fence, HostBuffer, KvTransferBackend, MemDesc, Notification,
+    NotificationBody, NotifyStyle, PeerId, ProtocolRange, RankId, RequestId, Secret, SecretError, SenderKey, Side,
+    Status, Topology, TrackerConfig, TrackerStats,
 };
 use serde::{Deserialize, Serialize};
 
@@ -96,7 +96,7 @@ use kvxfer_core::digest;
 use kvxfer_core::plan::plan_sender;
 use kvxfer_core::PairPlan;
 
-use crate::bootstrap::Registration as RankRegistration;
+use crate::bootstrap::{RankRegistration, WarmupRegion};
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
 use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
 use crate::session::{Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window};
@@ -229,6 +229,14 @@ pub struct AgentConfig {
     /// to rehearse or to keep a mixed cluster on the old wire. A version this build does not speak
     /// is refused at [`Agent::start`].
     pub protocol: Option<u16>,
+    /// Prefill: warm each new connection to a decode rank before it counts as connected (on by
+    /// default): one page's writes, twice, into a region the decode rank registered for it
+    /// ([`crate::session::SenderSession::warm_up`]; never its pool), so that the first request
+    /// does not pay what the transport sets up on first use (UCX: several times a steady
+    /// request's latency). Costs one page of host memory on each decode rank and a few
+    /// milliseconds per connection. Decode ranks always offer the region (when their backend takes
+    /// host memory); turning this off on a prefill rank skips its writes.
+    pub warm_up: bool,
 }
 
 impl AgentConfig {
@@ -260,6 +268,7 @@ impl AgentConfig {
             cut_off_timeout: Duration::from_secs(10),
             secret: None,
             bootstrap_tls: None,
+            warm_up: true,
             digest: false,
             model: None,
             protocol: None,
@@ -474,6 +483,12 @@ pub struct AgentStats {
     /// docs' abort section); above zero means an ask or a fence was lost or a prefill rank did not
     /// answer: its warnings (`kvxfer::request`) name the request and the rank.
     pub fence_reasks: u64,
+    /// Prefill: connections warmed ([`crate::session::SenderSession::warm_up`]: one page's writes,
+    /// twice, into the decode rank's warm-up region, right after connecting).
+    pub warm_ups: u64,
+    /// Prefill: warm-ups that failed (warned under `kvxfer::engine`; the connection stays, and
+    /// its first request reports whatever is wrong with it).
+    pub warm_up_failures: u64,
     /// Peers given up on (left the cluster, lease expired, transport lost them, replaced by a new
     /// epoch, or this rank's own membership lost).
     pub peers_lost: u64,
@@ -624,6 +639,8 @@ pub struct Agent {
     membership: Option<Membership>,
     memory: Vec<PoolMemory>,
     registrations: Vec<kvxfer_core::Registration>,
+    /// A decode rank's warm-up region (closed at shutdown, before its buffer is freed).
+    warmup: Option<(HostBuffer, kvxfer_core::Registration)>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     metrics: AgentMetrics,
 }
@@ -636,6 +653,12 @@ impl fmt::Debug for Agent {
 
 /// How long [`Agent::start`] waits for a previous process's record of this rank to expire: its
 /// lease TTL (taken to be this rank's `lease_ttl`) and 1 s for the store's expiry.
+/// Rounds of one page's writes a prefill rank sends to warm a new connection (measured in
+/// docs/performance/2026-12-07-warm-connections.md: one round leaves part of UCX's first-use cost).
+const WARM_UP_ROUNDS: u32 = 2;
+/// Longest a warm-up may take (bounded further by [`AgentConfig::request_timeout`]).
+const WARM_UP_WAIT: Duration = Duration::from_secs(5);
+
 fn rejoin_wait(cfg: &AgentConfig) -> Duration {
     cfg.lease_ttl + Duration::from_secs(1)
 }
@@ -719,6 +742,19 @@ impl Agent {
             }
         };
         let page_bytes: u64 = pool.buffers.iter().map(|b| topo.buffer_bytes(role, b.buffer.kind, 1)).sum();
+        // A decode rank's warm-up region: host memory, one page of its pool, for its senders'
+        // first writes (`SenderSession::warm_up`); not for a backend that takes no host memory.
+        let warmup = if role == Side::Decode && backend.capabilities().memory.contains(&kvxfer_core::MemKind::Host) {
+            let len = crate::session::warmup_bytes(&topo, rank);
+            let mut host = HostBuffer::zeroed(len as usize);
+            let reg = backend
+                .register(crate::session::WARMUP_REGION, host.desc())
+                .await
+                .map_err(|e| setup(format!("registering the warm-up region ({len} bytes): {e}")))?;
+            Some((host, reg))
+        } else {
+            None
+        };
         let registered_bytes: u64 = pool.buffers.iter().map(|b| b.len).sum();
         let (sender, receiver) = match role {
             Side::Prefill => (
@@ -756,6 +792,9 @@ impl Agent {
             label: cfg.label.clone(),
             model: cfg.model.clone(),
             protocol: cfg.protocol_range(),
+            warmup: warmup
+                .as_ref()
+                .map(|(h, _)| WarmupRegion { region: crate::session::WARMUP_REGION, len: h.len() as u64 }),
         };
         // A rank restarted right after a crash finds its old record until the old lease expires.
         // An unreachable store is the one start failure a retry can fix: it says so by its variant.
@@ -810,7 +849,7 @@ impl Agent {
             tokio::spawn(Arc::clone(&inner).watch_health(membership.health())),
         ];
         let metrics = AgentMetrics::new(role, rank, &inner.recorder, &inner);
-        Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, tasks, metrics })
+        Ok(Agent { inner, membership: Some(membership), memory: pool_memory, registrations, warmup, tasks, metrics })
     }
 
     /// This rank's side.
@@ -1033,6 +1072,12 @@ impl Agent {
             if let Err(e) = r.close(deadline).await {
                 first.get_or_insert(self.inner.setup(format!("closing a registration: {e}")));
             }
+        }
+        if let Some((host, r)) = self.warmup.take() {
+            if let Err(e) = r.close(deadline).await {
+                first.get_or_insert(self.inner.setup(format!("closing the warm-up region: {e}")));
+            }
+            drop(host);
         }
         first.map_or(Ok(()), Err)
     }
@@ -1508,12 +1553,41 @@ impl Inner {
                 })?),
                 _ => None,
             };
+        if let (Some(s), Some(w), true) = (&self.sender, reg.warmup, self.cfg.warm_up) {
+            self.warm_up(s, reg, w).await;
+        }
         if let Some(rx) = &self.receiver {
             rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
         }
         // The old instance (if any) was given up on and is being cut off by `peer_lost`.
         lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
         Ok(())
+    }
+
+    /// Warms the new connection to decode rank `reg` before it counts as connected (see
+    /// [`SenderSession::warm_up`]). A failure is warned about and counted, not fatal: the
+    /// connection stays, and a real request on it reports whatever is wrong.
+    async fn warm_up(&self, s: &SenderSession, reg: &RankRegistration, w: WarmupRegion) {
+        let deadline = Instant::now() + WARM_UP_WAIT.min(self.cfg.request_timeout);
+        let t0 = Instant::now();
+        match s.warm_up(reg.rank, w.region, w.len, WARM_UP_ROUNDS, deadline).await {
+            Ok(st) => {
+                lock(&self.stats).warm_ups += 1;
+                tracing::debug!(
+                    target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank, bytes = st.bytes, ops = st.ops,
+                    "warmed the connection to decode rank {} in {:?}", reg.rank, t0.elapsed()
+                );
+            }
+            Err(e) => {
+                lock(&self.stats).warm_up_failures += 1;
+                tracing::warn!(
+                    target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank,
+                    "warming the connection to decode rank {} ({}) failed after {:?}: {e}; the connection stays \
+                     (its first request pays the transport's first-use costs, and reports any real fault)",
+                    reg.rank, reg.label, t0.elapsed()
+                );
+            }
+        }
     }
 
     /// This rank's own lease: once the store says it is gone, or no keep-alive succeeded for a

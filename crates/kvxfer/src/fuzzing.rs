@@ -10,9 +10,9 @@ use kvxfer_core::{Attention, EndpointMetadata, KvSpec, Layout, Parallel, RankId,
 use serde_json::{json, Value};
 
 use crate::bootstrap::{check_compatible, check_pair, check_rank_in_config, describe, parse_request};
-use crate::bootstrap::{Registration, Request, Response};
+use crate::bootstrap::{RankRegistration, Request, Response};
 use crate::metadata::auth::{self, Secret};
-use crate::metadata::memory::{json_len, MemError, MemState, StoreCall};
+use crate::metadata::memory::{json_len, MemState, MemStoreError, StoreCall};
 use crate::metadata::LeaseId;
 use crate::session::{region_id, KvPool, PoolBuffer};
 
@@ -76,7 +76,7 @@ fn serve(body: &str) -> bool {
     true
 }
 
-fn register(entry: &Registration) {
+fn register(entry: &RankRegistration) {
     let _ = describe(entry);
     let _ = check_rank_in_config(entry);
     for (side, other) in
@@ -96,7 +96,7 @@ fn register(entry: &Registration) {
     if let Value::Object(m) = &mut v {
         m.insert("epoch".into(), json!(7));
     }
-    let back: Registration = serde_json::from_value(v).expect("a peers entry parses");
+    let back: RankRegistration = serde_json::from_value(v).expect("a peers entry parses");
     assert_eq!(&back, entry);
 }
 
@@ -114,13 +114,13 @@ fn store(call: StoreCall) {
         let r = st.apply(call.clone(), now);
         // The service sends `r` as JSON; the client reads it back.
         let v = serde_json::to_value(&r).expect("serializes");
-        let _: Result<Value, MemError> = serde_json::from_value(v).expect("a store answer parses");
+        let _: Result<Value, MemStoreError> = serde_json::from_value(v).expect("a store answer parses");
     }
     let _ = st.expire(now + std::time::Duration::from_secs(3600));
 }
 
 /// A registration of the seed configuration (TP 2, PP 1, 4 layers, GQA with 4 KV heads).
-pub fn seed_registration(role: Side) -> Registration {
+pub fn seed_registration(role: Side) -> RankRegistration {
     let spec = SideSpec {
         kv: KvSpec {
             attention: Attention::Gqa { kv_heads: 4, head_dim_k: 128, head_dim_v: 128 },
@@ -143,7 +143,7 @@ pub fn seed_registration(role: Side) -> Registration {
             len: topo.buffer_bytes(role, buffer.kind, pages),
         })
         .collect();
-    Registration {
+    RankRegistration {
         role,
         rank,
         backend: "tcp".into(),
@@ -153,6 +153,7 @@ pub fn seed_registration(role: Side) -> Registration {
         label: "host-a pid 4242".into(),
         model: None,
         protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
+        warmup: None,
     }
 }
 

@@ -192,6 +192,30 @@ pub fn region_id(b: BufferRef) -> RegionId {
     RegionId(b.layer * 4 + b.kind.index())
 }
 
+/// The region a decode rank registers for its peers' warm-up writes ([`SenderSession::warm_up`]):
+/// never a pool buffer ([`region_id`] gives those `layer * 4 + kind`).
+pub const WARMUP_REGION: RegionId = RegionId(u32::MAX);
+
+/// Bytes of decode `rank`'s warm-up region: one page of each of its buffers, back to back (what
+/// a one-page request writes to that rank, from all its senders together).
+pub fn warmup_bytes(topo: &Topology, rank: RankId) -> u64 {
+    warmup_pool(topo, rank, WARMUP_REGION).buffers.iter().map(|b| b.len).sum()
+}
+
+/// Decode `rank`'s buffers as one page each, back to back in `region`.
+fn warmup_pool(topo: &Topology, rank: RankId, region: RegionId) -> KvPool {
+    let mut pool = KvPool { pages: 1, buffers: Vec::new() };
+    let mut offset = 0;
+    for layer in 0..topo.stage_layers(Side::Decode, rank.pp) {
+        for &kind in topo.kv().kinds() {
+            let len = topo.buffer_bytes(Side::Decode, kind, 1);
+            pool.buffers.push(PoolBuffer { buffer: BufferRef { layer, kind }, region, offset, len });
+            offset += len;
+        }
+    }
+    pool
+}
+
 impl KvPool {
     /// Finds a buffer.
     pub fn get(&self, b: BufferRef) -> Option<&PoolBuffer> {
@@ -392,6 +416,9 @@ struct Receiver {
     pool: KvPool,
 }
 
+/// The request id [`SenderSession::warm_up`]'s errors name (no request of an engine's).
+pub const WARMUP_REQUEST: RequestId = RequestId(u64::MAX);
+
 /// The prefill side of one rank.
 pub struct SenderSession {
     backend: Arc<dyn KvTransferBackend>,
@@ -472,6 +499,54 @@ impl SenderSession {
         let peer = self.backend.connect(meta).await.map_err(err)?;
         lock(&self.peers).insert(dst, Arc::new(Receiver { peer, pool: dst_pool }));
         Ok(())
+    }
+
+    /// Warms the connection to decode rank `dst` (connected with [`Self::connect`]): writes what a
+    /// one-page request writes to it (page 0 of this rank's pool, the same ops and sizes)
+    /// `rounds` times into the warm-up region `region` of `len` bytes that the decode rank
+    /// registered for it ([`WARMUP_REGION`], [`warmup_bytes`]), with no notification. A backend's
+    /// first transfers on a connection pay for what it sets up lazily (buffer pools, protocol
+    /// state); this moves that cost from the first request to connect time. Nothing of the decode
+    /// rank's pool is touched, and the source pages are only read. Fails (and posts nothing) when
+    /// `len` is too small for one page; a transfer error is returned after this rank's writes
+    /// were fenced.
+    pub async fn warm_up(
+        &self,
+        dst: RankId,
+        region: RegionId,
+        len: u64,
+        rounds: u32,
+        deadline: Instant,
+    ) -> Result<SendStats, SessionError> {
+        let rx = self.receiver(dst)?;
+        let pool = warmup_pool(&self.topo, dst, region);
+        let need: u64 = pool.buffers.iter().map(|b| b.len).sum();
+        if len < need {
+            return Err(SessionError::Pool {
+                side: Side::Decode,
+                rank: dst,
+                detail: format!("its warm-up region has {len} bytes; one page of its pool needs {need}"),
+            });
+        }
+        let mut stats = SendStats::default();
+        if self.pool.pages == 0 {
+            return Ok(stats);
+        }
+        let plan_err =
+            |source| SessionError::Plan { request: WARMUP_REQUEST, side: Side::Prefill, rank: self.rank, source };
+        let pairs = plan_sender(&self.topo, self.rank, &[0], &[0]).map_err(plan_err)?;
+        let Some(pair) = pairs.iter().find(|p| p.dst == dst) else {
+            return Err(plan_err(PlanError::NotAReceiver { src: self.rank, dst }));
+        };
+        let scratch = Receiver { peer: rx.peer, pool };
+        let never = Cancel::new();
+        for _ in 0..rounds {
+            let s = self.send_pair(WARMUP_REQUEST, pair, 0..pair.layers, &scratch, None, deadline, &never).await?;
+            stats.bytes += s.bytes;
+            stats.ops += s.ops;
+        }
+        stats.receivers = 1;
+        Ok(stats)
     }
 
     /// The backend peer of a connected decode rank.

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapClient, BootstrapServer, Registration, MAX_REQUEST_LINE};
+use kvxfer::bootstrap::{BootstrapClient, BootstrapServer, RankRegistration, MAX_REQUEST_LINE};
 use kvxfer::session::KvPool;
 use kvxfer_core::{Attention, EndpointMetadata, KvSpec, Layout, Parallel, RankId, Side, SideSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -23,8 +23,8 @@ fn status_bytes(field: &str) -> u64 {
     kb * 1024
 }
 
-fn registration() -> Registration {
-    Registration {
+fn registration() -> RankRegistration {
+    RankRegistration {
         role: Side::Prefill,
         rank: RankId::new(0, 0),
         backend: "tcp".into(),
@@ -43,6 +43,7 @@ fn registration() -> Registration {
         label: "well-formed".into(),
         model: None,
         protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
+        warmup: None,
     }
 }
 

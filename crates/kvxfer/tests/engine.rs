@@ -50,11 +50,16 @@ async fn cluster(t: Topology, style: NotifyStyle) -> Cluster {
 }
 
 async fn cluster_on(t: Topology, style: NotifyStyle, backend: &str) -> Cluster {
+    cluster_warmed(t, style, backend, true).await
+}
+
+async fn cluster_warmed(t: Topology, style: NotifyStyle, backend: &str, warm_up: bool) -> Cluster {
     let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
     let addr = server.addr().to_string();
     let mut prefill = Vec::new();
     for tp in 0..t.parallel(Side::Prefill).tp {
-        let c = config(Side::Prefill, tp, &t, &addr, style, backend);
+        let mut c = config(Side::Prefill, tp, &t, &addr, style, backend);
+        c.warm_up = warm_up;
         // Every source byte carries its prefill rank and position, so misplaced bytes show.
         prefill.push(Agent::start(c, KvMemory::Host { pages: PAGES, fill: 0 }).await.unwrap());
     }
@@ -140,6 +145,41 @@ async fn until(what: &str, f: impl Fn() -> bool) {
 async fn shutdown(c: Cluster) {
     for a in c.prefill.into_iter().chain(c.decode) {
         a.shutdown(soon()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_ranks_warm_every_connection_before_they_count_as_connected_and_no_pool_byte_changes() {
+    let t = topo(2, 1, 2);
+    let every_page: Vec<u32> = (0..PAGES).collect();
+    for backend in ["local", "tcp"] {
+        for warm_up in [true, false] {
+            let c = cluster_warmed(t, NotifyStyle::Attached, backend, warm_up).await;
+            for p in &c.prefill {
+                let s = p.stats();
+                let want = if warm_up { t.receivers(p.rank()).len() as u64 } else { 0 };
+                assert_eq!((s.warm_ups, s.warm_up_failures), (want, 0), "{backend}, warm_up {warm_up}, {}", p.rank());
+            }
+            assert_eq!(c.decode[0].stats().warm_ups, 0, "{backend}: decode ranks warm nothing");
+            assert!(all_sentinel(&c, &t, &every_page), "{backend}: a warm-up changed the decode pool");
+            // And the warmed connections carry requests as before.
+            let room = RequestId(1);
+            let senders: Vec<_> = c.prefill.iter().map(|p| p.sender(room).unwrap()).collect();
+            let rx = c.decode[0].receiver(room).unwrap();
+            rx.send_metadata(&[2], None).unwrap();
+            for s in &senders {
+                s.init(1).unwrap();
+                s.wait_ready(soon()).await.unwrap();
+                s.send(&[0]).unwrap();
+            }
+            assert_eq!(rx.wait(soon()).await.unwrap().phase, Phase::Success, "{backend}");
+            for s in senders {
+                s.wait(soon()).await.unwrap();
+                s.release().unwrap();
+            }
+            rx.release().unwrap();
+            shutdown(c).await;
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapServer, Registration};
+use kvxfer::bootstrap::{BootstrapServer, RankRegistration};
 use kvxfer::metadata::bootstrap::BootstrapStore;
 use kvxfer::metadata::memory::MemShared;
 use kvxfer::metadata::{
@@ -33,8 +33,8 @@ fn spec(tp: u32, page: u32) -> SideSpec {
     }
 }
 
-fn reg(role: Side, tp: u32, s: SideSpec, label: &str) -> Registration {
-    Registration {
+fn reg(role: Side, tp: u32, s: SideSpec, label: &str) -> RankRegistration {
+    RankRegistration {
         role,
         rank: RankId::new(tp, 0),
         backend: "tcp".into(),
@@ -44,6 +44,7 @@ fn reg(role: Side, tp: u32, s: SideSpec, label: &str) -> Registration {
         label: label.into(),
         model: None,
         protocol: kvxfer_core::ProtocolRange::THIS_BUILD,
+        warmup: None,
     }
 }
 
@@ -208,7 +209,7 @@ async fn ranks_of_different_models_never_pair() {
     let model = |name: &str, revision: &str, dtype: &str| {
         Some(ModelIdentity { name: name.into(), revision: revision.into(), dtype: dtype.into() })
     };
-    let with = |mut r: Registration, m: Option<ModelIdentity>| {
+    let with = |mut r: RankRegistration, m: Option<ModelIdentity>| {
         r.model = m;
         r
     };

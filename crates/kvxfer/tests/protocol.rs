@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapServer, Registration};
+use kvxfer::bootstrap::{BootstrapServer, RankRegistration};
 use kvxfer::engine::{Agent, AgentConfig, KvMemory, Phase};
 use kvxfer::metadata::members::record_of;
 use kvxfer::metadata::memory::MemShared;
@@ -46,7 +46,7 @@ fn fixture_record() -> (String, serde_json::Value) {
     (f["key"].as_str().unwrap().to_owned(), f["value"].clone())
 }
 
-fn decode_registration(protocol: ProtocolRange) -> Registration {
+fn decode_registration(protocol: ProtocolRange) -> RankRegistration {
     let (_, v) = fixture_record();
     let mut r = record_of(&v).unwrap().registration;
     r.role = Side::Decode;
@@ -64,6 +64,7 @@ async fn a_protocol_2_record_reads_as_protocol_2_and_pairs_with_this_build() {
     let rec = record_of(&value).expect("a protocol-2 record parses");
     assert_eq!(rec.registration.protocol, ProtocolRange::exactly(OLDEST_PROTOCOL));
     assert_eq!(rec.registration.model, None);
+    assert_eq!(rec.registration.warmup, None, "no warm-up region: its connections are not warmed");
     assert_eq!(
         ProtocolRange::THIS_BUILD.negotiate(rec.registration.protocol, "the prefill rank").unwrap().version,
         OLDEST_PROTOCOL

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use super::memory::{MemError, MemShared, StoreCall};
+use super::memory::{MemShared, MemStoreError, StoreCall};
 use super::{Created, Entry, LeaseId, MetadataStore, StoreError, StoreEvent, Watch, DEFAULT_OP_TIMEOUT};
 use crate::bootstrap::{BootstrapClient, BootstrapError};
 
@@ -90,7 +90,7 @@ impl BootstrapStore {
 
     async fn call(&self, call: StoreCall, wait: Duration) -> Result<Value, StoreError> {
         let op = call.describe();
-        let r: Result<Value, MemError> = match &self.transport {
+        let r: Result<Value, MemStoreError> = match &self.transport {
             Transport::InProcess(m) => {
                 let fut = m.call(call);
                 tokio::time::timeout(self.timeout + wait, fut).await.map_err(|_| StoreError::Timeout {
@@ -125,8 +125,8 @@ impl BootstrapStore {
             }
         };
         r.map_err(|e| match e {
-            MemError::LeaseNotFound { lease } => StoreError::LeaseGone { store: self.name.clone(), lease },
-            MemError::Compacted { compacted } => {
+            MemStoreError::LeaseNotFound { lease } => StoreError::LeaseGone { store: self.name.clone(), lease },
+            MemStoreError::Compacted { compacted } => {
                 StoreError::Compacted { store: self.name.clone(), after: 0, compacted }
             }
         })

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{Created, Entry, EventKind, LeaseId, MetadataStore, StoreError};
-use crate::bootstrap::{check_compatible, check_pair, check_rank_in_config, describe, BootstrapError, Registration};
+use crate::bootstrap::{
+    check_compatible, check_pair, check_rank_in_config, describe, BootstrapError, RankRegistration,
+};
 
 /// Lease time to live when none is configured.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
@@ -19,7 +21,7 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankRecord {
     /// The rank's registration.
-    pub registration: Registration,
+    pub registration: RankRegistration,
     /// Set just before the rank revokes its lease on purpose (so peers tell leaving from dying).
     #[serde(default)]
     pub left: bool,
@@ -29,7 +31,7 @@ pub struct RankRecord {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     /// Its registration.
-    pub registration: Registration,
+    pub registration: RankRegistration,
     /// The store revision that created its record: a rank that comes back has a higher one.
     pub epoch: u64,
     /// The lease its record lives under.
@@ -257,7 +259,7 @@ pub async fn peers_among(
 /// live rank of `role` against `me`, and returns the live ranks and the topology.
 pub async fn handshake_among(
     store: &dyn MetadataStore,
-    me: &Registration,
+    me: &RankRegistration,
     role: Side,
     need: &[RankId],
     timeout: Duration,
@@ -270,7 +272,7 @@ pub async fn handshake_among(
 /// before any byte moves. Returns the peers and the topology.
 pub async fn handshake(
     store: &dyn MetadataStore,
-    me: &Registration,
+    me: &RankRegistration,
     role: Side,
     want: u32,
     timeout: Duration,
@@ -282,7 +284,7 @@ pub async fn handshake(
 /// Checks every peer against `me` (layouts) and the first against `me` (compatibility).
 fn check_peers(
     store: &dyn MetadataStore,
-    me: &Registration,
+    me: &RankRegistration,
     role: Side,
     peers: Vec<Member>,
     want: u32,
@@ -313,7 +315,7 @@ fn check_peers(
 /// (or drop: then the lease expires and peers see the rank lost).
 pub struct Membership {
     store: Arc<dyn MetadataStore>,
-    me: Registration,
+    me: RankRegistration,
     key: String,
     lease: LeaseId,
     epoch: u64,
@@ -337,7 +339,11 @@ impl Membership {
     /// and against every rank registered (every layout mismatch listed, a rank of its role with
     /// another side spec named with both values), refuses a rank already registered, and keeps the
     /// lease alive (every `ttl / 3`).
-    pub async fn join(store: Arc<dyn MetadataStore>, me: Registration, ttl: Duration) -> Result<Self, MetadataError> {
+    pub async fn join(
+        store: Arc<dyn MetadataStore>,
+        me: RankRegistration,
+        ttl: Duration,
+    ) -> Result<Self, MetadataError> {
         check_rank_in_config(&me).map_err(MetadataError::Layout)?;
         let (others, _) = live(&*store, None).await?;
         for o in &others {
@@ -383,7 +389,7 @@ impl Membership {
     /// returns at once.
     pub async fn join_waiting(
         store: Arc<dyn MetadataStore>,
-        me: Registration,
+        me: RankRegistration,
         ttl: Duration,
         wait: Duration,
     ) -> Result<Self, MetadataError> {

@@ -132,7 +132,7 @@ impl StoreCall {
 /// A refusal of the in-memory store (typed, so clients map it back).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[serde(rename_all = "snake_case")]
-pub enum MemError {
+pub enum MemStoreError {
     /// The lease expired, was revoked, or never existed.
     #[error("lease {lease} not found (expired or revoked)")]
     LeaseNotFound {
@@ -271,9 +271,9 @@ impl MemState {
         true
     }
 
-    fn check_lease(&self, lease: Option<LeaseId>) -> Result<(), MemError> {
+    fn check_lease(&self, lease: Option<LeaseId>) -> Result<(), MemStoreError> {
         match lease {
-            Some(l) if !self.leases.contains_key(&l) => Err(MemError::LeaseNotFound { lease: l }),
+            Some(l) if !self.leases.contains_key(&l) => Err(MemStoreError::LeaseNotFound { lease: l }),
             _ => Ok(()),
         }
     }
@@ -308,14 +308,14 @@ impl MemState {
     }
 
     /// Events under `prefix` with a revision above `after`.
-    pub fn events_after(&self, prefix: &str, after: u64) -> Result<Vec<StoreEvent>, MemError> {
+    pub fn events_after(&self, prefix: &str, after: u64) -> Result<Vec<StoreEvent>, MemStoreError> {
         Ok(self.events_ref(prefix, after)?.into_iter().map(|(e, _)| e.clone()).collect())
     }
 
     /// [`Self::events_after`] without copying them, each with its JSON.
-    fn events_ref(&self, prefix: &str, after: u64) -> Result<Vec<(&StoreEvent, &RawValue)>, MemError> {
+    fn events_ref(&self, prefix: &str, after: u64) -> Result<Vec<(&StoreEvent, &RawValue)>, MemStoreError> {
         if after < self.compacted {
-            return Err(MemError::Compacted { compacted: self.compacted });
+            return Err(MemStoreError::Compacted { compacted: self.compacted });
         }
         let start = self.log.partition_point(|e| e.revision <= after);
         Ok(self
@@ -342,7 +342,7 @@ impl MemState {
     /// [`Self::apply`], answering as JSON text: list and watch answers are made of the JSON each
     /// entry and event got when it was written, so the bootstrap service writes every rank's
     /// record once, not once per reader (see docs/performance/2026-12-06-control-plane.md).
-    pub fn apply_text(&mut self, call: StoreCall, now: Instant) -> Result<Box<RawValue>, MemError> {
+    pub fn apply_text(&mut self, call: StoreCall, now: Instant) -> Result<Box<RawValue>, MemStoreError> {
         match call {
             StoreCall::List { prefix } => {
                 self.expire(now);
@@ -369,7 +369,7 @@ impl MemState {
     }
 
     /// Applies one call that does not wait (`Watch` answers with what is there now).
-    pub fn apply(&mut self, call: StoreCall, now: Instant) -> Result<Value, MemError> {
+    pub fn apply(&mut self, call: StoreCall, now: Instant) -> Result<Value, MemStoreError> {
         self.expire(now);
         Ok(match call {
             StoreCall::Grant { ttl_ms } => {
@@ -381,7 +381,7 @@ impl MemState {
                 json!({"lease": id, "ttl_ms": ttl.as_millis() as u64})
             }
             StoreCall::KeepAlive { lease } => {
-                let l = self.leases.get_mut(&lease).ok_or(MemError::LeaseNotFound { lease })?;
+                let l = self.leases.get_mut(&lease).ok_or(MemStoreError::LeaseNotFound { lease })?;
                 l.expires = now + l.ttl;
                 json!({"ttl_ms": l.ttl.as_millis() as u64})
             }
@@ -446,14 +446,14 @@ impl MemShared {
 
     /// Serves one call. A `Watch` with nothing to report waits (at most its timeout, at most
     /// [`MAX_WATCH_WAIT`]) for the first change, checking lease expiry meanwhile.
-    pub async fn call(&self, call: StoreCall) -> Result<Value, MemError> {
+    pub async fn call(&self, call: StoreCall) -> Result<Value, MemStoreError> {
         let text = self.call_text(call).await?;
         Ok(serde_json::from_str(text.get()).unwrap_or(Value::Null))
     }
 
     /// [`Self::call`], answering as JSON text (see [`MemState::apply_text`]): what the bootstrap
     /// service sends.
-    pub async fn call_text(&self, call: StoreCall) -> Result<Box<RawValue>, MemError> {
+    pub async fn call_text(&self, call: StoreCall) -> Result<Box<RawValue>, MemStoreError> {
         if let StoreCall::Watch { prefix, after, timeout_ms } = &call {
             let deadline = Instant::now() + Duration::from_millis(*timeout_ms).min(MAX_WATCH_WAIT);
             let mut coalesced = false;
@@ -517,7 +517,7 @@ fn raw<T: Serialize>(v: &T) -> Box<RawValue> {
 mod tests {
     use super::*;
 
-    fn put(s: &mut MemState, k: &str, lease: Option<LeaseId>, now: Instant) -> Result<Value, MemError> {
+    fn put(s: &mut MemState, k: &str, lease: Option<LeaseId>, now: Instant) -> Result<Value, MemStoreError> {
         s.apply(StoreCall::Put { key: k.into(), value: json!(k), lease }, now)
     }
 
@@ -541,7 +541,7 @@ mod tests {
         assert_eq!(evs[0].entry.as_ref().unwrap().value, json!("/a/ranks/x"));
         // The lease is gone: keep-alive and puts under it are refused; other keys stay.
         let t2 = t0 + Duration::from_secs(2);
-        assert_eq!(s.apply(StoreCall::KeepAlive { lease }, t2), Err(MemError::LeaseNotFound { lease }));
+        assert_eq!(s.apply(StoreCall::KeepAlive { lease }, t2), Err(MemStoreError::LeaseNotFound { lease }));
         assert!(put(&mut s, "/a/y", Some(lease), t2).is_err());
         let l = s.apply(StoreCall::List { prefix: "/a/".into() }, t2).unwrap();
         assert_eq!(l["entries"].as_array().unwrap().len(), 1);
@@ -572,7 +572,7 @@ mod tests {
         }
         let (events, bytes) = s.history();
         assert!(bytes <= HISTORY_BYTES && events < 70, "{events} events, {bytes} bytes");
-        assert!(matches!(s.events_after("big/", 1), Err(MemError::Compacted { .. })));
+        assert!(matches!(s.events_after("big/", 1), Err(MemStoreError::Compacted { .. })));
         assert_eq!(s.events_after("big/", s.revision() - 2).unwrap().len(), 2);
         assert_eq!(s.key_count(), 3);
     }
@@ -584,7 +584,7 @@ mod tests {
         for i in 0..HISTORY + 10 {
             put(&mut s, &format!("k{}", i % 7), None, t).unwrap();
         }
-        assert!(matches!(s.events_after("k", 1), Err(MemError::Compacted { .. })));
+        assert!(matches!(s.events_after("k", 1), Err(MemStoreError::Compacted { .. })));
         assert_eq!(s.events_after("k", s.revision() - 3).unwrap().len(), 3);
     }
 }
