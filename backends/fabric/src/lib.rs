@@ -39,6 +39,7 @@
 mod backend;
 pub mod baseline;
 pub mod ffi;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod wire;

@@ -84,6 +84,7 @@ use kvxfer_core::{
 use tokio::sync::oneshot;
 
 mod engine;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod liveness;
