@@ -89,7 +89,6 @@ mod engine;
 pub mod fuzzing;
 mod liveness;
 pub mod mmseg;
-pub mod perftest;
 mod ucp;
 mod wire;
 

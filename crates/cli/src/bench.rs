@@ -240,8 +240,8 @@ fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, 
             let tls = opt("tls").or_else(|| std::env::var("KVXFER_UCX_TLS").ok()).unwrap_or_else(|| "tcp".into());
             let r = (0..args.runs.max(1))
                 .map(|_| {
-                    kvxfer::backends::ucx::perftest::run(&tls, block as usize, iters, Duration::from_secs(120))
-                        .map(|r| r.bytes_per_sec / 1e9)
+                    crate::perftest::run(&tls, block as usize, iters, Duration::from_secs(120))
+                        .map(|bytes_per_sec| bytes_per_sec / 1e9)
                         .map_err(|e| e.to_string())
                 })
                 .collect();
