@@ -271,7 +271,7 @@ fn fabric_two_process(
     window: usize,
     runs: u32,
 ) -> Result<Vec<f64>, String> {
-    use kvxfer::backends::fabric::baseline;
+    use kvxfer_fabric::baseline;
     let addr = (prov == "tcp").then_some("127.0.0.1");
     let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
     let mut child = Command::new(exe)
@@ -344,7 +344,7 @@ pub fn fabric_target(args: &FabricTargetArgs) -> ExitCode {
     });
     let addr = (args.provider == "tcp").then_some("127.0.0.1");
     let mut out = std::io::stdout();
-    let r = kvxfer::backends::fabric::baseline::serve_target(
+    let r = kvxfer_fabric::baseline::serve_target(
         &args.provider,
         addr,
         args.len as usize,
