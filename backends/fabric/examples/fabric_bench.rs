@@ -2,7 +2,7 @@
 //! sizes and providers, in one run, with the ratio.
 //!
 //! ```text
-//! cargo run --release -p kvxfer-fabric --example fabric_bench -- [--providers tcp,shm] [--sizes 65536,1048576,16777216]
+//! cargo run --release -p kvxfer-fabric --features baseline --example fabric_bench -- [--providers tcp,shm] [--sizes 65536,1048576,16777216]
 //!     [--windows 1,8] [--bytes 268435456] [--reps 3]
 //! ```
 //! Both sides run in this process over loopback (`tcp` binds 127.0.0.1). The backend column is

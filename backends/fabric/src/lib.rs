@@ -32,13 +32,16 @@
 //!   lost). Limits in the README.
 //!
 //! See README.md in this crate for the options, the provider findings and the shm workarounds.
-//! [`baseline`] measures a plain `fi_write` loop between two endpoints of one process, the reference
-//! the bench compares the backend with; `tests/completion.rs` probes what a write completion means on
-//! each provider.
+//! The `baseline` module (cargo feature `baseline`, off by default; `kvxfer bench` and
+//! `examples/fabric_bench.rs` turn it on) measures plain `fi_write` loops, the reference the bench
+//! compares the backend with; `tests/completion.rs` probes what a write completion means on each
+//! provider.
 
 mod backend;
+#[cfg(feature = "baseline")]
 pub mod baseline;
 pub mod ffi;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod wire;

@@ -70,6 +70,7 @@ pub use limits::{HandshakeRefusals, LimitRefusal};
 
 mod conn;
 
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod io;

@@ -84,11 +84,11 @@ use kvxfer_core::{
 use tokio::sync::oneshot;
 
 mod engine;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod liveness;
 pub mod mmseg;
-pub mod perftest;
 mod ucp;
 mod wire;
 

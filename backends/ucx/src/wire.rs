@@ -328,7 +328,8 @@ impl DataMsg {
         self.count
     }
 
-    /// Appends a segment of `len` bytes for `region` at `offset`, filled by `fill`.
+    /// Appends a segment of `len` bytes for `region` at `offset`, filled by `fill` (tests and fuzz seeds).
+    #[cfg(any(test, fuzzing, feature = "fuzzing"))]
     pub fn push<E>(
         &mut self,
         region: u32,

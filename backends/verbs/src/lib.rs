@@ -43,6 +43,7 @@ pub mod attrs;
 mod emu;
 mod endpoint;
 mod ffi;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod limits;

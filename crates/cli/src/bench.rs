@@ -244,8 +244,8 @@ fn native_baseline(args: &BenchArgs, block: u64, total: u64) -> Option<(String, 
             let tls = opt("tls").or_else(|| std::env::var("KVXFER_UCX_TLS").ok()).unwrap_or_else(|| "tcp".into());
             let r = (0..args.runs.max(1))
                 .map(|_| {
-                    kvxfer::backends::ucx::perftest::run(&tls, block as usize, iters, Duration::from_secs(120))
-                        .map(|r| r.bytes_per_sec / 1e9)
+                    crate::perftest::run(&tls, block as usize, iters, Duration::from_secs(120))
+                        .map(|bytes_per_sec| bytes_per_sec / 1e9)
                         .map_err(|e| e.to_string())
                 })
                 .collect();
@@ -275,7 +275,7 @@ fn fabric_two_process(
     window: usize,
     runs: u32,
 ) -> Result<Vec<f64>, String> {
-    use kvxfer::backends::fabric::baseline;
+    use kvxfer_fabric::baseline;
     let addr = (prov == "tcp").then_some("127.0.0.1");
     let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
     let mut child = Command::new(exe)
@@ -348,7 +348,7 @@ pub fn fabric_target(args: &FabricTargetArgs) -> ExitCode {
     });
     let addr = (args.provider == "tcp").then_some("127.0.0.1");
     let mut out = std::io::stdout();
-    let r = kvxfer::backends::fabric::baseline::serve_target(
+    let r = kvxfer_fabric::baseline::serve_target(
         &args.provider,
         addr,
         args.len as usize,

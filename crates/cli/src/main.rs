@@ -12,6 +12,8 @@ mod metrics_http;
 mod model;
 #[cfg(feature = "otel")]
 mod otel;
+#[cfg(feature = "ucx")]
+mod perftest;
 mod plan;
 mod scale;
 mod soak;

@@ -19,6 +19,7 @@
 pub mod backend;
 pub mod digest;
 pub mod error;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod heads;

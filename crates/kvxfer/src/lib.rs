@@ -10,6 +10,7 @@
 
 pub mod bootstrap;
 pub mod engine;
+#[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metadata;

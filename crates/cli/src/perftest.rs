@@ -1,5 +1,7 @@
 //! The baseline kvxfer's UCX numbers are compared with: UCX's own `ucx_perftest -t ucp_put_bw`
 //! (server and client on loopback), run as child processes with a deadline and killed afterwards.
+//! Used by `kvxfer bench` (feature `ucx`) and included by the UCX backend's `examples/ucx_bench.rs`;
+//! it uses nothing of kvxfer, so it is not part of the backend library.
 
 use std::io::Read;
 use std::net::{Ipv4Addr, TcpListener};
@@ -30,26 +32,6 @@ pub enum PerftestError {
     /// The output had no `Final:` line that parses.
     #[error("could not find the result in ucx_perftest's output: {0}")]
     Parse(String),
-}
-
-/// One `ucx_perftest` result.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PerftestResult {
-    /// Transports (`UCX_TLS`).
-    pub tls: String,
-    /// Message size in bytes.
-    pub size: usize,
-    /// Iterations measured.
-    pub iterations: usize,
-    /// Overall bandwidth in bytes per second.
-    pub bytes_per_sec: f64,
-}
-
-/// Runs `ucx_perftest -t ucp_put_bw` with `UCX_TLS=tls` on loopback (`UCX_NET_DEVICES=lo` for
-/// network transports; the out-of-band connection goes to 127.0.0.1) and returns its overall
-/// bandwidth in bytes per second. Bounded by 120 s; both processes are killed afterwards.
-pub fn ucx_perftest_put_bw(tls: &str, size: usize, iters: usize) -> Result<f64, PerftestError> {
-    run(tls, size, iters, Duration::from_secs(120)).map(|r| r.bytes_per_sec)
 }
 
 /// Kills and reaps a child when dropped.
@@ -109,8 +91,11 @@ fn command(tls: &str, port: u16) -> Result<Command, PerftestError> {
     Ok(c)
 }
 
-/// Runs one server/client pair; see [`ucx_perftest_put_bw`].
-pub fn run(tls: &str, size: usize, iters: usize, limit: Duration) -> Result<PerftestResult, PerftestError> {
+/// Runs `ucx_perftest -t ucp_put_bw` with `UCX_TLS=tls` on loopback (`UCX_NET_DEVICES=lo` for
+/// network transports; the out-of-band connection goes to 127.0.0.1), `iters` messages of `size`
+/// bytes, and returns its overall bandwidth in bytes per second. Bounded by `limit`; both processes
+/// are killed afterwards.
+pub fn run(tls: &str, size: usize, iters: usize, limit: Duration) -> Result<f64, PerftestError> {
     let deadline = Instant::now() + limit;
     let iters = iters.max(1);
     let warmup = (iters / 10).max(1);
@@ -155,8 +140,7 @@ pub fn run(tls: &str, size: usize, iters: usize, limit: Duration) -> Result<Perf
         };
         out.push_str(&reader.join().unwrap_or_default());
         if status.success() {
-            let bytes_per_sec = parse_final(&out)?;
-            return Ok(PerftestResult { tls: tls.to_owned(), size, iterations: iters, bytes_per_sec });
+            return parse_final(&out);
         }
         let refused = out.contains("refused") || out.contains("connect");
         if !refused || attempt == 4 || Instant::now() >= deadline {
