@@ -5,7 +5,7 @@
 //! (`backends/ucx/tests/fuzz_corpus.rs`). Each entry point takes arbitrary bytes, must never panic on
 //! them, and panics only when a property of the wire format is broken; each returns whether the
 //! input was accepted. The message entry point parses an active message the way the progress
-//! thread's `on_message` does (`engine.rs`), without a UCX worker. Not part of the API.
+//! thread's `on_message` does (`progress.rs`), without a UCX worker. Not part of the API.
 
 use std::cell::RefCell;
 

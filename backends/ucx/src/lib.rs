@@ -13,7 +13,7 @@
 //!   answers with a welcome listing the regions registered now (stale keys are dropped), on the
 //!   endpoint it later sends revokes on.
 //! - Put path (`data=put`): `post` checks every op, the thread posts `ucp_put_nbx` per contiguous
-//!   segment (at most [`PIECE`] bytes, [`engine`]'s window of requests in flight), then a flush; the
+//!   segment (at most [`PIECE`] bytes, [`progress`]'s window of requests in flight), then a flush; the
 //!   transfer is done when the flush completed (remote completion), and its attached notification
 //!   is an active message posted after that flush, in post order per peer.
 //! - Active-message path (`data=am`, the default over tcp): UCX 1.13 emulates puts over tcp with
@@ -83,7 +83,7 @@ use kvxfer_core::{
 };
 use tokio::sync::oneshot;
 
-mod engine;
+mod progress;
 #[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -92,7 +92,7 @@ pub mod mmseg;
 mod ucp;
 mod wire;
 
-use engine::{Cmd, ErrMode, PeerShared, Post, Settings, Shared};
+use progress::{Cmd, ErrMode, PeerShared, Post, Settings, Shared};
 
 /// Registry name.
 pub const NAME: &str = "ucx";
@@ -261,7 +261,7 @@ impl UcxBackend {
             parked: AtomicBool::new(false),
             waker: std::sync::OnceLock::new(),
         });
-        let (thread, cuda) = engine::start(s, rx, shared.clone())?;
+        let (thread, cuda) = progress::start(s, rx, shared.clone())?;
         // Device memory only where UCX can register it and the data path never reads it from
         // the host (the active-message path copies through host guards).
         let memory = if cuda && !am_data { MemKinds::HOST.union(MemKinds::CUDA) } else { MemKinds::HOST };
