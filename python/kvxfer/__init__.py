@@ -12,6 +12,7 @@ The engine API of the Rust crate ``kvxfer`` (``kvxfer::engine``), for Python eng
     r = agent.receiver(room)
     r.send_metadata(kv_indices, aux_index=None)
     while r.poll() not in (kvxfer.KVPoll.Success, kvxfer.KVPoll.Failed): ...
+    # prefill: s = agent.sender(room); s.init(n); s.wait_ready(timeout_s) (or poll); s.send(kv_indices)
 
 Requests report SGLang's ``KVPoll`` values. A request that failed while a peer may still write into its
 pages reports ``Transferring`` until every such write is fenced, then ``Failed``: an engine that frees a

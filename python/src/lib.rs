@@ -1516,6 +1516,18 @@ impl Sender {
         })
     }
 
+    /// Waits (GIL released) until every decode rank handed off (`poll()` is `WaitingForInput`:
+    /// `send` may go), the request has an outcome, or `timeout_s` passed; returns `poll()`. For an
+    /// engine with a thread per request; a scheduler loop polls instead.
+    #[pyo3(signature = (timeout_s=60.0))]
+    fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<i32> {
+        guarded("wait_ready", || {
+            let deadline = Instant::now() + secs("timeout_s", timeout_s)?;
+            let _ = py.detach(|| self.handle.block_on(self.tx.wait_ready(deadline)));
+            Ok(kvpoll_of(self.status_now().0.phase))
+        })
+    }
+
     /// The phase by name.
     fn phase(&self) -> PyResult<&'static str> {
         guarded("phase", || Ok(phase_name(self.status_now().0.phase)))
@@ -1609,6 +1621,62 @@ fn _rust_send_poll_seconds(py: Python<'_>, senders: Vec<PyRef<'_, Sender>>, src:
     })
 }
 
+/// One request through the engine API driven from Rust, as `python -m kvxfer.bench` drives it
+/// from Python: decode hands off `dst`, prefill `init`s, waits until ready and sends `src`; the
+/// time from the handoff until decode's `Success`, in seconds (both ends then released). Test
+/// support for the request-level comparison; not part of the API.
+#[pyfunction]
+fn _rust_request_seconds(
+    py: Python<'_>,
+    prefill: PyRef<'_, Agent>,
+    decode: PyRef<'_, Agent>,
+    room: u64,
+    src: Vec<u32>,
+    dst: Vec<u32>,
+) -> PyResult<f64> {
+    guarded("_rust_request_seconds", || {
+        let (pre, pre_rt) = prefill.shared("_rust_request_seconds")?;
+        let (dec, dec_rt) = decode.shared("_rust_request_seconds")?;
+        py.detach(|| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let room = RequestId(room);
+            let t = Instant::now();
+            let rx = {
+                let _rt = dec_rt.enter();
+                let rx = dec.receiver(room).map_err(err)?;
+                rx.send_metadata(&dst, None).map_err(err)?;
+                rx
+            };
+            let tx = {
+                let _rt = pre_rt.enter();
+                let tx = pre.sender(room).map_err(err)?;
+                tx.init(src.len() as u32).map_err(err)?;
+                tx
+            };
+            let ready = pre_rt.block_on(tx.wait_ready(deadline)).map_err(err)?;
+            if ready.phase != Phase::WaitingForInput {
+                return Err(KvxferError::new_err(format!("request {room}: prefill {:?}", ready.phase)));
+            }
+            {
+                let _rt = pre_rt.enter();
+                tx.send(&src).map_err(err)?;
+            }
+            let done = dec_rt.block_on(rx.wait(deadline)).map_err(err)?;
+            let elapsed = t.elapsed();
+            if done.phase != Phase::Success {
+                return Err(KvxferError::new_err(format!(
+                    "request {room}: decode {:?}: {:?}",
+                    done.phase, done.reason
+                )));
+            }
+            pre_rt.block_on(tx.wait(deadline)).map_err(err)?;
+            tx.release().map_err(err)?;
+            rx.release().map_err(err)?;
+            Ok(elapsed.as_secs_f64())
+        })
+    })
+}
+
 /// The backends compiled into this build.
 #[pyfunction]
 fn backends() -> Vec<&'static str> {
@@ -1627,6 +1695,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Sender>()?;
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(_rust_send_poll_seconds, m)?)?;
+    m.add_function(wrap_pyfunction!(_rust_request_seconds, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FAILED", kvpoll::FAILED)?;
     m.add("BOOTSTRAPPING", kvpoll::BOOTSTRAPPING)?;

@@ -169,10 +169,15 @@ def test_request_lifecycle_in_one_process():
             s.init(2, aux_index=4)
             with pytest.raises(kvxfer.KvxferError, match="not ready"):
                 s.send([5, 6])
+            # No handoff yet: waiting for readiness times out and returns the phase.
+            assert s.wait_ready(timeout_s=0.05) == KVPoll.Bootstrapping
             paux[0][4] = np.arange(8) + 70
             r.send_metadata(np.array([9, 3], np.int32), aux_index=6)
             assert r.poll() == KVPoll.Transferring
-            _until(lambda: s.poll() == KVPoll.WaitingForInput, "the handoff")
+            assert s.wait_ready(timeout_s=10) == KVPoll.WaitingForInput
+            # The prefill rank warmed its one connection before it counted as connected.
+            assert pre.stats()["warm_ups"] == 1 and pre.stats()["warm_up_failures"] == 0
+            assert dec.stats()["warm_ups"] == 0
             s.send(np.array([5], np.int64))  # numpy int64 works too
             assert s.poll() == KVPoll.WaitingForInput
             s.send([6])  # and a list; this chunk reaches the total: the aux row follows it
