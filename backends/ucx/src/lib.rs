@@ -83,12 +83,12 @@ use kvxfer_core::{
 };
 use tokio::sync::oneshot;
 
-mod progress;
 #[cfg(any(fuzzing, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod liveness;
 pub mod mmseg;
+mod progress;
 mod ucp;
 mod wire;
 

@@ -2318,16 +2318,26 @@ impl Inner {
             found
         };
         if mine && running {
-            self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"), Cause::AbortedByPeer);
-            self.settle(room);
-            return;
+            if self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"), Cause::AbortedByPeer) {
+                // Its settle fences `d` (in `abort_from`) once nothing is in flight.
+                return;
+            }
+            // Not aborted: between the look above and the abort, its last write completed (done:
+            // nothing will fence it, so fence now; before, the decode rank then waited for a fence
+            // that never came), or it failed on its own (its settle fences `d`, in `abort_from`).
+            // Released since: final either way; a second fence is harmless.
+            let done = lock(&self.sends).get(&room).map_or(true, |q| q.done);
+            if !done {
+                return;
+            }
         }
         if !mine {
             // Nothing of it was posted here: this rank's part of the request ends with the fence.
             tracing::debug!(
                 target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
                 rank = %self.cfg.rank, role = "prefill", dst = %d, fenced = true,
-                "final: failed: aborted by decode rank {d} before this rank wrote anything; fenced at once"
+                "final: failed: aborted by decode rank {d} while nothing of it was in flight here (not started, \
+                 or released); fenced at once"
             );
         }
         let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
