@@ -561,7 +561,11 @@ impl KvTransferBackend for UcxBackend {
 mod tests {
     use super::*;
 
-    fn parsed(c: &BackendConfig) -> (Vec<(String, String)>, Duration, Duration, ErrMode, bool, bool, u64) {
+    /// UCX settings, operation timeout, keepalive, error mode, active-message data, shared memory
+    /// only, segment size.
+    type Parsed = (Vec<(String, String)>, Duration, Duration, ErrMode, bool, bool, u64);
+
+    fn parsed(c: &BackendConfig) -> Parsed {
         let s = settings(c).unwrap();
         (s.ucx, s.op_timeout, s.keepalive, s.err_mode, s.am_data, s.shm_only, s.mm_seg)
     }
