@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 use kvxfer_core::toolkit::{Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
-    CutOff, EndpointMetadata, GpuOrder, KvTransferBackend, Limits, MemDesc, MemKind, MemKinds, Notification, PeerId,
-    RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
+    CutOff, EndpointMetadata, GpuOrder, KvTransferBackend, Limits, MemDesc, MemKind, MemKinds, Notification, OptionDoc,
+    PeerId, RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 use kvxfer_cuda::ipc::{self, Export, IpcMapping};
 use kvxfer_cuda::{context, CopyPlan, CudaError, Event, Pending, Shape, Stream};
@@ -65,10 +65,24 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, false
     .with_completion(Completion::Remote)
     .with_cut_off_live(false);
 
+/// Every option, with its default and what it does: the list [`IpcOptions::from_config`] checks
+/// keys against and `kvxfer backends` prints.
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc::new("listen", "127.0.0.1:0", "control listener address"),
+    OptionDoc::new(
+        "advertise",
+        "the listen address (127.0.0.1 if unspecified)",
+        "host put in the metadata for peers to connect to",
+    ),
+    OptionDoc::new("timeout_s", "60", "seconds for connect, copy completion, revoke and disconnect (up to 86400)"),
+    OptionDoc::new("handshake_timeout_s", "5", "seconds a control connection's handshake may take (up to 3600)"),
+];
+
 kvxfer_core::register_backend!(
     NAME,
     "same-node CUDA IPC: device-to-device copies into the peer's imported pool, notifications after the copies completed",
     CAPABILITIES,
+    OPTIONS,
     create,
 );
 
@@ -95,7 +109,7 @@ impl IpcOptions {
     /// Parses `config.options` (environment fallbacks `KVXFER_CUDA-IPC_<OPTION>`); an unknown
     /// option is an error listing the known ones.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let o = Options::new(NAME, config, &["listen", "advertise", "timeout_s", "handshake_timeout_s"])?;
+        let o = Options::new(NAME, config, OPTIONS)?;
         Ok(Self {
             listen: o.parse("listen", SocketAddr::from(([127, 0, 0, 1], 0)), "an address like 127.0.0.1:0")?,
             advertise: o.get("advertise"),
@@ -887,6 +901,20 @@ mod tests {
         let e = IpcOptions::from_config(&BackendConfig::new(1).with("connections", "2")).unwrap_err().to_string();
         assert!(e.contains("unknown option") && e.contains("listen, advertise"), "{e}");
         assert!(IpcOptions::from_config(&BackendConfig::new(1).with("timeout_s", "0")).is_err());
+    }
+
+    /// Every option whose documented default is a value parses, set to it, to what leaving it unset
+    /// gives (`advertise`'s default is computed).
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        let unset = IpcOptions::from_config(&BackendConfig::new(1)).unwrap();
+        let mut all = BackendConfig::new(1);
+        for d in OPTIONS.iter().filter(|d| d.name != "advertise") {
+            let one = BackendConfig::new(1).with(d.name, d.default);
+            assert_eq!(IpcOptions::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
+            all = all.with(d.name, d.default);
+        }
+        assert_eq!(IpcOptions::from_config(&all).unwrap(), unset);
     }
 
     #[test]

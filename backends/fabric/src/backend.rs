@@ -28,8 +28,8 @@ use kvxfer_core::secret::{Exchange, NONCE_BYTES};
 use kvxfer_core::toolkit::{self, EventQueue, Fragmenter, PeerTable, Reassembler, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion,
-    CutOff, EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret,
-    Transfer, TransferState, TransferStatus, WriteOp,
+    CutOff, EndpointMetadata, KvTransferBackend, Limits, MemDesc, Notification, OptionDoc, PeerId, RegionId,
+    Registration, Secret, Transfer, TransferState, TransferStatus, WriteOp,
 };
 use tokio::sync::oneshot;
 
@@ -51,17 +51,38 @@ pub enum AttachedMode {
     Message,
 }
 
-/// The options the backend knows; any other is refused, naming these.
-pub const KNOWN_OPTIONS: &[&str] = &[
-    "provider",
-    "addr",
-    "timeout_ms",
-    "peer_timeout_ms",
-    "recv_buffers",
-    "recv_buf_size",
-    "attached",
-    "wait",
-    "idle_poll_us",
+/// Every option the backend knows, with its default and what it does; any other is refused, naming
+/// these. The list `kvxfer backends` prints.
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc::new(
+        "provider",
+        "tcp",
+        "tcp (tcp;ofi_rxm), shm (same host) or any name fi_getinfo knows; unset: FI_PROVIDER, else tcp",
+    ),
+    OptionDoc::new("addr", "the provider's first interface", "local address (tcp), e.g. 127.0.0.1; ignored for shm"),
+    OptionDoc::new(
+        "timeout_ms",
+        "30000",
+        "deadline of each transfer, notify, connect, disconnect and a registration close (1..=86400000)",
+    ),
+    OptionDoc::new(
+        "peer_timeout_ms",
+        "5000",
+        "silence after which a peer that connected here is reported lost (100..=86400000)",
+    ),
+    OptionDoc::new(
+        "recv_buffers",
+        "64",
+        "receive buffers kept posted (1..=65536; larger notifications are fragmented)",
+    ),
+    OptionDoc::new("recv_buf_size", "65536", "bytes of each receive buffer (136..=16777216)"),
+    OptionDoc::new(
+        "attached",
+        "auto",
+        "attached notifications: cq-data, message, auto (remote CQ data where the provider has it, except tcp;ofi_rxm)",
+    ),
+    OptionDoc::new("wait", "fd (tcp), poll (shm)", "how the idle progress thread waits: fd (the CQ's wait fd) or poll"),
+    OptionDoc::new("idle_poll_us", "200", "longest idle sleep of the progress thread in poll mode (1..=1000000)"),
 ];
 
 /// Largest encoded notification (post and notify): the codec's largest payload plus its header;
@@ -113,7 +134,7 @@ impl Options {
     /// Reads options from a config, with `KVXFER_FABRIC_<OPTION>` environment fallbacks (and
     /// `FI_PROVIDER` for the provider); unknown options are refused.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let o = toolkit::Options::new(NAME, config, KNOWN_OPTIONS)?;
+        let o = toolkit::Options::new(NAME, config, OPTIONS)?;
         let provider = o
             .get("provider")
             .or_else(|| std::env::var("FI_PROVIDER").ok())
@@ -2383,5 +2404,30 @@ fn unconfirmed(why: &str) -> BackendError {
             "confirming a cut-off: the peer's keys are closed and it is refused, but {why}; the memory it could \
              write must stay quarantined (see the crate README, \"Cutting a peer off\")"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every option whose documented default is a value parses, set to it, to what leaving it unset
+    /// gives (`addr` and `wait` have computed defaults; `provider` falls back to `FI_PROVIDER`).
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        let mut phrases = vec!["addr", "wait"];
+        if std::env::var_os("FI_PROVIDER").is_some() {
+            phrases.push("provider");
+        }
+        let parsed = |c: &BackendConfig| format!("{:?}", Options::from_config(c).unwrap());
+        let unset = parsed(&BackendConfig::new(1));
+        let mut all = BackendConfig::new(1);
+        for d in OPTIONS.iter().filter(|d| !phrases.contains(&d.name)) {
+            assert_eq!(parsed(&BackendConfig::new(1).with(d.name, d.default)), unset, "{}={}", d.name, d.default);
+            all = all.with(d.name, d.default);
+        }
+        assert_eq!(parsed(&all), unset);
+        let e = Options::from_config(&BackendConfig::new(1).with("bogus", "1")).unwrap_err().to_string();
+        assert!(e.contains("known options: provider, addr, timeout_ms, peer_timeout_ms, recv_buffers"), "{e}");
     }
 }

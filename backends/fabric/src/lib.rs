@@ -50,9 +50,7 @@ use std::sync::Arc;
 
 use kvxfer_core::{BackendConfig, BackendError, Capabilities, Completion, KvTransferBackend, Limits};
 
-pub use backend::{
-    capabilities_for, AttachedMode, FabricBackend, Options, KNOWN_OPTIONS, MAX_IN_FLIGHT, MAX_NOTIFICATION,
-};
+pub use backend::{capabilities_for, AttachedMode, FabricBackend, Options, MAX_IN_FLIGHT, MAX_NOTIFICATION, OPTIONS};
 
 /// Registry name.
 pub const NAME: &str = "fabric";
@@ -72,5 +70,6 @@ kvxfer_core::register_backend!(
     NAME,
     "libfabric RDM endpoint (FI_RMA writes, remote CQ data; providers tcp;ofi_rxm, shm, ...)",
     CAPABILITIES,
+    OPTIONS,
     create
 );

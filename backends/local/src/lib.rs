@@ -35,8 +35,8 @@ use kvxfer_core::backend::EndpointMetadata;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionRef, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, CutOff,
-    KvTransferBackend, Limits, MemDesc, Notification, PeerId, RegionId, Registration, Secret, Transfer, TransferState,
-    TransferStatus, WriteOp,
+    KvTransferBackend, Limits, MemDesc, Notification, OptionDoc, PeerId, RegionId, Registration, Secret, Transfer,
+    TransferState, TransferStatus, WriteOp,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,16 +58,20 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, false, fals
     1 << 16,
 ));
 
+/// The local backend's options: none (any option is refused).
+pub const OPTIONS: &[OptionDoc] = &[];
+
 kvxfer_core::register_backend!(
     NAME,
     "in-process reference backend (memcpy between registered regions)",
     CAPABILITIES,
+    OPTIONS,
     create
 );
 
 /// Creates an endpoint. No options; the secret, if any, is kept (see the crate docs).
 pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
-    Options::new(NAME, config, &[])?;
+    Options::new(NAME, config, OPTIONS)?;
     Ok(Arc::new(LocalBackend::with_secret(config.identity, config.secret.clone())))
 }
 

@@ -88,8 +88,8 @@ use std::time::{Duration, Instant};
 use kvxfer_core::toolkit::{EventQueue, Options, PeerTable, RegionTable};
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, BoxFuture, Capabilities, CloseRegistration, Completion, CutOff,
-    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration,
-    Transfer, TransferState, TransferStatus, WriteOp,
+    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, OptionDoc, PeerId, RegionId,
+    Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
@@ -114,10 +114,53 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
     .with_limits(Limits::new(MAX_OPS_PER_POST, wire::MAX_NOTE as u64, u64::MAX))
     .with_completion(Completion::Remote);
 
+/// Every option of a TCP endpoint, with its default and what it does: the list
+/// [`TcpOptions::from_config`] checks keys against and `kvxfer backends` prints.
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc::new("listen", "127.0.0.1:0", "address to listen on (0.0.0.0:0 or a NIC address for other hosts)"),
+    OptionDoc::new(
+        "advertise",
+        "the listen address (127.0.0.1 if unspecified)",
+        "host or IP put in the metadata for peers to connect to",
+    ),
+    OptionDoc::new("connections", "1", "data streams per peer (1..=64), plus one control stream"),
+    OptionDoc::new(
+        "timeout_s",
+        "120",
+        "seconds for connect, the rest of a frame, an acknowledgement, a notification, a disconnect (up to 86400)",
+    ),
+    OptionDoc::new(
+        "handshake_timeout_s",
+        "5",
+        "seconds from an incoming stream's accept to its complete HELLO, and for each answer (up to 3600)",
+    ),
+    OptionDoc::new(
+        "max_handshakes",
+        "256",
+        "incoming connections in their handshake at once, in total (1..=1048576); one beyond is refused at once",
+    ),
+    OptionDoc::new("max_handshakes_per_source", "64", "the same per source IP address (1..=1048576)"),
+    OptionDoc::new(
+        "socket_buffer",
+        "0",
+        "SO_SNDBUF and SO_RCVBUF of every stream in bytes (0: the kernel's autotuning; up to 1073741824)",
+    ),
+    OptionDoc::new(
+        "poll_us",
+        "200",
+        "microseconds a stream polls its socket before it sleeps (0..=1000000; 0: never polls)",
+    ),
+    OptionDoc::new("tls", "off", "on: every stream runs TLS 1.3 with mutual authentication; off: plaintext"),
+    OptionDoc::new("tls_cert", "KVXFER_TLS_CERT", "this endpoint's certificate (chain), PEM; with tls=on only"),
+    OptionDoc::new("tls_key", "KVXFER_TLS_KEY", "its private key, PEM (PKCS#8, PKCS#1 or SEC1)"),
+    OptionDoc::new("tls_ca", "KVXFER_TLS_CA", "the cluster CA certificate(s), PEM: the only roots trusted for peers"),
+];
+
 kvxfer_core::register_backend!(
     NAME,
     "pure-Rust TCP (tokio): vectored zero-copy frames, challenge-response handshake, both notification styles",
     CAPABILITIES,
+    OPTIONS,
     create,
 );
 
@@ -170,25 +213,7 @@ impl TcpOptions {
     /// Parses `config.options`, falling back to `KVXFER_TCP_<OPTION>` environment variables, then
     /// to the defaults. Unknown options are an error that lists the known ones.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let o = Options::new(
-            NAME,
-            config,
-            &[
-                "listen",
-                "advertise",
-                "connections",
-                "timeout_s",
-                "handshake_timeout_s",
-                "max_handshakes",
-                "max_handshakes_per_source",
-                "socket_buffer",
-                "poll_us",
-                "tls",
-                "tls_cert",
-                "tls_key",
-                "tls_ca",
-            ],
-        )?;
+        let o = Options::new(NAME, config, OPTIONS)?;
         let tls = o.flag("tls", false)?;
         let files = ["tls_cert", "tls_key", "tls_ca"].map(|k| (k, o.get(k).filter(|v| !v.trim().is_empty())));
         let given: Vec<&str> = files.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| *k).collect();
@@ -825,6 +850,22 @@ impl KvTransferBackend for TcpBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every option whose documented default is a value parses, set to it, to what leaving it unset
+    /// gives (the others' defaults are phrases: computed, or another variable's).
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        let phrases = ["advertise", "tls_cert", "tls_key", "tls_ca"];
+        let unset = TcpOptions::from_config(&BackendConfig::new(1)).unwrap();
+        let mut all = BackendConfig::new(1);
+        for d in OPTIONS.iter().filter(|d| !phrases.contains(&d.name)) {
+            let one = BackendConfig::new(1).with(d.name, d.default);
+            assert_eq!(TcpOptions::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
+            all = all.with(d.name, d.default);
+        }
+        assert_eq!(TcpOptions::from_config(&all).unwrap(), unset);
+        assert!(OPTIONS.iter().any(|d| d.name == "poll_us" && d.default == "200"));
+    }
 
     #[test]
     fn options_parse_and_reject() {

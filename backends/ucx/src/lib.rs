@@ -78,8 +78,8 @@ use kvxfer_core::backend::BoxFuture;
 use kvxfer_core::toolkit::{segments, EventQueue, Options, PeerTable, RegionTable};
 use kvxfer_core::{
     AbortTransfer, BackendConfig, BackendError, BackendEvent, Capabilities, CloseRegistration, Completion, CutOff,
-    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration,
-    Transfer, TransferState, WriteOp,
+    EndpointMetadata, KvTransferBackend, Limits, MemDesc, MemKinds, Notification, OptionDoc, PeerId, RegionId,
+    Registration, Transfer, TransferState, WriteOp,
 };
 use tokio::sync::oneshot;
 
@@ -112,10 +112,44 @@ pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
     .with_limits(Limits::new(MAX_OPS_PER_POST, MAX_NOTIFICATION_BYTES, MAX_REGIONS))
     .with_completion(Completion::Remote);
 
+/// Every option of a UCX endpoint, with its default and what it does: the list the endpoint checks
+/// keys against and `kvxfer backends` prints. `ucx.<NAME>` stands for every key starting with
+/// `ucx.`, passed to UCX as its setting `NAME`.
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc::new(
+        "tls",
+        "UCX's (all)",
+        "UCX transports (UCX_TLS): tcp, posix,sysv,cma,self (shared memory), rc,ud,...",
+    ),
+    OptionDoc::new("net_devices", "UCX's", "UCX_NET_DEVICES, e.g. lo for loopback-only tests"),
+    OptionDoc::new(
+        "timeout_ms",
+        "30000",
+        "deadline of connect, notify, disconnect and the revoke acknowledgements of a close (1..=3600000)",
+    ),
+    OptionDoc::new(
+        "keepalive_ms",
+        "1000",
+        "UCX keepalive and the backend's own liveness check of shared-memory peers (1..=3600000)",
+    ),
+    OptionDoc::new(
+        "err_mode",
+        "auto",
+        "UCX endpoint error mode: peer, none, auto (none for shared-memory-only transports, else peer)",
+    ),
+    OptionDoc::new(
+        "data",
+        "auto",
+        "put (one-sided puts), am (active messages), auto (am when tcp may be used or cma is not allowed)",
+    ),
+    OptionDoc::new("ucx.<NAME>", "UCX's", "any other UCX setting NAME, e.g. ucx.RNDV_THRESH=64k"),
+];
+
 kvxfer_core::register_backend!(
     NAME,
     "UCX: ucp_put_nbx with remote keys, active-message notifications (tcp, shared memory, RDMA)",
     CAPABILITIES,
+    OPTIONS,
     create
 );
 
@@ -129,13 +163,11 @@ pub fn create(config: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, Back
     Ok(Arc::new(UcxBackend::new(config)?))
 }
 
-const KNOWN: [&str; 7] = ["tls", "net_devices", "timeout_ms", "keepalive_ms", "err_mode", "data", "ucx.<NAME>"];
-
 fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
     // `ucx.NAME` options pass through to UCX; the rest go through the toolkit's parser.
     let mut plain = config.clone();
     plain.options.retain(|k, _| !k.starts_with("ucx."));
-    let o = Options::new(NAME, &plain, &KNOWN)?;
+    let o = Options::new(NAME, &plain, OPTIONS)?;
     let nonempty = |k: &str| o.get(k).filter(|v| !v.trim().is_empty());
     let mut ucx = Vec::new();
     let tls = nonempty("tls");
@@ -522,5 +554,41 @@ impl KvTransferBackend for UcxBackend {
             let _ = self.peers.remove(peer);
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// UCX settings, operation timeout, keepalive, error mode, active-message data, shared memory
+    /// only, segment size.
+    type Parsed = (Vec<(String, String)>, Duration, Duration, ErrMode, bool, bool, u64);
+
+    fn parsed(c: &BackendConfig) -> Parsed {
+        let s = settings(c).unwrap();
+        (s.ucx, s.op_timeout, s.keepalive, s.err_mode, s.am_data, s.shm_only, s.mm_seg)
+    }
+
+    /// Every option whose documented default is a value parses, set to it, to what leaving it unset
+    /// gives (the others' defaults are UCX's).
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        let unset = parsed(&BackendConfig::new(1));
+        let mut all = BackendConfig::new(1);
+        for d in OPTIONS.iter().filter(|d| d.default != "UCX's" && !d.default.starts_with("UCX's ")) {
+            assert_eq!(parsed(&BackendConfig::new(1).with(d.name, d.default)), unset, "{}={}", d.name, d.default);
+            all = all.with(d.name, d.default);
+        }
+        assert_eq!(parsed(&all), unset);
+    }
+
+    #[test]
+    fn ucx_settings_pass_through_and_unknown_options_name_the_known_ones() {
+        let c = BackendConfig::new(1).with("ucx.RNDV_THRESH", "64k");
+        assert!(parsed(&c).0.contains(&("RNDV_THRESH".to_owned(), "64k".to_owned())));
+        let e = settings(&BackendConfig::new(1).with("tls_mode", "tcp")).err().unwrap().to_string();
+        let known = "known options: tls, net_devices, timeout_ms, keepalive_ms, err_mode, data, ucx.<NAME>";
+        assert!(e.contains(&format!("unknown option \"tls_mode\"; {known}")), "{e}");
     }
 }

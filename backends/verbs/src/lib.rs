@@ -35,7 +35,7 @@ use std::time::Duration;
 use kvxfer_core::toolkit::{Options, FRAGMENT_HEADER};
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, Capabilities, Completion, CutOff, EndpointMetadata, KvTransferBackend,
-    Limits, MemDesc, MemKinds, Notification, PeerId, RegionId, Registration, Transfer, WriteOp,
+    Limits, MemDesc, MemKinds, Notification, OptionDoc, PeerId, RegionId, Registration, Transfer, WriteOp,
 };
 
 pub mod attrs;
@@ -136,31 +136,48 @@ pub struct Settings {
     pub max_regions: u64,
 }
 
-/// Every option name.
-pub const OPTIONS: [&str; 17] = [
-    "device",
-    "port",
-    "gid_index",
-    "listen",
-    "timeout_ms",
-    "handshake_timeout_ms",
-    "max_handshakes",
-    "max_handshakes_per_source",
-    "ring_slots",
-    "slot_size",
-    "recv_buf",
-    "sq_depth",
-    "signal_every",
-    "max_inline",
-    "max_sge",
-    "max_ops_per_post",
-    "max_regions",
+/// Every option, with its default and what it does: the list [`Settings::from_config`] checks keys
+/// against and `kvxfer backends` prints.
+pub const OPTIONS: &[OptionDoc] = &[
+    OptionDoc::new(
+        "device",
+        "the first device",
+        "RDMA device name (ibv_devices); emulated: the in-process test model (builds with the emulator feature only)",
+    ),
+    OptionDoc::new("port", "1", "port number (1..=255)"),
+    OptionDoc::new("gid_index", "0", "source GID index (RoCE: the RoCEv2 entry of show_gids; 0..=255)"),
+    OptionDoc::new("listen", "127.0.0.1:0", "handshake listener; a routable ip:0 across hosts"),
+    OptionDoc::new(
+        "timeout_ms",
+        "30000",
+        "deadline of connect, notify, disconnect, revoke acknowledgements and a whole handshake (1..=3600000)",
+    ),
+    OptionDoc::new(
+        "handshake_timeout_ms",
+        "5000",
+        "an incoming connection's time from its accept to its authentication, capped by timeout_ms (1..=3600000)",
+    ),
+    OptionDoc::new(
+        "max_handshakes",
+        "256",
+        "incoming connections not yet authenticated at once, in total (1..=1048576); one beyond is refused at once",
+    ),
+    OptionDoc::new("max_handshakes_per_source", "64", "the same per source IP address (1..=1048576)"),
+    OptionDoc::new("ring_slots", "64", "notification ring slots per connection (1..=32768)"),
+    OptionDoc::new("slot_size", "4096", "bytes of a notification ring slot (64..=32768)"),
+    OptionDoc::new("recv_buf", "4096", "receive buffer size: the largest out-of-band SEND fragment (64..=1048576)"),
+    OptionDoc::new("sq_depth", "512", "send queue depth requested (4..=65536)"),
+    OptionDoc::new("signal_every", "64", "signal at least every this many work requests (1..=65536)"),
+    OptionDoc::new("max_inline", "64", "inline bytes requested per work request (0..=4096; the device may grant less)"),
+    OptionDoc::new("max_sge", "16", "SGEs requested per work request (1..=256; the device may grant less)"),
+    OptionDoc::new("max_ops_per_post", "65536", "ops one post takes (1..=16777216)"),
+    OptionDoc::new("max_regions", "1024", "regions registered at once (1..=1048576; at most half the device's max_mr)"),
 ];
 
 impl Settings {
     /// Reads `config`'s options, then `KVXFER_VERBS_<NAME>` environment variables, then defaults.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
-        let o = Options::new(NAME, config, &OPTIONS)?;
+        let o = Options::new(NAME, config, OPTIONS)?;
         let s = Settings {
             device: o.get("device").filter(|d| !d.is_empty()),
             port: o.int_in("port", 1, 1..=u8::MAX)?,
@@ -339,6 +356,7 @@ kvxfer_core::register_backend!(
         "ibverbs: RC queue pairs, RDMA WRITE, WRITE WITH IMMEDIATE notifications (InfiniBand, RoCE)"
     },
     CAPABILITIES,
+    OPTIONS,
     create
 );
 
@@ -372,6 +390,16 @@ mod tests {
         assert_eq!((o.max_handshakes, o.max_handshakes_per_source), (8, 2));
         std::env::remove_var("KVXFER_VERBS_RING_SLOTS");
         std::env::remove_var("KVXFER_VERBS_SIGNAL_EVERY");
+        // Every documented default that is a value parses, set to it, to what leaving it unset gives
+        // (here, where the variables above are gone again; `device`'s default is a phrase).
+        let unset = Settings::from_config(&BackendConfig::new(1)).unwrap();
+        let mut all = BackendConfig::new(1);
+        for d in OPTIONS.iter().filter(|d| d.name != "device") {
+            let one = BackendConfig::new(1).with(d.name, d.default);
+            assert_eq!(Settings::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
+            all = all.with(d.name, d.default);
+        }
+        assert_eq!(Settings::from_config(&all).unwrap(), unset);
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod backends;
 mod bench;
 mod bench_engine;
 mod bootstrap;
@@ -44,6 +45,9 @@ enum Command {
     /// The control plane at scale: many simulated ranks join one metadata store at once; reports the
     /// time until every rank sees the full membership, and memory per rank.
     Scale(scale::ScaleArgs),
+    /// List the backends compiled into this binary: memory kinds, notification styles, reach,
+    /// completion, and every option with its default and what it does.
+    Backends(backends::BackendsArgs),
     /// Sustained load: a bootstrap, a decode and prefill workers stream requests for a long time
     /// while a prefill rank is killed and restarted; RSS and open fds sampled (scripts/soak.sh).
     #[command(hide = true)]
@@ -122,6 +126,7 @@ fn main() -> ExitCode {
         Command::Bootstrap(_) => "bootstrap",
         Command::Bench(_) => "bench",
         Command::Scale(_) => "scale",
+        Command::Backends(_) => "backends",
         Command::Soak(_) => "soak",
         Command::BenchPeer(_) => "bench-peer",
         #[cfg(feature = "fabric")]
@@ -136,6 +141,7 @@ fn main() -> ExitCode {
         Command::Bootstrap(args) => bootstrap::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Scale(args) => scale::run(&args),
+        Command::Backends(args) => backends::run(&args),
         Command::Soak(args) => soak::run(&args),
         Command::BenchPeer(args) => bench::peer(&args),
         #[cfg(feature = "fabric")]

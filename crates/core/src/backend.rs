@@ -977,6 +977,29 @@ pub struct CutOff {
 /// Builds a backend endpoint.
 pub type Constructor = fn(&BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError>;
 
+/// One option a backend accepts, as listings show it (`kvxfer backends`): its name, its default and
+/// what it does. A backend's [`BackendDescriptor::options`] is the one list of its options: the
+/// toolkit's [`crate::toolkit::Options::new`] refuses every name not in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionDoc {
+    /// The key in [`BackendConfig::options`] (its environment fallback is
+    /// `KVXFER_<BACKEND>_<NAME>`). A name with a `<...>` part (ucx's `ucx.<NAME>`) stands for a
+    /// family of keys, which the backend takes out before the toolkit checks the rest.
+    pub name: &'static str,
+    /// The default, as a user would write the value (`127.0.0.1:0`, `200`, `auto`), or a phrase
+    /// where it is computed or left to someone else ("UCX's", "the listen address", "none").
+    pub default: &'static str,
+    /// One line: what the option does, with its range where it has one.
+    pub doc: &'static str,
+}
+
+impl OptionDoc {
+    /// An option's entry.
+    pub const fn new(name: &'static str, default: &'static str, doc: &'static str) -> Self {
+        Self { name, default, doc }
+    }
+}
+
 /// A backend's registry entry, submitted with `inventory::submit!`.
 #[derive(Debug)]
 pub struct BackendDescriptor {
@@ -987,6 +1010,9 @@ pub struct BackendDescriptor {
     /// Capabilities of an endpoint with default options (instances report their own, which the
     /// configured transport decides).
     pub capabilities: Capabilities,
+    /// Every option the backend accepts, with its default and one line of docs (empty: none). The
+    /// same list the backend gives [`crate::toolkit::Options::new`].
+    pub options: &'static [OptionDoc],
     /// Constructor.
     pub create: Constructor,
 }
@@ -994,15 +1020,22 @@ pub struct BackendDescriptor {
 inventory::collect!(BackendDescriptor);
 
 /// Registers a backend with the link-time registry:
-/// `kvxfer_core::register_backend!(NAME, "one line", CAPABILITIES, create);`
+/// `kvxfer_core::register_backend!(NAME, "one line", CAPABILITIES, OPTIONS, create);`, where
+/// `OPTIONS` is the backend's `&'static [OptionDoc]` (the list its `Options::new` checks keys
+/// against). `kvxfer_core::register_backend!(NAME, "one line", CAPABILITIES, create);` registers a
+/// backend that lists no options (test backends).
 #[macro_export]
 macro_rules! register_backend {
     ($name:expr, $description:expr, $capabilities:expr, $create:expr $(,)?) => {
+        $crate::register_backend!($name, $description, $capabilities, &[], $create);
+    };
+    ($name:expr, $description:expr, $capabilities:expr, $options:expr, $create:expr $(,)?) => {
         $crate::inventory::submit! {
             $crate::backend::BackendDescriptor {
                 name: $name,
                 description: $description,
                 capabilities: $capabilities,
+                options: $options,
                 create: $create,
             }
         }
@@ -1056,6 +1089,33 @@ mod tests {
         assert!(e.contains("\"tcp\"") && e.contains("\"ucx\""), "{e}");
         let m = EndpointMetadata { version: METADATA_VERSION + 1, ..m };
         assert!(m.check("tcp").unwrap_err().to_string().contains("version 2"));
+    }
+
+    fn no_endpoint(_: &BackendConfig) -> Result<Arc<dyn KvTransferBackend>, BackendError> {
+        Err(BackendError::Config { backend: "test", detail: "no endpoint".into() })
+    }
+
+    const TEST_OPTIONS: &[OptionDoc] = &[OptionDoc::new("depth", "4", "queue depth (1..=64)")];
+    crate::register_backend!(
+        "core-test-options",
+        "test: lists options",
+        Capabilities::new(true, true, false, false),
+        TEST_OPTIONS,
+        no_endpoint
+    );
+    crate::register_backend!(
+        "core-test-plain",
+        "test: lists none",
+        Capabilities::new(true, true, false, false),
+        no_endpoint,
+    );
+
+    #[test]
+    fn descriptors_carry_their_options() {
+        let d = lookup("core-test-options").unwrap();
+        assert_eq!(d.options, TEST_OPTIONS);
+        assert_eq!((d.options[0].name, d.options[0].default), ("depth", "4"));
+        assert!(lookup("core-test-plain").unwrap().options.is_empty());
     }
 
     #[test]

@@ -36,8 +36,8 @@ pub mod tracker;
 
 pub use backend::{
     AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture, Capabilities,
-    CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, PeerId, RegionId,
-    Registration, Transfer, TransferState, TransferStatus, WriteOp,
+    CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, OptionDoc, PeerId,
+    RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
 pub use mem::{

@@ -6,8 +6,8 @@
 //! - [`handshake`]: limits on incoming connections before they authenticate (in total and per
 //!   source address), with refusal counters.
 //! - [`EventQueue`]: the receive side's event queue with its bounded [`EventQueue::recv`] drain.
-//! - [`Options`]: option parsing with `KVXFER_<BACKEND>_<OPTION>` environment fallbacks; an
-//!   unknown option is an error that lists the known ones.
+//! - [`Options`]: option parsing with `KVXFER_<BACKEND>_<OPTION>` environment fallbacks against the
+//!   backend's one list of [`OptionDoc`]s; an unknown option is an error that lists the known ones.
 //! - [`segments`] and [`Segment`]: [`WriteOp`] lowering into contiguous segments under a size limit.
 //! - [`staging`]: the bounce-buffer pipeline (device memory through pinned host slots), pure.
 //! - [`Fragmenter`] and [`Reassembler`]: notifications split into transport-sized fragments and put
@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{BackendConfig, BackendError, BackendEvent, PeerId, RegionId, WriteOp};
+use crate::backend::{BackendConfig, BackendError, BackendEvent, OptionDoc, PeerId, RegionId, WriteOp};
 use crate::error::CodecError;
 use crate::mem::MemDesc;
 
@@ -349,11 +349,13 @@ pub struct Options<'a> {
 }
 
 impl<'a> Options<'a> {
-    /// Checks that every option in `config` is one of `known`; an unknown one is an error that lists
-    /// the known options.
-    pub fn new(backend: &'static str, config: &'a BackendConfig, known: &[&str]) -> Result<Self, BackendError> {
-        if let Some(k) = config.options.keys().find(|k| !known.contains(&k.as_str())) {
-            let list = if known.is_empty() { "none".to_owned() } else { known.join(", ") };
+    /// Checks that every option in `config` is named in `known`, the backend's one list of options
+    /// (the one it registers, [`crate::BackendDescriptor::options`]); an unknown one is an error that
+    /// lists the known options.
+    pub fn new(backend: &'static str, config: &'a BackendConfig, known: &[OptionDoc]) -> Result<Self, BackendError> {
+        if let Some(k) = config.options.keys().find(|k| !known.iter().any(|o| o.name == k.as_str())) {
+            let names: Vec<&str> = known.iter().map(|o| o.name).collect();
+            let list = if names.is_empty() { "none".to_owned() } else { names.join(", ") };
             return Err(BackendError::Config {
                 backend,
                 detail: format!("unknown option {k:?}; known options: {list}"),
@@ -726,11 +728,17 @@ mod tests {
 
     #[test]
     fn options_fall_back_to_env_and_list_known() {
+        const KNOWN: &[OptionDoc] =
+            &[OptionDoc::new("depth", "1", "queue depth"), OptionDoc::new("wait_s", "3", "wait in seconds")];
         let c = BackendConfig::new(1).with("depth", "9").with("bogus", "1");
-        let e = Options::new("toolkit", &c, &["depth"]).unwrap_err().to_string();
+        let e = Options::new("toolkit", &c, &KNOWN[..1]).unwrap_err().to_string();
         assert!(e.contains("bogus") && e.contains("known options: depth"), "{e}");
+        let e = Options::new("toolkit", &c, KNOWN).unwrap_err().to_string();
+        assert!(e.ends_with("unknown option \"bogus\"; known options: depth, wait_s"), "{e}");
+        let e = Options::new("toolkit", &c, &[]).unwrap_err().to_string();
+        assert!(e.contains("known options: none"), "{e}");
         let c = BackendConfig::new(1).with("depth", "99");
-        let o = Options::new("toolkit", &c, &["depth", "wait_s"]).unwrap();
+        let o = Options::new("toolkit", &c, KNOWN).unwrap();
         assert!(o.int_in("depth", 1u32, 1..=64).unwrap_err().to_string().contains("1..=64"));
         assert_eq!(o.env_name("wait_s"), "KVXFER_TOOLKIT_WAIT_S");
         assert_eq!(o.seconds("wait_s", Duration::from_secs(3), 10.0).unwrap(), Duration::from_secs(3));
