@@ -23,7 +23,7 @@
 //! - CUDA is loaded at run time ([`kvxfer_cuda`]): on a host without a driver the endpoint is made,
 //!   claims no memory kind, and refuses CUDA registrations naming the missing library.
 //!
-//! Options (`BackendConfig::options`, environment fallbacks `KVXFER_CUDA-IPC_<OPTION>`): `listen`
+//! Options (`BackendConfig::options`, environment fallbacks `KVXFER_CUDA_IPC_<OPTION>`): `listen`
 //! (control listener, default `127.0.0.1:0`), `advertise` (host put in the metadata), `timeout_s`
 //! (connect, copy completion, revoke and disconnect deadline, default 60), `handshake_timeout_s`
 //! (default 5).
@@ -106,7 +106,7 @@ pub struct IpcOptions {
 }
 
 impl IpcOptions {
-    /// Parses `config.options` (environment fallbacks `KVXFER_CUDA-IPC_<OPTION>`); an unknown
+    /// Parses `config.options` (environment fallbacks `KVXFER_CUDA_IPC_<OPTION>`); an unknown
     /// option is an error listing the known ones.
     pub fn from_config(config: &BackendConfig) -> Result<Self, BackendError> {
         let o = Options::new(NAME, config, OPTIONS)?;

@@ -45,7 +45,7 @@ fn styles(d: &BackendDescriptor) -> Vec<&'static str> {
 
 /// The environment variable an option falls back to (`None` for a pattern such as `ucx.<NAME>`).
 fn env_name(backend: &str, option: &str) -> Option<String> {
-    (!option.contains('<')).then(|| format!("KVXFER_{}_{}", backend.to_uppercase(), option.to_uppercase()))
+    (!option.contains('<')).then(|| kvxfer_core::toolkit::option_env_name(backend, option))
 }
 
 fn or_none(v: Vec<&str>) -> String {

@@ -340,6 +340,12 @@ impl EventQueue {
 // ---------------------------------------------------------------------------------------------
 // Options.
 
+/// The environment variable an option of `backend` falls back to: `KVXFER_<BACKEND>_<OPTION>`,
+/// upper case, with '-' as '_' (a shell cannot export `KVXFER_CUDA-IPC_LISTEN`).
+pub fn option_env_name(backend: &str, key: &str) -> String {
+    format!("KVXFER_{}_{}", backend.to_uppercase(), key.to_uppercase()).replace('-', "_")
+}
+
 /// A backend's options: `BackendConfig::options` first, then the environment variable
 /// `KVXFER_<BACKEND>_<OPTION>` (upper case), then the default.
 #[derive(Debug)]
@@ -364,9 +370,9 @@ impl<'a> Options<'a> {
         Ok(Self { backend, config })
     }
 
-    /// The environment variable that backs `key`.
+    /// The environment variable that backs `key` ([`option_env_name`]).
     pub fn env_name(&self, key: &str) -> String {
-        format!("KVXFER_{}_{}", self.backend.to_uppercase(), key.to_uppercase())
+        option_env_name(self.backend, key)
     }
 
     /// The raw value of `key`, if set.
@@ -741,6 +747,7 @@ mod tests {
         let o = Options::new("toolkit", &c, KNOWN).unwrap();
         assert!(o.int_in("depth", 1u32, 1..=64).unwrap_err().to_string().contains("1..=64"));
         assert_eq!(o.env_name("wait_s"), "KVXFER_TOOLKIT_WAIT_S");
+        assert_eq!(option_env_name("cuda-ipc", "listen"), "KVXFER_CUDA_IPC_LISTEN");
         assert_eq!(o.seconds("wait_s", Duration::from_secs(3), 10.0).unwrap(), Duration::from_secs(3));
     }
 }
