@@ -142,6 +142,11 @@ pub const OPTIONS: &[OptionDoc] = &[
         "auto",
         "put (one-sided puts), am (active messages), auto (am when tcp may be used or cma is not allowed)",
     ),
+    OptionDoc::new(
+        "idle",
+        "poll",
+        "how an idle progress thread waits: poll (naps 1 ms between polls), event (sleeps on the worker's event descriptor, woken by arriving messages and commands)",
+    ),
     OptionDoc::new("ucx.<NAME>", "UCX's", "any other UCX setting NAME, e.g. ucx.RNDV_THRESH=64k"),
 ];
 
@@ -211,8 +216,10 @@ fn settings(config: &BackendConfig) -> Result<Settings, BackendError> {
             }
         },
     };
+    let wakeup = o.choice("idle", "poll", &["poll", "event"])? == "event";
     Ok(Settings {
         ucx,
+        wakeup,
         op_timeout: Duration::from_millis(timeout),
         identity: config.identity,
         instance: rand::random(),
@@ -563,11 +570,11 @@ mod tests {
 
     /// UCX settings, operation timeout, keepalive, error mode, active-message data, shared memory
     /// only, segment size.
-    type Parsed = (Vec<(String, String)>, Duration, Duration, ErrMode, bool, bool, u64);
+    type Parsed = (Vec<(String, String)>, Duration, Duration, ErrMode, bool, bool, u64, bool);
 
     fn parsed(c: &BackendConfig) -> Parsed {
         let s = settings(c).unwrap();
-        (s.ucx, s.op_timeout, s.keepalive, s.err_mode, s.am_data, s.shm_only, s.mm_seg)
+        (s.ucx, s.op_timeout, s.keepalive, s.err_mode, s.am_data, s.shm_only, s.mm_seg, s.wakeup)
     }
 
     /// Every option whose documented default is a value parses, set to it, to what leaving it unset
@@ -588,7 +595,7 @@ mod tests {
         let c = BackendConfig::new(1).with("ucx.RNDV_THRESH", "64k");
         assert!(parsed(&c).0.contains(&("RNDV_THRESH".to_owned(), "64k".to_owned())));
         let e = settings(&BackendConfig::new(1).with("tls_mode", "tcp")).err().unwrap().to_string();
-        let known = "known options: tls, net_devices, timeout_ms, keepalive_ms, err_mode, data, ucx.<NAME>";
+        let known = "known options: tls, net_devices, timeout_ms, keepalive_ms, err_mode, data, idle, ucx.<NAME>";
         assert!(e.contains(&format!("unknown option \"tls_mode\"; {known}")), "{e}");
     }
 }

@@ -4,10 +4,11 @@
 //!
 //! Idle strategy: the thread spins on `ucp_worker_progress` (yielding the CPU) for [`SPIN`] after
 //! the last event; then, while anything is in flight or for [`HOT`] after the last event, it naps
-//! on the command channel for [`NAP`] between progress calls. After that it sleeps on the worker's
-//! event descriptor (armed with `ucp_worker_arm`) for up to [`COLD`]: network activity wakes it at
-//! once, and so does a command (the sender signals the worker when the thread is parked). Where
-//! UCX cannot arm the worker, it naps on the command channel for [`COLD_NAP`] instead. After a
+//! on the command channel for [`NAP`] between progress calls. After that it naps for [`COLD_NAP`]
+//! at a time (the default, `idle=poll`: a message to an idle endpoint waits up to that long), or,
+//! with `idle=event`, sleeps on the worker's event descriptor (armed with `ucp_worker_arm`) for up
+//! to [`COLD`]: network activity wakes it at once, and so does a command (the sender signals the
+//! worker when the thread is parked). Where UCX cannot arm the worker, it naps as with `poll`. After a
 //! busy turn with transfers in flight it pauses for [`BUSY_PAUSES`] `spin_loop` hints before the
 //! next progress call.
 
@@ -69,6 +70,9 @@ pub(crate) struct Settings {
     /// Shared-memory segment size in effect ([`crate::mmseg`]); peers on this host must match. 0:
     /// no shared-memory transport opens.
     pub mm_seg: u64,
+    /// `idle=event`: the context has `UCP_FEATURE_WAKEUP` and an idle thread sleeps on the worker's
+    /// event descriptor; otherwise it naps [`COLD_NAP`] at a time.
+    pub wakeup: bool,
 }
 
 /// Which UCX error handling mode endpoints use.
@@ -735,7 +739,8 @@ pub(crate) fn start(
         .name(format!("kvxfer-ucx-{:x}", settings.identity))
         .spawn(move || {
             let built = (|| -> Result<Engine, BackendError> {
-                let ctx = Context::new(&settings.ucx).map_err(|e| ffi(e, "creating the local context"))?;
+                let ctx =
+                    Context::new(&settings.ucx, settings.wakeup).map_err(|e| ffi(e, "creating the local context"))?;
                 let worker = Worker::new(&ctx).map_err(|e| ffi(e, "creating the local worker"))?;
                 *lock(&shared.worker) = worker.address().map_err(|e| ffi(e, "local worker"))?;
                 let h = |kind, flags| {
@@ -746,11 +751,12 @@ pub(crate) fn start(
                     commit: h(Kind::Commit, 0),
                     commit_aborted: h(Kind::Commit, COMMIT_ABORTED),
                 };
-                let efd = match worker.event_fd() {
-                    Ok(fd) => {
+                let efd = match settings.wakeup.then(|| worker.event_fd()).transpose() {
+                    Ok(Some(fd)) => {
                         let _ = shared.waker.set(worker.waker());
                         Some(fd)
                     }
+                    Ok(None) => None,
                     Err(e) => {
                         tracing::debug!("ucx: no worker event descriptor ({}: {}); idle polling", e.call, e.text());
                         None

@@ -108,17 +108,21 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    /// Creates a context with the RMA, AM and wakeup features and the given UCX configuration
-    /// overrides (e.g. `("TLS", "tcp")`). Wakeup lets the progress thread sleep on the worker's
-    /// event descriptor ([`Worker::event_fd`]) when idle instead of polling.
-    pub fn new(settings: &[(String, String)]) -> Result<Rc<Self>, UcxError> {
+    /// Creates a context with the RMA and AM features (and the wakeup feature with `wakeup`) and
+    /// the given UCX configuration overrides (e.g. `("TLS", "tcp")`). Wakeup lets the progress
+    /// thread sleep on the worker's event descriptor ([`Worker::event_fd`]) when idle.
+    pub fn new(settings: &[(String, String)], wakeup: bool) -> Result<Rc<Self>, UcxError> {
         let mut config = Config::read()?;
         for (k, v) in settings {
             config.modify(k, v)?;
         }
         let mut params: sys::ucp_params_t = zeroed();
         params.field_mask = (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME) as u64;
-        params.features = (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
+        let mut features = sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM;
+        if wakeup {
+            features |= sys::UCP_FEATURE_WAKEUP;
+        }
+        params.features = features as u64;
         let name = c"kvxfer";
         params.name = name.as_ptr();
         let mut raw = ptr::null_mut();

@@ -111,6 +111,37 @@ async fn contiguous_write_with_attached_notification() {
     }
 }
 
+/// `idle=event`: both progress threads sleep on their worker's event descriptor once idle; writes
+/// and notifications after idle gaps (each longer than the 20 ms the threads stay hot) still land,
+/// woken by the message (receiver) and by the command (sender).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_event_threads_wake_for_messages_and_commands() {
+    for (name, tls) in TRANSPORTS {
+        let tx = kvxfer_ucx::create(&config(tls, 1).with("idle", "event")).unwrap();
+        let rx = kvxfer_ucx::create(&config(tls, 2).with("idle", "event")).unwrap();
+        let data = bytes(1 << 20, 5);
+        let mut src = HostBuffer::from_slice(&data);
+        let mut dst = HostBuffer::zeroed(1 << 20);
+        let src_reg = tx.register(RegionId(1), src.desc()).await.unwrap();
+        let dst_reg = rx.register(RegionId(9), dst.desc()).await.unwrap();
+        let peer = tx.connect(&rx.metadata().unwrap()).await.unwrap();
+        for i in 0..4u64 {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            let op = WriteOp::contiguous(RegionId(1), i << 18, RegionId(9), i << 18, 1 << 18);
+            let t0 = Instant::now();
+            tx.post(peer, &[op], Some(&note(i + 1, 0))).unwrap().wait(soon()).await.unwrap();
+            let got = notifications(&*rx, 1, Duration::from_secs(5)).await;
+            assert_eq!(got, vec![note(i + 1, 0)], "{name}: write {i}");
+            // Woken, not timed out: far below the 10 s transport deadline.
+            assert!(t0.elapsed() < Duration::from_secs(2), "{name}: write {i} took {:?}", t0.elapsed());
+        }
+        dst_reg.close(soon()).await.unwrap();
+        src_reg.close(soon()).await.unwrap();
+        assert_eq!(dst.to_vec().unwrap(), data, "{name}");
+        drop(src);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strided_ops_move_exactly_their_ranges() {
     for (name, tls) in TRANSPORTS {
