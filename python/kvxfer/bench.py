@@ -56,17 +56,24 @@ def _finish(pairs):
         s.clear()
 
 
+SHAPE = Shape(kv_heads=8, head_dim=128, layers=2, page_size=16, prefill_tp=1, decode_tp=1)
+
+
+def _agents(server, pool_pages: int):
+    """A started decode and prefill agent of SHAPE, each with a pool of `pool_pages` pages."""
+    agents = []
+    for role in ("decode", "prefill"):
+        a = kvxfer.Agent(role=role, topology=SHAPE.topology(), bootstrap=server.address)
+        a.register_kv_buffers(make_pool(SHAPE, role, 0, pool_pages))
+        a.start()
+        agents.append(a)
+    return agents
+
+
 def measure(n: int = 400, batch: int = 50, pages: int = 4) -> dict:
-    shape = Shape(kv_heads=8, head_dim=128, layers=2, page_size=16, prefill_tp=1, decode_tp=1)
-    topo = shape.topology()
     py_s, rs_s = [], []
     with kvxfer.BootstrapServer() as server:
-        agents = []
-        for role in ("decode", "prefill"):
-            a = kvxfer.Agent(role=role, topology=topo, bootstrap=server.address)
-            a.register_kv_buffers(make_pool(shape, role, 0, 4 * pages))
-            a.start()
-            agents.append(a)
+        agents = _agents(server, 4 * pages)
         dec, pre = agents
         for a in agents:
             a.wait_connected(timeout_s=30)
@@ -117,16 +124,9 @@ def _py_request(pre, dec, room: int, src, dst) -> float:
 
 def measure_requests(n: int = 200) -> dict:
     """One-page requests from Python and from Rust, alternating, on one prefill and one decode agent."""
-    shape = Shape(kv_heads=8, head_dim=128, layers=2, page_size=16, prefill_tp=1, decode_tp=1)
-    topo = shape.topology()
     py_s, rs_s = [], []
     with kvxfer.BootstrapServer() as server:
-        agents = []
-        for role in ("decode", "prefill"):
-            a = kvxfer.Agent(role=role, topology=topo, bootstrap=server.address)
-            a.register_kv_buffers(make_pool(shape, role, 0, 8))
-            a.start()
-            agents.append(a)
+        agents = _agents(server, 8)
         dec, pre = agents
         try:
             for a in agents:
