@@ -3,7 +3,9 @@
 //! - [`model`]: KV geometry, layouts, parallel configs, sender keys, and the validated [`Topology`].
 //! - [`heads`]: head ownership (SEMANTICS §2).
 //! - [`plan`]: the slice planner (SEMANTICS §3-4).
-//! - [`tracker`]: the sans-IO completion tracker (SEMANTICS §5).
+//! - [`tracker`]: the sans-IO completion tracker: the decode side's rules (SEMANTICS §5-6).
+//! - [`prefill`]: the sans-IO prefill request book: the prefill side's rules (SEMANTICS §7).
+//! - [`phase`]: where a request stands, as the engine API reports it.
 //! - [`notify`]: typed notifications and their binary codec.
 //! - [`digest`]: the opt-in end-to-end digest of what each sender writes.
 //! - [`backend`]: the [`KvTransferBackend`] trait, capabilities, and the `inventory` registry.
@@ -28,7 +30,9 @@ pub mod model;
 pub mod notify;
 pub mod oracle;
 pub mod order;
+pub mod phase;
 pub mod plan;
+pub mod prefill;
 pub mod protocol;
 pub mod secret;
 pub mod toolkit;
@@ -49,7 +53,9 @@ pub use model::{
 };
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use order::{CudaHandle, GpuOrder};
+pub use phase::Phase;
 pub use plan::{BufferRef, ChunkPlan, KindSlice, PageRun, PairPlan, PlannedOp};
+pub use prefill::{BookConfig, PrefillBook};
 pub use protocol::{Feature, Negotiated, ProtocolMismatch, ProtocolRange};
 pub use secret::{Secret, SecretError, SECRET_ENV};
 pub use tracker::{CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Status, TrackerConfig, TrackerStats};

@@ -78,7 +78,7 @@
 //! reused once its status is final and [`RequestStatus::pages_reusable`]; source pages once the
 //! sender's status is final.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -94,6 +94,9 @@ use serde::{Deserialize, Serialize};
 
 use kvxfer_core::digest;
 use kvxfer_core::plan::plan_sender;
+use kvxfer_core::prefill::{
+    Action as BookAction, BookConfig, CallError, FailCause, Handoff, HandoffOutcome, Part, PrefillBook,
+};
 use kvxfer_core::PairPlan;
 
 use crate::bootstrap::{RankRegistration, WarmupRegion};
@@ -403,46 +406,7 @@ pub enum EngineError {
     },
 }
 
-/// Where a request stands (SGLang's `KVPoll`, plus `Aborting`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// The peers this request needs are not connected yet (prefill: or not every decode rank's page
-    /// list arrived yet).
-    Bootstrapping,
-    /// Ready for the engine's input: decode: [`Receiver::send_metadata`]; prefill: [`Sender::send`].
-    WaitingForInput,
-    /// Bytes are moving; nothing to do but poll.
-    Transferring,
-    /// Every byte landed (decode: verified by every sender's notification; prefill: every write
-    /// completed and every receiver notified).
-    Success,
-    /// Failed or aborted, and not every write has been fenced yet: the pages are NOT free.
-    Aborting,
-    /// Failed or aborted; nothing of it can land any more.
-    Failed,
-}
-
-impl Phase {
-    /// Whether the request has an outcome ([`Phase::Success`] or [`Phase::Failed`]).
-    pub fn is_final(self) -> bool {
-        matches!(self, Phase::Success | Phase::Failed)
-    }
-}
-
-impl fmt::Display for Phase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self {
-            Phase::Bootstrapping => "bootstrapping",
-            Phase::WaitingForInput => "waiting for input",
-            Phase::Transferring => "transferring",
-            Phase::Success => "succeeded",
-            Phase::Aborting => "aborting",
-            Phase::Failed => "failed",
-        };
-        f.write_str(s)
-    }
-}
+pub use kvxfer_core::Phase;
 
 /// A request's status on one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -519,47 +483,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One decode rank's page list for a request, as a prefill rank received it.
-#[derive(Debug, Clone)]
-struct Handoff {
-    generation: u64,
-    pages: Vec<u32>,
-    aux_slot: Option<u32>,
-    /// The decode rank verifies a digest of what this rank writes there.
-    digest: bool,
-}
-
 /// A spawned part of a layer-wise chunk.
 type PartHandle = tokio::task::JoinHandle<Result<(), String>>;
 
+/// What the driver keeps per prefill request beside the book's state: the request's cancel signal
+/// (aborts its transfers in flight) and the task handles of the layer parts of the chunk in progress
+/// (the part that finishes the chunk waits for them before its notification).
 #[derive(Debug, Default)]
-struct SendReq {
-    /// Decode rank -> its handoff.
-    handoffs: BTreeMap<RankId, Handoff>,
-    total: Option<u32>,
-    sent_pages: u32,
-    next_chunk: u32,
-    /// Layer-wise: the chunk being sent (its source pages and the layers sent so far).
-    layerwise: Option<(Vec<u32>, BTreeSet<u32>, Vec<PartHandle>)>,
-    outstanding: u32,
-    last_posted: bool,
-    aux_sent: bool,
-    failure: Option<String>,
-    /// Why it failed, for the metrics (set with `failure`).
-    cause: Option<Cause>,
-    /// Decode ranks that asked to abort: they get `Fenced` once nothing is in flight.
-    abort_from: BTreeSet<RankId>,
-    /// Whether the outcome (failure or fence) has been sent to the receivers.
-    told: bool,
+struct SendIo {
     cancel: Cancel,
-    created: Option<Instant>,
-    /// When the first chunk (or layer part) was posted: where the prefill latency starts.
-    first_post: Option<Instant>,
-    done: bool,
-    /// Per decode rank that asked for a digest: the sums over every part sent so far.
-    digests: BTreeMap<RankId, Vec<u64>>,
-    /// Whether the digests went out (once every part completed).
-    digests_sent: bool,
+    parts: Vec<PartHandle>,
 }
 
 #[derive(Debug)]
@@ -611,8 +544,8 @@ struct Inner {
     peers: Mutex<BTreeMap<RankId, Peer>>,
     connected: AtomicBool,
     connect_error: Mutex<Option<String>>,
-    sends: Mutex<HashMap<RequestId, SendReq>>,
-    early: Mutex<VecDeque<(RankId, Notification, Instant)>>,
+    /// The prefill side's requests (every rule of their life: [`PrefillBook`]); empty on a decode rank.
+    book: Mutex<PrefillBook<SendIo>>,
     recvs: Mutex<HashMap<RequestId, RecvReq>>,
     next_gen: AtomicU64,
     epoch: u64,
@@ -827,8 +760,14 @@ impl Agent {
             peers: Mutex::new(peers),
             connected: AtomicBool::new(false),
             connect_error: Mutex::new(None),
-            sends: Mutex::new(HashMap::new()),
-            early: Mutex::new(VecDeque::new()),
+            book: Mutex::new(PrefillBook::new(BookConfig {
+                rank,
+                receivers: if role == Side::Prefill { topo.receivers(rank) } else { Vec::new() },
+                stage_layers: topo.stage_layers(role, rank.pp),
+                request_timeout: cfg.request_timeout,
+                early_max: cfg.early_max,
+                early_ttl: cfg.early_ttl,
+            })),
             recvs: Mutex::new(HashMap::new()),
             next_gen: AtomicU64::new(1),
             epoch,
@@ -936,61 +875,18 @@ impl Agent {
     /// decode rank it feeds has handed off its page list, then `WaitingForInput`.
     pub fn sender(&self, room: RequestId) -> Result<Sender, EngineError> {
         self.inner.role_is(Side::Prefill, "sender")?;
-        let mut sends = lock(&self.inner.sends);
-        if sends.contains_key(&room) {
-            return Err(EngineError::RoomInUse { role: Side::Prefill, rank: self.rank(), room });
-        }
-        let mut req = SendReq { created: Some(Instant::now()), ..SendReq::default() };
-        // Handoffs that came first: the latest of each decode rank.
-        let mut early = lock(&self.inner.early);
-        let mut aborts = Vec::new();
-        early.retain(|(d, n, _)| {
-            if n.request != room {
-                return true;
-            }
-            match &n.body {
-                NotificationBody::Handoff { pages, aux_slot, digest } => {
-                    let h = Handoff {
-                        generation: n.generation,
-                        pages: pages.clone(),
-                        aux_slot: *aux_slot,
-                        digest: *digest,
-                    };
-                    req.handoffs.insert(*d, h);
-                }
-                NotificationBody::Abort(reason) => aborts.push((*d, n.generation, reason.clone())),
-                _ => {}
-            }
-            false
-        });
-        drop(early);
-        // A decode rank aborted its handoff before this sender existed (it was fenced then): the
-        // request fails at once; `settle` tells the other decode ranks.
-        for (d, generation, reason) in aborts {
-            if req.handoffs.get(&d).is_some_and(|h| h.generation == generation) {
-                req.abort_from.insert(d);
-                req.cause.get_or_insert(Cause::AbortedByPeer);
-                req.failure.get_or_insert_with(|| {
-                    format!("prefill rank {}: decode rank {d} aborted the request: {reason}", self.rank())
-                });
-            }
-        }
-        let failed = req.failure.is_some();
-        sends.insert(room, req);
-        drop(sends);
-        if failed {
-            self.inner.settle(room);
-        }
-        Ok(Sender { inner: Arc::clone(&self.inner), room })
+        let inner = &self.inner;
+        inner.book(|b| b.create(room, SendIo::default(), Instant::now())).map_err(|_| EngineError::RoomInUse {
+            role: Side::Prefill,
+            rank: self.rank(),
+            room,
+        })?;
+        Ok(Sender { inner: Arc::clone(inner), room })
     }
 
     /// Counters.
     pub fn stats(&self) -> AgentStats {
-        let mut s = *lock(&self.inner.stats);
-        if let Some(r) = &self.inner.receiver {
-            s.tracker = r.stats();
-        }
-        s
+        self.inner.stats_now()
     }
 
     /// Peer ranks this rank gave up on whose cut-off the backend could not confirm, with why. The
@@ -1003,7 +899,7 @@ impl Agent {
 
     /// Requests active on this rank (created and not released).
     pub fn active_requests(&self) -> usize {
-        lock(&self.inner.sends).len() + lock(&self.inner.recvs).len()
+        lock(&self.inner.book).len() + lock(&self.inner.recvs).len()
     }
 
     /// Every metric of this agent now, in the OpenMetrics text format (what Prometheus scrapes;
@@ -1018,19 +914,14 @@ impl Agent {
     /// `deadline`, until no peer can touch the memory). After it returns the engine may free the
     /// memory it registered.
     pub async fn shutdown(mut self, deadline: Instant) -> Result<(), EngineError> {
-        let rooms: Vec<RequestId> = lock(&self.inner.sends).keys().copied().collect();
-        for room in rooms {
-            self.inner.sender_abort(room, "the prefill rank shut down".into(), Cause::Shutdown);
-        }
+        self.inner.book(|b| b.abort_open("the prefill rank shut down", FailCause::Shutdown));
         let rooms: Vec<RequestId> = lock(&self.inner.recvs).keys().copied().collect();
         for room in rooms {
             self.inner.receiver_abort(room, "the decode rank shut down".into());
         }
         // Let the aborts and fences go out (bounded).
         let until = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < until
-            && lock(&self.inner.sends).values().any(|r| r.outstanding > 0 || !r.told_if_needed())
-        {
+        while Instant::now() < until && lock(&self.inner.book).settling() {
             tokio::time::sleep(TICK).await;
         }
         self.inner.stop.cancel("shutdown");
@@ -1094,17 +985,14 @@ impl Drop for Agent {
 
 impl crate::metrics::Source for Inner {
     fn snapshot(&self) -> Snapshot {
-        let mut stats = *lock(&self.stats);
-        if let Some(r) = &self.receiver {
-            stats.tracker = r.stats();
-        }
+        let stats = self.stats_now();
         let (peers, peers_connected) = {
             let p = lock(&self.peers);
             (p.len() as u64, p.values().filter(|p| p.id.is_some() && p.lost.is_none()).count() as u64)
         };
-        let (sends, sends_in_flight) = {
-            let s = lock(&self.sends);
-            (s.len() as u64, s.values().filter(|q| q.outstanding > 0).count() as u64)
+        let (sends, sends_in_flight, early_queued) = {
+            let b = lock(&self.book);
+            (b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
         };
         let (recvs, recvs_in_flight) = {
             let r = lock(&self.recvs);
@@ -1117,7 +1005,7 @@ impl crate::metrics::Source for Inner {
             quarantined_peers: lock(&self.quarantine).len() as u64,
             active_requests: sends + recvs,
             in_flight: sends_in_flight + recvs_in_flight,
-            early_queued: lock(&self.early).len() as u64,
+            early_queued,
             registered_bytes: self.registered_bytes,
         }
     }
@@ -1126,16 +1014,6 @@ impl crate::metrics::Source for Inner {
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Inner({} rank {})", self.cfg.role, self.cfg.rank)
-    }
-}
-
-impl SendReq {
-    fn aux_ok(&self) -> bool {
-        self.aux_sent || self.handoffs.values().all(|h| h.aux_slot.is_none())
-    }
-
-    fn told_if_needed(&self) -> bool {
-        self.failure.is_none() || self.told
     }
 }
 
@@ -1298,22 +1176,15 @@ impl Sender {
     /// The trace ids of the transfers this request makes, one per decode rank that handed off so
     /// far ([`TraceId`]; each decode rank chooses its own generation).
     pub fn trace_ids(&self) -> Vec<(RankId, TraceId)> {
-        lock(&self.inner.sends)
-            .get(&self.room)
-            .map(|q| q.handoffs.iter().map(|(d, h)| (*d, TraceId::of(self.room, h.generation))).collect())
-            .unwrap_or_default()
+        let handoffs = lock(&self.inner.book).handoffs(self.room);
+        handoffs.into_iter().map(|(d, g)| (d, TraceId::of(self.room, g))).collect()
     }
 
     /// Sets the request's total page count (SGLang's `init(num_kv_indices)`): the chunk whose pages
     /// reach it is the last. Every decode rank's page list must have this many pages.
     pub fn init(&self, total_pages: u32) -> Result<(), EngineError> {
-        self.inner.with_send(self.room, |r| {
-            if r.total.is_some() {
-                return Err("init was already called".into());
-            }
-            r.total = Some(total_pages);
-            Ok(())
-        })
+        let r = lock(&self.inner.book).init(self.room, total_pages);
+        r.map_err(|e| self.inner.call_error(self.room, e))
     }
 
     /// Sends the next chunk: the source pages (in token order) that follow the pages sent so far;
@@ -1340,27 +1211,9 @@ impl Sender {
     pub fn send_aux(&self, data: Vec<u8>) -> Result<(), EngineError> {
         let inner = &self.inner;
         let room = self.room;
-        let targets = inner.with_send(room, |q| {
-            if let Some(f) = &q.failure {
-                return Err(format!("the request failed: {f}"));
-            }
-            if !inner.sender_ready(q) {
-                return Err("not ready: not every decode rank has handed off yet".into());
-            }
-            if q.aux_sent {
-                return Err("aux was already sent".into());
-            }
-            if data.len() > kvxfer_core::notify::MAX_PAYLOAD {
-                return Err(format!("{} aux bytes exceed {}", data.len(), kvxfer_core::notify::MAX_PAYLOAD));
-            }
-            q.aux_sent = true;
-            q.outstanding += 1;
-            Ok(q.handoffs
-                .iter()
-                .filter(|(_, h)| h.aux_slot.is_some())
-                .map(|(d, h)| (*d, h.generation))
-                .collect::<Vec<_>>())
-        })?;
+        let connected = inner.connected.load(Ordering::Acquire);
+        let targets =
+            inner.book(|b| b.reserve_aux(room, data.len(), connected)).map_err(|e| inner.call_error(room, e))?;
         let this = Arc::clone(inner);
         inner.handle.spawn(async move {
             let me = SenderKey::of(this.cfg.rank);
@@ -1371,7 +1224,7 @@ impl Sender {
                     first.get_or_insert(e.to_string());
                 }
             }
-            this.part_done(room, first.map_or(Ok(()), Err), Vec::new());
+            this.book(|b| b.part_done(room, first.map_or(Ok(()), Err), &[]));
         });
         Ok(())
     }
@@ -1401,24 +1254,18 @@ impl Sender {
     /// failure notification, which is also this rank's fence). `Aborting` until the transfers
     /// settled, then `Failed`.
     pub fn abort(&self, reason: &str) {
-        if self.inner.sender_abort(self.room, reason.to_owned(), Cause::Aborted) {
+        if self.inner.book(|b| b.abort(self.room, reason.to_owned(), FailCause::Aborted)) {
             lock(&self.inner.stats).aborted += 1;
         }
     }
 
     /// Frees the request. Refused while transfers of it are in flight (abort and wait first).
     pub fn release(self) -> Result<RequestStatus, EngineError> {
-        let s = self.status();
-        if !s.phase.is_final() && s.phase != Phase::Bootstrapping && s.phase != Phase::WaitingForInput {
-            return Err(EngineError::InvalidCall {
-                role: Side::Prefill,
-                rank: self.inner.cfg.rank,
-                room: self.room,
-                detail: format!("cannot release while {}: transfers are in flight; abort and wait first", s.phase),
-            });
-        }
-        lock(&self.inner.sends).remove(&self.room);
-        Ok(s)
+        let connected = self.inner.connected.load(Ordering::Acquire);
+        let r = lock(&self.inner.book).release(self.room, connected);
+        let (s, io) = r.map_err(|e| self.inner.call_error(self.room, e))?;
+        drop(io);
+        Ok(RequestStatus::of(s.phase, s.reason, s.pages_reusable))
     }
 }
 
@@ -1672,7 +1519,7 @@ impl Inner {
         self.connected.store(false, Ordering::Release);
         let active = match self.cfg.role {
             Side::Decode => lock(&self.recvs).len(),
-            Side::Prefill => lock(&self.sends).values().filter(|q| !q.done && q.failure.is_none()).count(),
+            Side::Prefill => lock(&self.book).open_count(),
         };
         // A peer that leaves when nothing needs it (a normal shutdown) is no warning.
         if active > 0 {
@@ -1687,7 +1534,7 @@ impl Inner {
             Side::Prefill => {
                 // Stop posting at once: every open send to it fails (its transfers are failed by the
                 // cut-off below, which makes their source pages reusable).
-                self.abort_open_sends(&format!("lost decode rank {r}: {why}"), Cause::PeerLost);
+                self.book(|b| b.abort_open(&format!("lost decode rank {r}: {why}"), FailCause::PeerLost));
                 None
             }
         };
@@ -1820,9 +1667,12 @@ impl Inner {
                         );
                         return;
                     }
-                    match &n.body {
-                        NotificationBody::Handoff { .. } => self.on_handoff(d, n),
-                        NotificationBody::Abort(reason) => self.on_abort(d, &n, reason.clone()),
+                    match n.body {
+                        NotificationBody::Handoff { pages, aux_slot, digest } => {
+                            let h = Handoff { generation: n.generation, pages, aux_slot, digest };
+                            self.on_handoff(d, n.request, h);
+                        }
+                        NotificationBody::Abort(reason) => self.on_abort(d, n.request, n.generation, &reason),
                         _ => lock(&self.stats).protocol_errors += 1,
                     }
                 }
@@ -1894,77 +1744,27 @@ impl Inner {
                 self.count_outcomes();
             }
             Side::Prefill => {
-                let ttl = self.cfg.early_ttl;
-                let mut early = lock(&self.early);
-                let before = early.len();
-                early.retain(|(_, _, t)| now.saturating_duration_since(*t) < ttl);
-                let expired = (before - early.len()) as u64;
-                drop(early);
-                if expired > 0 {
-                    lock(&self.stats).early_handoffs_expired += expired;
-                }
                 // The initial connect failed: every request fails with it at once.
                 let failed = lock(&self.connect_error).clone();
                 if let Some(e) = failed {
-                    self.abort_open_sends(&format!("connecting to the decode ranks failed: {e}"), Cause::Connect);
+                    let why = format!("connecting to the decode ranks failed: {e}");
+                    self.book(|b| b.abort_open(&why, FailCause::Connect));
                 }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
                 let lost: Vec<(RankId, String)> =
                     lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
                 if let Some((r, why)) = lost.first() {
-                    self.abort_open_sends(&format!("decode rank {r} is lost: {why}"), Cause::PeerLost);
+                    self.book(|b| b.abort_open(&format!("decode rank {r} is lost: {why}"), FailCause::PeerLost));
                 }
-                // Requests past their deadline fail.
-                let late: Vec<(RequestId, String)> = lock(&self.sends)
+                // Requests past their deadline fail; early handoffs and aborts expire.
+                let connected: BTreeSet<RankId> = lock(&self.peers)
                     .iter()
-                    .filter(|(_, q)| {
-                        !q.done && q.failure.is_none() && q.created.is_some_and(|c| now >= c + self.cfg.request_timeout)
-                    })
-                    .map(|(k, q)| (*k, self.waiting_for(q)))
+                    .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
+                    .map(|(r, _)| *r)
                     .collect();
-                for (room, waiting) in late {
-                    let why = format!("not finished within {:?}: {waiting}", self.cfg.request_timeout);
-                    self.sender_abort(room, why, Cause::Deadline);
-                }
+                self.book(|b| b.poll_deadlines(now, |d| connected.contains(&d)));
             }
-        }
-    }
-
-    /// Fails every prefill request that has no outcome yet with `why` (each tells its receivers).
-    fn abort_open_sends(self: &Arc<Self>, why: &str, cause: Cause) {
-        let rooms: Vec<RequestId> =
-            lock(&self.sends).iter().filter(|(_, q)| !q.done && q.failure.is_none()).map(|(k, _)| *k).collect();
-        for room in rooms {
-            self.sender_abort(room, why.to_owned(), cause);
-        }
-    }
-
-    /// What an unfinished prefill request still waits for, for its deadline error.
-    fn waiting_for(&self, q: &SendReq) -> String {
-        let missing: Vec<String> = self
-            .topo
-            .receivers(self.cfg.rank)
-            .into_iter()
-            .filter(|d| !q.handoffs.contains_key(d))
-            .map(|d| match self.peer_id(d) {
-                Some(_) => format!("{d}"),
-                None => format!("{d} (not connected)"),
-            })
-            .collect();
-        if !missing.is_empty() {
-            return format!(
-                "waiting for the page list of decode rank(s) {} (did the decode side call send_metadata for this room?)",
-                missing.join(", ")
-            );
-        }
-        match q.total {
-            None => "waiting for init (the request's page count)".into(),
-            Some(t) if q.sent_pages < t => format!("waiting for input: {} of {t} pages given to send", q.sent_pages),
-            Some(_) if q.outstanding > 0 => {
-                format!("waiting for {} posted transfer(s) to be acknowledged by the decode side", q.outstanding)
-            }
-            Some(_) => "every page was sent; waiting for the outcome to be told to the decode side".into(),
         }
     }
 
@@ -2200,157 +2000,138 @@ impl Inner {
 
     // ---------------------------------------------------------------- prefill side
 
-    fn on_handoff(self: &Arc<Self>, d: RankId, n: Notification) {
-        let NotificationBody::Handoff { pages, aux_slot, digest } = &n.body else { return };
-        // Built only where it is kept (the notification itself goes to `early` otherwise).
-        let handoff =
-            || Handoff { generation: n.generation, pages: pages.clone(), aux_slot: *aux_slot, digest: *digest };
-        tracing::debug!(
-            target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
-            rank = %self.cfg.rank, role = "prefill", from = %d, pages = pages.len(), digest = *digest, "handoff received"
-        );
-        if !self.topo.receivers(self.cfg.rank).contains(&d) {
-            lock(&self.stats).protocol_errors += 1;
-            tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
-            return;
-        }
-        let mut sends = lock(&self.sends);
-        if let Some(q) = sends.get_mut(&n.request) {
-            match q.handoffs.get(&d) {
-                None if !q.done && q.failure.is_none() => {
-                    q.handoffs.insert(d, handoff());
-                    // Its abort came first (it was fenced then): nothing may be sent for it.
-                    let aborted = lock(&self.early).iter().find_map(|(r, e, _)| match &e.body {
-                        NotificationBody::Abort(why)
-                            if *r == d && e.request == n.request && e.generation == n.generation =>
-                        {
-                            Some(why.clone())
+    // ---------------------------------------------------------------- prefill side
+
+    /// Runs `f` on the request book under its lock, then carries out the actions it queued
+    /// (cancels under the lock, as they only signal; notifications and counting after it) and
+    /// wakes the waiters.
+    fn book<R>(self: &Arc<Self>, f: impl FnOnce(&mut PrefillBook<SendIo>) -> R) -> R {
+        let (r, actions) = {
+            let mut b = lock(&self.book);
+            let r = f(&mut b);
+            let mut actions = Vec::new();
+            while let Some(a) = b.poll_action() {
+                match a {
+                    BookAction::Cancel { room, reason } => {
+                        if let Some(io) = b.io_mut(room) {
+                            io.cancel.cancel(reason);
                         }
-                        _ => None,
-                    });
-                    if let Some(why) = aborted {
-                        q.abort_from.insert(d);
-                        q.failure =
-                            Some(format!("prefill rank {}: decode rank {d} aborted the request: {why}", self.cfg.rank));
-                        drop(sends);
-                        self.settle(n.request);
-                    } else {
-                        drop(sends);
                     }
-                    self.wake.notify_waiters();
-                    return;
+                    a => actions.push(a),
                 }
-                // The request already failed here and lacks this rank's handoff: it belongs to this
-                // use; answer it with the failure at once instead of leaving it to its deadline.
-                None if !q.done => {
-                    q.handoffs.insert(d, handoff());
-                    let told = q.told;
-                    let why = q.failure.clone().unwrap_or_default();
-                    drop(sends);
-                    if told {
-                        let note =
-                            Notification::new(n.request, SenderKey::of(self.cfg.rank), NotificationBody::Failure(why))
-                                .with_generation(n.generation);
-                        let this = Arc::clone(self);
-                        self.handle.spawn(async move {
-                            if let Some(s) = &this.sender {
-                                if let Err(e) = s.notify_rank(d, &note).await {
-                                    tracing::warn!(rank = %this.cfg.rank, dst = %d, error = %e, "could not tell decode");
-                                }
-                            }
-                        });
-                    }
-                    return;
-                }
-                Some(h) if h.generation == n.generation => return,
-                _ => {}
             }
+            (r, actions)
+        };
+        if !actions.is_empty() {
+            self.carry_out(actions);
         }
-        // No sender yet (or it belongs to another use of the room): keep it, bounded. `sends` stays
-        // locked until the handoff is in `early` (lock order sends -> early, as in `sender()`):
-        // released before, a sender created in between drained `early` before the handoff was in
-        // it, and the request waited for its deadline (seen in CI: a prefill that never sent).
-        let mut early = lock(&self.early);
-        let mut expired = 0;
-        while early.len() >= self.cfg.early_max.max(1) {
-            early.pop_front();
-            expired += 1;
-        }
-        early.push_back((d, n, Instant::now()));
-        drop(early);
-        drop(sends);
-        let mut s = lock(&self.stats);
-        s.early_handoffs_kept += 1;
-        s.early_handoffs_expired += expired;
+        self.wake.notify_waiters();
+        r
     }
 
-    fn on_abort(self: &Arc<Self>, d: RankId, n: &Notification, reason: String) {
-        lock(&self.stats).aborts_received += 1;
-        tracing::debug!(
-            target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
-            rank = %self.cfg.rank, role = "prefill", from = %d, "abort received: {reason}"
-        );
-
-        let room = n.request;
-        // Mine and still running: abort, and fence once nothing is in flight. Mine and finished
-        // (every write completed) or already settled: nothing can land, so fence now.
-        let (mine, running) = {
-            let mut sends = lock(&self.sends);
-            let found = match sends.get_mut(&room) {
-                Some(q) if q.handoffs.get(&d).is_some_and(|h| h.generation == n.generation) => {
-                    q.abort_from.insert(d);
-                    (true, !(q.done || q.told))
+    /// Carries out the book's notifications (in order, in one task) and counts its outcomes.
+    fn carry_out(self: &Arc<Self>, actions: Vec<BookAction>) {
+        let mut notes = Vec::new();
+        let now = Instant::now();
+        for a in actions {
+            match a {
+                BookAction::Notify { to, note, after_link } => notes.push((to, note, after_link)),
+                BookAction::Succeeded { room, started, receivers } => {
+                    let seconds = started.map(|t| now.saturating_duration_since(t).as_secs_f64());
+                    for (d, generation, digest) in receivers {
+                        tracing::debug!(
+                            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
+                            rank = %self.cfg.rank, role = "prefill", dst = %d, seconds = seconds.unwrap_or(0.0),
+                            digest, "final: succeeded"
+                        );
+                    }
+                    lock(&self.stats).succeeded += 1;
+                    if let Some(t) = seconds {
+                        self.recorder.succeeded(t);
+                    }
                 }
-                _ => (false, false),
-            };
-            if !found.0 {
-                // Not started here (or another use): nothing was posted. Keep the abort with the
-                // early handoffs (same bounds): a sender created later for the room, or the handoff
-                // itself if the abort overtook it, then fails at once instead of writing into fenced
-                // pages. Pushed while `sends` is held (lock order sends -> early), so neither a new
-                // sender nor the overtaken handoff can look at `early` before the abort is in it.
-                let mut early = lock(&self.early);
-                while early.len() >= self.cfg.early_max.max(1) {
-                    early.pop_front();
+                BookAction::Failed { room, started, cause, why, receivers } => {
+                    for (d, generation, fenced) in receivers {
+                        tracing::debug!(
+                            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
+                            rank = %self.cfg.rank, role = "prefill", dst = %d, fenced, "final: failed: {why}"
+                        );
+                    }
+                    lock(&self.stats).failed += 1;
+                    let seconds = started.map(|t| now.saturating_duration_since(t).as_secs_f64());
+                    self.recorder.failed(seconds, cause_of(cause));
                 }
-                early.push_back((d, n.clone(), Instant::now()));
-            }
-            found
-        };
-        if mine && running {
-            if self.sender_abort(room, format!("decode rank {d} aborted the request: {reason}"), Cause::AbortedByPeer) {
-                // Its settle fences `d` (in `abort_from`) once nothing is in flight.
-                return;
-            }
-            // Not aborted: between the look above and the abort, its last write completed (done:
-            // nothing will fence it, so fence now; before, the decode rank then waited for a fence
-            // that never came), or it failed on its own (its settle fences `d`, in `abort_from`).
-            // Released since: final either way; a second fence is harmless.
-            let done = lock(&self.sends).get(&room).map_or(true, |q| q.done);
-            if !done {
-                return;
+                BookAction::Cancel { .. } => {}
             }
         }
-        if !mine {
-            // Nothing of it was posted here: this rank's part of the request ends with the fence.
-            tracing::debug!(
-                target: "kvxfer::request", trace_id = %TraceId::of(n.request, n.generation), room = %n.request,
-                rank = %self.cfg.rank, role = "prefill", dst = %d, fenced = true,
-                "final: failed: aborted by decode rank {d} while nothing of it was in flight here (not started, \
-                 or released); fenced at once"
-            );
+        if notes.is_empty() {
+            return;
         }
-        let fence = Notification::new(room, SenderKey::of(self.cfg.rank), NotificationBody::Fenced)
-            .with_generation(n.generation);
         let this = Arc::clone(self);
         self.handle.spawn(async move {
-            if let Some(s) = &this.sender {
-                this.link_to(s, d).await;
-                if s.notify_rank(d, &fence).await.is_ok() {
-                    lock(&this.stats).fences += 1;
+            let Some(s) = &this.sender else { return };
+            for (d, n, after_link) in notes {
+                if after_link {
+                    this.link_to(s, d).await;
+                }
+                match s.notify_rank(d, &n).await {
+                    Ok(()) if matches!(n.body, NotificationBody::Fenced) => lock(&this.stats).fences += 1,
+                    Ok(()) => {}
+                    // Not delivered: the decode rank fails the request at its deadline, naming
+                    // this rank.
+                    Err(e) => tracing::warn!(
+                        rank = %this.cfg.rank, room = %n.request, dst = %d, error = %e, "could not tell decode: {n}"
+                    ),
                 }
             }
         });
+    }
+
+    /// The engine error of a call the book refused.
+    fn call_error(&self, room: RequestId, e: CallError) -> EngineError {
+        match e {
+            CallError::RoomInUse => EngineError::RoomInUse { role: Side::Prefill, rank: self.cfg.rank, room },
+            e => EngineError::InvalidCall { role: Side::Prefill, rank: self.cfg.rank, room, detail: e.to_string() },
+        }
+    }
+
+    /// The counters now: the agent's, the book's and the tracker's.
+    fn stats_now(&self) -> AgentStats {
+        let mut s = *lock(&self.stats);
+        if let Some(r) = &self.receiver {
+            s.tracker = r.stats();
+        }
+        let b = lock(&self.book).stats();
+        s.early_handoffs_kept += b.early_kept;
+        s.early_handoffs_expired += b.early_expired;
+        s.protocol_errors += b.not_fed;
+        s
+    }
+
+    fn on_handoff(self: &Arc<Self>, d: RankId, room: RequestId, h: Handoff) {
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
+            rank = %self.cfg.rank, role = "prefill", from = %d, pages = h.pages.len(), digest = h.digest,
+            "handoff received"
+        );
+        if self.book(|b| b.handle_handoff(d, room, h, Instant::now())) == HandoffOutcome::NotFed {
+            tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
+        }
+    }
+
+    fn on_abort(self: &Arc<Self>, d: RankId, room: RequestId, generation: u64, reason: &str) {
+        lock(&self.stats).aborts_received += 1;
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
+            rank = %self.cfg.rank, role = "prefill", from = %d, "abort received: {reason}"
+        );
+        // The book decides, under its one lock, whether the fence goes now or once the transfers in
+        // flight settled (a write completing beside the abort cannot leave it unfenced).
+        let outcome = self.book(|b| b.handle_abort(d, room, generation, reason, Instant::now()));
+        tracing::debug!(
+            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
+            rank = %self.cfg.rank, role = "prefill", dst = %d, ?outcome, "abort handled"
+        );
     }
 
     /// Waits (bounded by the request timeout) until this prefill rank's own connection to decode
@@ -2367,28 +2148,6 @@ impl Inner {
         }
     }
 
-    fn with_send<T>(
-        &self,
-        room: RequestId,
-        f: impl FnOnce(&mut SendReq) -> Result<T, String>,
-    ) -> Result<T, EngineError> {
-        let mut sends = lock(&self.sends);
-        let Some(q) = sends.get_mut(&room) else {
-            return Err(EngineError::InvalidCall {
-                role: Side::Prefill,
-                rank: self.cfg.rank,
-                room,
-                detail: "the request was released; create a new sender".into(),
-            });
-        };
-        f(q).map_err(|detail| EngineError::InvalidCall { role: Side::Prefill, rank: self.cfg.rank, room, detail })
-    }
-
-    fn sender_ready(&self, q: &SendReq) -> bool {
-        self.connected.load(Ordering::Acquire)
-            && self.topo.receivers(self.cfg.rank).iter().all(|d| q.handoffs.contains_key(d))
-    }
-
     fn send_part(
         self: &Arc<Self>,
         room: RequestId,
@@ -2396,91 +2155,24 @@ impl Inner {
         layers: std::ops::Range<u32>,
         whole: bool,
     ) -> Result<(), EngineError> {
-        let stage_layers = self.stage_layers();
-        let receivers = self.topo.receivers(self.cfg.rank);
         let me = SenderKey::of(self.cfg.rank);
-        // Validate and reserve under the lock; post in the background.
-        let (chunk, last, targets, finish, cancel) = self.with_send(room, |q| {
-            if let Some(f) = &q.failure {
-                return Err(format!("the request failed: {f}"));
-            }
-            if !self.sender_ready(q) {
-                return Err(format!(
-                    "not ready: waiting for the page lists of decode ranks {:?} (poll until WaitingForInput)",
-                    receivers.iter().filter(|d| !q.handoffs.contains_key(d)).collect::<Vec<_>>()
-                ));
-            }
-            let total = q.total.ok_or("call init(total_pages) before sending")?;
-            if q.last_posted {
-                return Err("the last chunk was already sent".into());
-            }
-            if layers.start >= layers.end || layers.end > stage_layers {
-                return Err(format!("layer range {layers:?} is empty or outside this stage's {stage_layers} layers"));
-            }
-            // Layer-wise: the chunk in progress, if any, must be these pages.
-            let continuing = match &q.layerwise {
-                Some((pages, done, _)) => {
-                    if pages.as_slice() != src_pages {
-                        return Err("layer-wise: every call of one chunk must give the same source pages".into());
-                    }
-                    if layers.clone().any(|l| done.contains(&l)) {
-                        return Err(format!("layer-wise: layers {layers:?} of this chunk were already sent"));
-                    }
-                    true
-                }
-                None => false,
-            };
-            let n = src_pages.len() as u32;
-            if !continuing && u64::from(q.sent_pages) + u64::from(n) > u64::from(total) {
-                return Err(format!("{} pages sent + {n} exceed the total of {total}", q.sent_pages));
-            }
-            for d in &receivers {
-                let h = &q.handoffs[d];
-                if h.pages.len() != total as usize {
-                    return Err(format!(
-                        "decode rank {d} handed off {} pages but init said {total}; both sides must agree",
-                        h.pages.len()
-                    ));
-                }
-            }
-            let start = if continuing { q.sent_pages - n } else { q.sent_pages };
-            let targets: Vec<(RankId, u64, Vec<u32>, bool)> = receivers
-                .iter()
-                .map(|d| {
-                    let h = &q.handoffs[d];
-                    (*d, h.generation, h.pages[start as usize..(start + n) as usize].to_vec(), h.digest)
-                })
-                .collect();
-            if !continuing {
-                q.sent_pages += n;
-            }
-            let last = q.sent_pages == total;
-            let chunk = if continuing { q.next_chunk - 1 } else { q.next_chunk };
-            if !continuing {
-                q.next_chunk += 1;
-            }
-            // Whether this call finishes the chunk (and so sends its notification).
-            let finish = if whole {
-                true
-            } else {
-                let entry = q.layerwise.get_or_insert_with(|| (src_pages.to_vec(), BTreeSet::new(), Vec::new()));
-                entry.1.extend(layers.clone());
-                entry.1.len() as u32 == stage_layers
-            };
-            if whole && q.layerwise.is_some() {
-                return Err("a layer-wise chunk is in progress; finish it with send_layers".into());
-            }
-            if finish && last {
-                q.last_posted = true;
-            }
-            q.outstanding += 1;
-            q.first_post.get_or_insert_with(Instant::now);
-            Ok((chunk, last, targets, finish, q.cancel.clone()))
-        })?;
-        for (d, generation, dst, _) in &targets {
+        let connected = self.connected.load(Ordering::Acquire);
+        // Reserved in the book (which refuses, changing nothing, what does not fit the request);
+        // posted in the background. A layer part that finishes its chunk takes the handles of the
+        // chunk's earlier parts, to send the notification after them.
+        let (part, cancel, earlier) = self
+            .book(|b| {
+                let part = b.reserve_part(room, src_pages, layers.clone(), whole, connected, Instant::now())?;
+                let io = b.io_mut(room).expect("reserved");
+                let earlier = if !whole && part.finish { std::mem::take(&mut io.parts) } else { Vec::new() };
+                Ok((part, io.cancel.clone(), earlier))
+            })
+            .map_err(|e| self.call_error(room, e))?;
+        let Part { chunk, last, finish, targets } = part;
+        for t in &targets {
             tracing::debug!(
-                target: "kvxfer::request", trace_id = %TraceId::of(room, *generation), room = %room,
-                rank = %self.cfg.rank, role = "prefill", dst = %d, chunk, last, finish, pages = dst.len(),
+                target: "kvxfer::request", trace_id = %TraceId::of(room, t.generation), room = %room,
+                rank = %self.cfg.rank, role = "prefill", dst = %t.rank, chunk, last, finish, pages = t.dst_pages.len(),
                 layers = ?layers, "posting"
             );
         }
@@ -2488,11 +2180,6 @@ impl Inner {
         let deadline = Instant::now() + self.cfg.request_timeout;
         let this = Arc::clone(self);
         let src = src_pages.to_vec();
-        let earlier = if !whole && finish {
-            self.with_send(room, |q| Ok(q.layerwise.take().map(|(_, _, h)| h).unwrap_or_default())).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
         let part = async move {
             let s = this.sender.as_ref().expect("prefill agent");
             // Layer-wise: the notification follows every earlier part of the chunk.
@@ -2503,17 +2190,17 @@ impl Inner {
                     Err(e) => return Err(format!("a layer part did not finish: {e}")),
                 }
             }
-            let sends = targets.iter().map(|(d, generation, dst, _)| {
-                let note = Notification::chunk(room, me, chunk, last).with_generation(*generation);
+            let sends = targets.iter().map(|t| {
+                let note = Notification::chunk(room, me, chunk, last).with_generation(t.generation);
                 let layers = layers.clone();
                 let note = if finish { Some(note) } else { None };
                 let (src, cancel) = (&src, &cancel);
-                async move { s.send_to(room, *d, src, dst, layers, note.as_ref(), deadline, cancel).await }
+                async move { s.send_to(room, t.rank, src, &t.dst_pages, layers, note.as_ref(), deadline, cancel).await }
             });
             // Decode ranks that verify digests: hash what this part writes there, beside the sends
             // (the source bytes stay as they are until the request's status is final).
             let wanted: Vec<(RankId, Vec<u32>)> =
-                targets.iter().filter(|t| t.3).map(|(d, _, dst, _)| (*d, dst.clone())).collect();
+                targets.iter().filter(|t| t.digest).map(|t| (t.rank, t.dst_pages.clone())).collect();
             let hashing = this.hash_part(&src, wanted, layers.clone());
             let (hashed, results) = futures::future::join(hashing, join_all(sends)).await;
             let mut first = None;
@@ -2533,21 +2220,17 @@ impl Inner {
         let this = Arc::clone(self);
         let part = tracing::Instrument::instrument(part, span);
         let handle = self.handle.spawn(async move {
-            let r = part.await;
-            let (r, digests) = match r {
+            let (r, digests) = match part.await {
                 Ok(d) => (Ok(()), d),
                 Err(e) => (Err(e), Vec::new()),
             };
-            this.part_done(room, r.clone(), digests);
+            this.book(|b| b.part_done(room, r.clone(), &digests));
             r
         });
         if !whole && !finish {
-            let _ = self.with_send(room, |q| {
-                if let Some((_, _, hs)) = &mut q.layerwise {
-                    hs.push(handle);
-                }
-                Ok(())
-            });
+            if let Some(io) = lock(&self.book).io_mut(room) {
+                io.parts.push(handle);
+            }
         }
         Ok(())
     }
@@ -2585,159 +2268,9 @@ impl Inner {
         Ok(hashed.0)
     }
 
-    fn part_done(self: &Arc<Self>, room: RequestId, r: Result<(), String>, digests: Vec<(RankId, Vec<u64>)>) {
-        let mut notes = Vec::new();
-        {
-            let mut sends = lock(&self.sends);
-            let Some(q) = sends.get_mut(&room) else { return };
-            q.outstanding = q.outstanding.saturating_sub(1);
-            for (d, part) in &digests {
-                digest::merge(q.digests.entry(*d).or_default(), part);
-            }
-            if let Err(e) = r {
-                if q.failure.is_none() {
-                    q.cause = Some(Cause::Transfer);
-                    q.failure = Some(format!("prefill rank {}: {e}", self.cfg.rank));
-                    q.cancel.cancel(e);
-                }
-            }
-            // Every part completed: the decode ranks that asked get the sums of them all.
-            if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.digests_sent {
-                q.digests_sent = true;
-                let me = SenderKey::of(self.cfg.rank);
-                for (d, h) in q.handoffs.iter().filter(|(_, h)| h.digest) {
-                    let body = NotificationBody::Digest(q.digests.get(d).cloned().unwrap_or_default());
-                    notes.push((*d, Notification::new(room, me, body).with_generation(h.generation)));
-                }
-            }
-            if q.failure.is_none() && q.last_posted && q.outstanding == 0 && !q.done && q.aux_ok() {
-                q.done = true;
-                for (d, h) in &q.handoffs {
-                    tracing::debug!(
-                        target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
-                        rank = %self.cfg.rank, role = "prefill", dst = %d,
-                        seconds = q.first_post.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-                        digest = h.digest, "final: succeeded"
-                    );
-                }
-                lock(&self.stats).succeeded += 1;
-                if let Some(t) = q.first_post {
-                    self.recorder.succeeded(t.elapsed().as_secs_f64());
-                }
-            }
-        }
-        if !notes.is_empty() {
-            let this = Arc::clone(self);
-            self.handle.spawn(async move {
-                let Some(s) = &this.sender else { return };
-                for (d, n) in notes {
-                    // Not delivered: the decode rank fails the request at its deadline, naming
-                    // this rank's missing digest.
-                    if let Err(e) = s.notify_rank(d, &n).await {
-                        tracing::warn!(rank = %this.cfg.rank, room = %n.request, dst = %d, error = %e, "could not send the digest");
-                    }
-                }
-            });
-        }
-        self.settle(room);
-        self.wake.notify_waiters();
-    }
-
-    /// Returns whether this call aborted a request that had no outcome.
-    fn sender_abort(self: &Arc<Self>, room: RequestId, reason: String, cause: Cause) -> bool {
-        let aborted = {
-            let mut sends = lock(&self.sends);
-            let Some(q) = sends.get_mut(&room) else { return false };
-            if q.done || q.failure.is_some() {
-                false
-            } else {
-                q.failure = Some(format!("prefill rank {}: {reason}", self.cfg.rank));
-                q.cause = Some(cause);
-                q.cancel.cancel(reason);
-                true
-            }
-        };
-        self.settle(room);
-        self.wake.notify_waiters();
-        aborted
-    }
-
-    /// Once a failed request has nothing in flight: tell every decode rank (failure, or `Fenced` to
-    /// one that asked to abort), once.
-    fn settle(self: &Arc<Self>, room: RequestId) {
-        let (notes, failed_now, started, cause) = {
-            let mut sends = lock(&self.sends);
-            let Some(q) = sends.get_mut(&room) else { return };
-            let Some(why) = q.failure.clone() else { return };
-            if q.outstanding > 0 || q.told {
-                return;
-            }
-            q.told = true;
-            for (d, h) in &q.handoffs {
-                tracing::debug!(
-                    target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
-                    rank = %self.cfg.rank, role = "prefill", dst = %d, fenced = q.abort_from.contains(d),
-                    "final: failed: {why}"
-                );
-            }
-            let me = SenderKey::of(self.cfg.rank);
-            let notes: Vec<(RankId, Notification)> = q
-                .handoffs
-                .iter()
-                .map(|(d, h)| {
-                    let body = if q.abort_from.contains(d) {
-                        NotificationBody::Fenced
-                    } else {
-                        NotificationBody::Failure(why.clone())
-                    };
-                    (*d, Notification::new(room, me, body).with_generation(h.generation))
-                })
-                .collect();
-            (notes, true, q.first_post, q.cause.unwrap_or(Cause::Transfer))
-        };
-        if failed_now {
-            lock(&self.stats).failed += 1;
-            self.recorder.failed(started.map(|c| c.elapsed().as_secs_f64()), cause);
-        }
-        let this = Arc::clone(self);
-        self.handle.spawn(async move {
-            let Some(s) = &this.sender else { return };
-            for (d, n) in notes {
-                let fenced = matches!(n.body, NotificationBody::Fenced);
-                this.link_to(s, d).await;
-                match s.notify_rank(d, &n).await {
-                    Ok(()) if fenced => lock(&this.stats).fences += 1,
-                    Ok(()) => {}
-                    Err(e) => {
-                        tracing::warn!(rank = %this.cfg.rank, %room, dst = %d, error = %e, "could not tell decode")
-                    }
-                }
-            }
-        });
-    }
-
     fn sender_status(&self, room: RequestId) -> RequestStatus {
-        let sends = lock(&self.sends);
-        let Some(q) = sends.get(&room) else {
-            return RequestStatus::of(Phase::Failed, Some("the request was released or never created".into()), true);
-        };
-        if let Some(f) = &q.failure {
-            return if q.outstanding == 0 {
-                RequestStatus::of(Phase::Failed, Some(f.clone()), true)
-            } else {
-                RequestStatus::of(Phase::Aborting, Some(f.clone()), false)
-            };
-        }
-        if q.done {
-            return RequestStatus::of(Phase::Success, None, true);
-        }
-        if q.last_posted {
-            return RequestStatus::of(Phase::Transferring, None, false);
-        }
-        if !self.sender_ready(q) {
-            return RequestStatus::of(Phase::Bootstrapping, None, q.outstanding == 0);
-        }
-        RequestStatus::of(Phase::WaitingForInput, None, q.outstanding == 0)
+        let s = lock(&self.book).status(room, self.connected.load(Ordering::Acquire));
+        RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
     async fn wait_for(
@@ -2769,6 +2302,19 @@ impl Inner {
             }
             let _ = tokio::time::timeout((deadline - now).min(TICK * 5), notified).await;
         }
+    }
+}
+
+/// The metrics' cause of a failure the prefill book reports.
+fn cause_of(c: FailCause) -> Cause {
+    match c {
+        FailCause::Aborted => Cause::Aborted,
+        FailCause::AbortedByPeer => Cause::AbortedByPeer,
+        FailCause::PeerLost => Cause::PeerLost,
+        FailCause::Deadline => Cause::Deadline,
+        FailCause::Transfer => Cause::Transfer,
+        FailCause::Connect => Cause::Connect,
+        FailCause::Shutdown => Cause::Shutdown,
     }
 }
 
