@@ -217,7 +217,7 @@ impl Default for TrackerConfig {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct KeyState {
     received: BTreeSet<u32>,
     expected: Option<u32>,
@@ -244,7 +244,7 @@ impl KeyState {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Req {
     generation: u64,
     keys: BTreeMap<SenderKey, KeyState>,
@@ -347,7 +347,7 @@ pub enum Fence {
 }
 
 /// Tracks completion of every request of one decode rank.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct CompletionTracker {
     config: TrackerConfig,
     reqs: HashMap<RequestId, Req>,
