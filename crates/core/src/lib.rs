@@ -4,6 +4,8 @@
 //! - [`heads`]: head ownership (SEMANTICS §2).
 //! - [`plan`]: the slice planner (SEMANTICS §3-4).
 //! - [`tracker`]: the sans-IO completion tracker: the decode side's rules (SEMANTICS §5-6).
+//! - [`decode`]: the sans-IO decode request book around the tracker (handoff generations, the fence
+//!   asks, the digest check, outcomes).
 //! - [`prefill`]: the sans-IO prefill request book: the prefill side's rules (SEMANTICS §7).
 //! - [`phase`]: where a request stands, as the engine API reports it.
 //! - [`notify`]: typed notifications and their binary codec.
@@ -19,6 +21,7 @@
 //! contract types and the toolkit wait with tokio's sync and time types inside the caller's runtime.
 
 pub mod backend;
+pub mod decode;
 pub mod digest;
 pub mod error;
 #[cfg(any(fuzzing, feature = "fuzzing"))]

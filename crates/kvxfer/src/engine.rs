@@ -80,19 +80,21 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use kvxfer_core::{
-    BackendConfig, BackendEvent, BufferRef, Feature, Fence, HostBuffer, KvTransferBackend, MemDesc, Notification,
+    BackendConfig, BackendEvent, BufferRef, Feature, HostBuffer, KvTransferBackend, MemDesc, Notification,
     NotificationBody, NotifyStyle, PeerId, ProtocolRange, RankId, RequestId, Secret, SecretError, SenderKey, Side,
-    Status, Topology, TrackerConfig, TrackerStats,
+    Topology, TrackerConfig, TrackerStats,
 };
 use serde::{Deserialize, Serialize};
 
+use kvxfer_core::decode::{Check, DecodeBook, DecodeCause, DecodeConfig};
 use kvxfer_core::digest;
+use kvxfer_core::plan::check_pages;
 use kvxfer_core::plan::plan_sender;
 use kvxfer_core::prefill::{
     Action as BookAction, BookConfig, CallError, FailCause, Handoff, HandoffOutcome, Part, PrefillBook,
@@ -102,7 +104,7 @@ use kvxfer_core::PairPlan;
 use crate::bootstrap::{RankRegistration, WarmupRegion};
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
 use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
-use crate::session::{Cancel, ExpectOptions, KvPool, PoolBuffer, PoolMemory, ReceiverSession, SenderSession, Window};
+use crate::session::{Cancel, KvPool, PoolBuffer, PoolMemory, SenderSession, Window};
 
 /// The identity a rank's endpoint carries (in [`BackendConfig::identity`] and in lost-peer events):
 /// prefill ranks use their sender key, decode ranks a value with the top bit set. The one encoding
@@ -495,37 +497,6 @@ struct SendIo {
     parts: Vec<PartHandle>,
 }
 
-#[derive(Debug)]
-struct RecvReq {
-    generation: Option<u64>,
-    /// Senders asked to abort: when last asked, and how many times. An ask is repeated
-    /// ([`FENCE_REASK`], doubling up to [`FENCE_REASK_MAX`]) while the sender's fence is missing, so
-    /// a lost ask or answer cannot leave the request `Aborting` for ever.
-    abort_sent: BTreeMap<SenderKey, (Instant, u32)>,
-    /// A failure before the handoff (nothing to fence).
-    early_failure: Option<String>,
-    counted: bool,
-    /// When the engine handed the request off, and the bytes its pages take on this rank.
-    handed_off: Option<(Instant, u64)>,
-    /// The end-to-end digest check of a request handed off with [`AgentConfig::digest`].
-    verify: Verify,
-    /// The pages handed off (kept for the digest check only, which takes them).
-    pages: Vec<u32>,
-}
-
-/// Where a decode request's digest check stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Verify {
-    /// Not asked for.
-    Off,
-    /// Asked for: waits until the tracker has every chunk and digest.
-    Waiting,
-    /// Hashing the landed bytes.
-    Running,
-    /// Checked: `Err` names the sender and the first bad range.
-    Checked(Result<(), String>),
-}
-
 /// What the agent knows of one peer rank.
 #[derive(Debug, Clone)]
 struct Peer {
@@ -539,21 +510,23 @@ struct Inner {
     topo: Topology,
     backend: Arc<dyn KvTransferBackend>,
     sender: Option<SenderSession>,
-    receiver: Option<ReceiverSession>,
     /// The peer ranks this rank exchanges with, by rank.
     peers: Mutex<BTreeMap<RankId, Peer>>,
     connected: AtomicBool,
     connect_error: Mutex<Option<String>>,
     /// The prefill side's requests (every rule of their life: [`PrefillBook`]); empty on a decode rank.
     book: Mutex<PrefillBook<SendIo>>,
-    recvs: Mutex<HashMap<RequestId, RecvReq>>,
-    next_gen: AtomicU64,
+    /// The decode side's requests, with the completion tracker ([`DecodeBook`]); empty on a
+    /// prefill rank.
+    decode: Mutex<DecodeBook>,
     epoch: u64,
     stats: Mutex<AgentStats>,
     /// Peers whose cut-off could not be confirmed, with why (see the module docs).
     quarantine: Mutex<BTreeMap<RankId, String>>,
     /// Latency, bytes and failure causes, recorded as requests end (see [`crate::metrics`]).
     recorder: Recorder,
+    /// Pages of this rank's pool (a handoff's pages are checked against it).
+    pool_pages: u32,
     /// Bytes of one page across this rank's pool (every layer of its stage, every kind).
     page_bytes: u64,
     /// Bytes of KV pool registered with the backend.
@@ -598,18 +571,6 @@ fn rejoin_wait(cfg: &AgentConfig) -> Duration {
 
 /// How often the progress task wakes when nothing arrives (deadlines, early-buffer ages).
 const TICK: Duration = Duration::from_millis(20);
-/// How long a decode rank waits for a sender's fence after asking it to abort before it asks
-/// again; each further ask waits twice as long, up to [`FENCE_REASK_MAX`]. A prefill rank answers
-/// every ask (a repeated one with another fence), so a lost ask or answer costs one wait.
-const FENCE_REASK: Duration = Duration::from_secs(1);
-/// The longest wait between two asks.
-const FENCE_REASK_MAX: Duration = Duration::from_secs(8);
-
-/// The wait before ask number `n + 1` (after `n + 1` asks were sent).
-fn reask_after(n: u32) -> Duration {
-    FENCE_REASK.saturating_mul(1 << n.min(3)).min(FENCE_REASK_MAX)
-}
-
 impl Agent {
     /// Creates the backend endpoint, registers the KV memory, joins the cluster's metadata store
     /// under a lease, and starts the progress task and a background connect to the peer ranks
@@ -689,23 +650,17 @@ impl Agent {
             None
         };
         let registered_bytes: u64 = pool.buffers.iter().map(|b| b.len).sum();
-        let (sender, receiver) = match role {
-            Side::Prefill => (
-                Some(
-                    SenderSession::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
-                        .map_err(|e| setup(e.to_string()))?
-                        .with_window(cfg.window),
-                ),
-                None,
+        let pool_pages = pool.pages;
+        let sender = match role {
+            Side::Prefill => Some(
+                SenderSession::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
+                    .map_err(|e| setup(e.to_string()))?
+                    .with_window(cfg.window),
             ),
-            Side::Decode => (
-                None,
-                Some(
-                    ReceiverSession::new(Arc::clone(&backend), topo, rank, pool.clone())
-                        .map_err(|e| setup(e.to_string()))?
-                        .with_tracker_config(cfg.tracker),
-                ),
-            ),
+            Side::Decode => {
+                pool.validate(&topo, Side::Decode, rank).map_err(|e| setup(e.to_string()))?;
+                None
+            }
         };
         let store = crate::metadata::connect_secured(
             &cfg.metadata,
@@ -756,7 +711,6 @@ impl Agent {
             topo,
             backend,
             sender,
-            receiver,
             peers: Mutex::new(peers),
             connected: AtomicBool::new(false),
             connect_error: Mutex::new(None),
@@ -768,8 +722,15 @@ impl Agent {
                 early_max: cfg.early_max,
                 early_ttl: cfg.early_ttl,
             })),
-            recvs: Mutex::new(HashMap::new()),
-            next_gen: AtomicU64::new(1),
+            decode: Mutex::new(DecodeBook::new(DecodeConfig {
+                rank,
+                senders: if role == Side::Decode { topo.expected_senders(rank) } else { Vec::new() },
+                epoch,
+                request_timeout: cfg.request_timeout,
+                digest: cfg.digest,
+                tracker: cfg.tracker,
+            })),
+            pool_pages,
             epoch,
             stats: Mutex::new(AgentStats::default()),
             quarantine: Mutex::new(BTreeMap::new()),
@@ -852,22 +813,11 @@ impl Agent {
     /// prefill ranks are connected, then `WaitingForInput` until [`Receiver::send_metadata`].
     pub fn receiver(&self, room: RequestId) -> Result<Receiver, EngineError> {
         self.inner.role_is(Side::Decode, "receiver")?;
-        let mut recvs = lock(&self.inner.recvs);
-        if recvs.contains_key(&room) {
-            return Err(EngineError::RoomInUse { role: Side::Decode, rank: self.rank(), room });
-        }
-        recvs.insert(
+        lock(&self.inner.decode).create(room).map_err(|_| EngineError::RoomInUse {
+            role: Side::Decode,
+            rank: self.rank(),
             room,
-            RecvReq {
-                generation: None,
-                abort_sent: BTreeMap::new(),
-                early_failure: None,
-                counted: false,
-                handed_off: None,
-                verify: Verify::Off,
-                pages: Vec::new(),
-            },
-        );
+        })?;
         Ok(Receiver { inner: Arc::clone(&self.inner), room })
     }
 
@@ -899,7 +849,7 @@ impl Agent {
 
     /// Requests active on this rank (created and not released).
     pub fn active_requests(&self) -> usize {
-        lock(&self.inner.book).len() + lock(&self.inner.recvs).len()
+        lock(&self.inner.book).len() + lock(&self.inner.decode).len()
     }
 
     /// Every metric of this agent now, in the OpenMetrics text format (what Prometheus scrapes;
@@ -915,7 +865,7 @@ impl Agent {
     /// memory it registered.
     pub async fn shutdown(mut self, deadline: Instant) -> Result<(), EngineError> {
         self.inner.book(|b| b.abort_open("the prefill rank shut down", FailCause::Shutdown));
-        let rooms: Vec<RequestId> = lock(&self.inner.recvs).keys().copied().collect();
+        let rooms: Vec<RequestId> = lock(&self.inner.decode).rooms();
         for room in rooms {
             self.inner.receiver_abort(room, "the decode rank shut down".into());
         }
@@ -995,8 +945,8 @@ impl crate::metrics::Source for Inner {
             (b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
         };
         let (recvs, recvs_in_flight) = {
-            let r = lock(&self.recvs);
-            (r.len() as u64, r.values().filter(|q| q.generation.is_some() && !q.counted).count() as u64)
+            let d = lock(&self.decode);
+            (d.len() as u64, d.in_flight() as u64)
         };
         Snapshot {
             stats,
@@ -1044,7 +994,7 @@ impl Receiver {
 
     /// The generation of this use of the room, once handed off.
     pub fn generation(&self) -> Option<u64> {
-        lock(&self.inner.recvs).get(&self.room).and_then(|r| r.generation)
+        lock(&self.inner.decode).generation(self.room)
     }
 
     /// The trace id of this use of the room ([`TraceId`]), once handed off: the id this rank and
@@ -1073,28 +1023,14 @@ impl Receiver {
                 kvxfer_core::notify::MAX_HANDOFF_PAGES
             )));
         }
-        let rx = inner.receiver.as_ref().expect("decode agent");
-        let generation = {
-            let mut recvs = lock(&inner.recvs);
-            let Some(r) = recvs.get_mut(&self.room) else {
-                return Err(invalid("the request was released; create a new receiver".into()));
-            };
-            if r.generation.is_some() || r.early_failure.is_some() {
-                return Err(invalid("send_metadata was already called (or the request was aborted)".into()));
-            }
-            let generation = (inner.epoch << 32) | (inner.next_gen.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff);
-            let digest = inner.cfg.digest;
-            let options = ExpectOptions { aux: aux_slot.is_some(), digest, generation, ..ExpectOptions::default() };
-            rx.expect(self.room, pages, options, Instant::now() + inner.cfg.request_timeout)
-                .map_err(|e| invalid(e.to_string()))?;
-            r.generation = Some(generation);
-            r.handed_off = Some((Instant::now(), pages.len() as u64 * inner.page_bytes));
-            if digest {
-                r.verify = Verify::Waiting;
-                r.pages = pages.to_vec();
-            }
-            generation
-        };
+        check_pages(Side::Decode, inner.cfg.rank, pages, inner.pool_pages).map_err(|e| invalid(e.to_string()))?;
+        let bytes = pages.len() as u64 * inner.page_bytes;
+        let generation = lock(&inner.decode)
+            .hand_off(self.room, pages, aux_slot.is_some(), bytes, Instant::now())
+            .map_err(|e| match e {
+                CallError::Unknown => invalid("the request was released; create a new receiver".into()),
+                e => invalid(e.to_string()),
+            })?;
         let note = Notification::new(
             self.room,
             own_key(Side::Decode, inner.cfg.rank),
@@ -1133,30 +1069,27 @@ impl Receiver {
 
     /// The aux payload, once received.
     pub fn aux(&self) -> Option<Vec<u8>> {
-        self.inner.receiver.as_ref().and_then(|r| r.aux(self.room))
+        lock(&self.inner.decode).aux(self.room)
     }
 
     /// Frees every trace of the request (tracker entry, generation). Refused while writes of it may
     /// still land (the status is not final or its pages are not reusable): abort and wait first.
     /// Afterwards the room may be used again, and late notifications of this use are dropped.
     pub fn release(self) -> Result<RequestStatus, EngineError> {
-        let s = self.status();
-        if !(s.phase.is_final() && s.pages_reusable) {
-            return Err(EngineError::InvalidCall {
-                role: Side::Decode,
-                rank: self.inner.cfg.rank,
-                room: self.room,
-                detail: format!("cannot release while {}: writes may still land; abort and wait first", s.phase),
-            });
-        }
+        let inner = &self.inner;
         // Counted before it goes (the progress task counts final requests on its next tick, which
         // a request released at once would miss).
-        self.inner.count_outcomes();
-        if let Some(rx) = &self.inner.receiver {
-            rx.release(self.room);
-        }
-        lock(&self.inner.recvs).remove(&self.room);
-        Ok(s)
+        inner.count_outcomes();
+        let connect_error = lock(&inner.connect_error).clone();
+        let connected = inner.connected.load(Ordering::Acquire);
+        let r = lock(&inner.decode).release(self.room, connect_error.as_deref(), connected, Instant::now());
+        let s = r.map_err(|e| EngineError::InvalidCall {
+            role: Side::Decode,
+            rank: inner.cfg.rank,
+            room: self.room,
+            detail: e.to_string(),
+        })?;
+        Ok(RequestStatus::of(s.phase, s.reason, s.pages_reusable))
     }
 }
 
@@ -1390,21 +1323,20 @@ impl Inner {
             self.peer_lost(reg.rank, format!("{} rank {} was replaced under epoch {epoch}", reg.role, reg.rank));
         }
         let id =
-            match (&self.sender, &self.receiver) {
-                (Some(s), _) => {
+            match &self.sender {
+                Some(s) => {
                     s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
                     s.peer_of(reg.rank)
                 }
-                (_, Some(_)) => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
+                None => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
                     format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
                 })?),
-                _ => None,
             };
         if let (Some(s), Some(w), true) = (&self.sender, reg.warmup, self.cfg.warm_up) {
             self.warm_up(s, reg, w).await;
         }
-        if let Some(rx) = &self.receiver {
-            rx.with_tracker(|t| t.sender_back(SenderKey::of(reg.rank)));
+        if self.cfg.role == Side::Decode {
+            lock(&self.decode).sender_back(SenderKey::of(reg.rank));
         }
         // The old instance (if any) was given up on and is being cut off by `peer_lost`.
         lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
@@ -1518,7 +1450,7 @@ impl Inner {
         lock(&self.stats).peers_lost += 1;
         self.connected.store(false, Ordering::Release);
         let active = match self.cfg.role {
-            Side::Decode => lock(&self.recvs).len(),
+            Side::Decode => lock(&self.decode).len(),
             Side::Prefill => lock(&self.book).open_count(),
         };
         // A peer that leaves when nothing needs it (a normal shutdown) is no warning.
@@ -1528,9 +1460,7 @@ impl Inner {
             tracing::info!(rank = %self.cfg.rank, peer = %r, "lost {} rank {r}: {why}", self.other());
         }
         let loss = match self.cfg.role {
-            Side::Decode => {
-                self.receiver.as_ref().map(|rx| rx.with_tracker(|t| t.sender_lost(SenderKey::of(r), &why)).id)
-            }
+            Side::Decode => Some(lock(&self.decode).sender_lost(SenderKey::of(r), &why).id),
             Side::Prefill => {
                 // Stop posting at once: every open send to it fails (its transfers are failed by the
                 // cut-off below, which makes their source pages reusable).
@@ -1574,8 +1504,8 @@ impl Inner {
         let key = SenderKey::of(r);
         match outcome {
             Ok(how) => {
-                if let (Some(rx), Some(loss)) = (&self.receiver, loss) {
-                    rx.with_tracker(|t| t.sender_cut_off(key, loss));
+                if let Some(loss) = loss {
+                    lock(&self.decode).sender_cut_off(key, loss);
                 }
                 {
                     let mut st = lock(&self.stats);
@@ -1596,8 +1526,8 @@ impl Inner {
                      are quarantined",
                     self.other()
                 );
-                if let (Some(rx), Some(loss)) = (&self.receiver, loss) {
-                    rx.with_tracker(|t| t.sender_quarantined(key, loss, &what));
+                if let Some(loss) = loss {
+                    lock(&self.decode).sender_quarantined(key, loss, &what);
                 }
                 lock(&self.stats).quarantined += 1;
                 lock(&self.quarantine).insert(r, what.clone());
@@ -1647,9 +1577,7 @@ impl Inner {
                         if matches!(body, NotificationBody::Fenced) {
                             lock(&self.stats).fences += 1;
                         }
-                        if let Some(rx) = &self.receiver {
-                            rx.with_tracker(|t| t.handle(&n, Instant::now()));
-                        }
+                        lock(&self.decode).handle(&n, Instant::now());
                     }
                 },
                 Side::Prefill => {
@@ -1690,56 +1618,35 @@ impl Inner {
         let now = Instant::now();
         match self.cfg.role {
             Side::Decode => {
-                let Some(rx) = &self.receiver else { return };
-                rx.with_tracker(|t| t.poll_deadlines(now));
-                // Failed requests: ask every sender that may still write to stop and fence.
-                let mut asks = Vec::new();
-                {
-                    let mut recvs = lock(&self.recvs);
-                    for (room, r) in recvs.iter_mut() {
-                        let Some(generation) = r.generation else { continue };
-                        if let Some(Fence::Closing(keys)) = rx.fence(*room) {
-                            for k in keys {
-                                // Not connected yet (bootstrapping): ask on a later tick, once it is;
-                                // an ask sent now would be dropped and the fence never close.
-                                if self.peer_id(rank_of_key(k)).is_none() {
-                                    continue;
-                                }
-                                let due = match r.abort_sent.get(&k) {
-                                    None => true,
-                                    Some((at, n)) => now.saturating_duration_since(*at) >= reask_after(*n),
-                                };
-                                if due {
-                                    let n = r.abort_sent.get(&k).map_or(0, |(_, n)| n + 1);
-                                    r.abort_sent.insert(k, (now, n));
-                                    asks.push((*room, generation, k, n));
-                                }
-                            }
-                        }
-                    }
-                }
-                for (room, generation, k, n) in asks {
-                    if n > 0 {
+                // Deadlines; failed requests: ask every sender that may still write to stop and
+                // fence (again while its fence is missing).
+                let connected: BTreeSet<RankId> = lock(&self.peers)
+                    .iter()
+                    .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
+                    .map(|(r, _)| *r)
+                    .collect();
+                let asks = lock(&self.decode).poll(now, |k| connected.contains(&rank_of_key(k)));
+                for a in asks {
+                    if a.repeated > 0 {
                         lock(&self.stats).fence_reasks += 1;
                         tracing::warn!(
-                            target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
-                            rank = %self.cfg.rank, role = "decode", prefill = %rank_of_key(k), asks = n + 1,
+                            target: "kvxfer::request", trace_id = %TraceId::of(a.room, a.generation), room = %a.room,
+                            rank = %self.cfg.rank, role = "decode", prefill = %rank_of_key(a.key), asks = a.repeated + 1,
                             "no fence from prefill rank {} for a failed request: asking it again to stop and fence",
-                            rank_of_key(k)
+                            rank_of_key(a.key)
                         );
                     }
-                    let reason = match rx.status(room) {
-                        Some(Status::Failed(f)) => f.to_string(),
-                        _ => "aborted".into(),
-                    };
-                    let note =
-                        Notification::new(room, own_key(Side::Decode, self.cfg.rank), NotificationBody::Abort(reason))
-                            .with_generation(generation);
+                    let note = Notification::new(
+                        a.room,
+                        own_key(Side::Decode, self.cfg.rank),
+                        NotificationBody::Abort(a.reason),
+                    )
+                    .with_generation(a.generation);
                     let this = Arc::clone(self);
-                    self.handle.spawn(async move { this.to_prefill(rank_of_key(k), &note).await });
+                    self.handle.spawn(async move { this.to_prefill(rank_of_key(a.key), &note).await });
                 }
                 if self.cfg.digest {
-                    self.start_checks(rx);
+                    self.start_checks();
                 }
                 self.count_outcomes();
             }
@@ -1769,35 +1676,35 @@ impl Inner {
     }
 
     fn count_outcomes(&self) {
-        let Some(rx) = &self.receiver else { return };
-        let mut done = 0;
-        let mut failed = 0;
-        for (room, r) in lock(&self.recvs).iter_mut() {
-            if r.counted {
-                continue;
-            }
-            let (phase, reason, _) = self.receiver_phase(*room, r, rx);
-            let elapsed = r.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
-            if phase.is_final() {
-                tracing::debug!(
-                    target: "kvxfer::request", trace_id = %r.generation.map_or(TraceId(0), |g| TraceId::of(*room, g)),
-                    room = %room, rank = %self.cfg.rank, role = "decode", seconds = elapsed.unwrap_or(0.0),
-                    "final: {phase}{}", reason.map(|w| format!(": {w}")).unwrap_or_default()
-                );
-            }
-            match phase {
-                Phase::Success => {
+        let connect_error = lock(&self.connect_error).clone();
+        let connected = self.connected.load(Ordering::Acquire);
+        let outcomes = lock(&self.decode).take_outcomes(connect_error.as_deref(), connected, Instant::now());
+        let (mut done, mut failed) = (0, 0);
+        for o in outcomes {
+            let elapsed = o.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
+            tracing::debug!(
+                target: "kvxfer::request", trace_id = %o.generation.map_or(TraceId(0), |g| TraceId::of(o.room, g)),
+                room = %o.room, rank = %self.cfg.rank, role = "decode", seconds = elapsed.unwrap_or(0.0),
+                "final: {}{}", o.phase, o.reason.as_ref().map(|w| format!(": {w}")).unwrap_or_default()
+            );
+            match o.cause {
+                None => {
                     done += 1;
                     self.recorder.succeeded(elapsed.unwrap_or(0.0));
-                    self.recorder.moved(r.handed_off.map_or(0, |(_, b)| b), 0);
+                    self.recorder.moved(o.handed_off.map_or(0, |(_, b)| b), 0);
                 }
-                Phase::Failed => {
+                Some(c) => {
                     failed += 1;
-                    self.recorder.failed(elapsed, self.receiver_cause(*room, r, rx));
+                    let cause = match c {
+                        DecodeCause::AbortedEarly => Cause::Aborted,
+                        DecodeCause::Connect => Cause::Connect,
+                        DecodeCause::Digest => Cause::Digest,
+                        DecodeCause::Tracker(f) => Cause::of_failure(&f),
+                        DecodeCause::Untracked => Cause::Protocol,
+                    };
+                    self.recorder.failed(elapsed, cause);
                 }
-                _ => continue,
             }
-            r.counted = true;
         }
         let mut s = lock(&self.stats);
         s.succeeded += done;
@@ -1807,29 +1714,18 @@ impl Inner {
     // ---------------------------------------------------------------- decode side
 
     /// Starts the digest check of every request whose tracker has all chunks and digests.
-    fn start_checks(self: &Arc<Self>, rx: &ReceiverSession) {
-        let senders = self.topo.senders(self.cfg.rank);
-        let mut jobs = Vec::new();
-        for (room, r) in lock(&self.recvs).iter_mut() {
-            if r.verify != Verify::Waiting || !matches!(rx.status(*room), Some(Status::Done)) {
-                continue;
-            }
-            let sent: Vec<(RankId, Option<Vec<u64>>)> = rx.with_tracker(|t| {
-                senders.iter().map(|p| (*p, t.digest(*room, SenderKey::of(*p)).map(<[u64]>::to_vec))).collect()
-            });
-            r.verify = Verify::Running;
-            // The check is the pages' last use here.
-            jobs.push((*room, r.generation, std::mem::take(&mut r.pages), sent));
-        }
-        for (room, generation, pages, sent) in jobs {
+    fn start_checks(self: &Arc<Self>) {
+        let jobs = lock(&self.decode).take_checks(Instant::now());
+        for Check { room, generation, pages, sent } in jobs {
             let this = Arc::clone(self);
             let (topo, me) = (self.topo, self.cfg.rank);
             let pages = Arc::new(pages);
             // One blocking task per sender: they hash disjoint bytes, in parallel where cores are free.
             let checks: Vec<_> = sent
                 .into_iter()
-                .map(|one| {
+                .map(|(k, d)| {
                     let (views, pages) = (Arc::clone(&self.views), Arc::clone(&pages));
+                    let one = (rank_of_key(k), d);
                     tokio::task::spawn_blocking(move || check_digests(&topo, me, &views, &pages, vec![one]))
                 })
                 .collect();
@@ -1853,12 +1749,10 @@ impl Inner {
                     tracing::warn!(rank = %this.cfg.rank, %room, "{why}");
                 }
                 tracing::debug!(
-                    target: "kvxfer::request", trace_id = %generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
+                    target: "kvxfer::request", trace_id = %TraceId::of(room, generation),
                     room = %room, rank = %this.cfg.rank, role = "decode", bytes, ok = result.is_ok(), "digest checked"
                 );
-                if let Some(r) = lock(&this.recvs).get_mut(&room).filter(|r| r.generation == generation) {
-                    r.verify = Verify::Checked(result);
-                }
+                lock(&this.decode).check_done(room, generation, result);
                 this.wake.notify_waiters();
             });
         }
@@ -1903,102 +1797,24 @@ impl Inner {
         self.wake.notify_waiters();
     }
 
-    /// Why a decode request failed, for the metrics (the same order of checks as `receiver_phase`).
-    fn receiver_cause(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> Cause {
-        if r.early_failure.is_some() {
-            return Cause::Aborted;
-        }
-        if lock(&self.connect_error).is_some() {
-            return Cause::Connect;
-        }
-        if matches!(r.verify, Verify::Checked(Err(_))) {
-            return Cause::Digest;
-        }
-        match rx.status(room) {
-            Some(Status::Failed(f)) => Cause::of_failure(&f),
-            _ => Cause::Protocol,
-        }
-    }
-
-    fn receiver_phase(&self, room: RequestId, r: &RecvReq, rx: &ReceiverSession) -> (Phase, Option<String>, bool) {
-        if let Some(why) = &r.early_failure {
-            return (Phase::Failed, Some(why.clone()), true);
-        }
-        // The initial connect failed: no handoff went out (`hand_off` sends none then), so nothing
-        // can land and the pages are reusable.
-        if let Some(e) = lock(&self.connect_error).as_ref() {
-            return (
-                Phase::Failed,
-                Some(format!("decode rank {}: connecting to its prefill ranks failed: {e}", self.cfg.rank)),
-                true,
-            );
-        }
-        if r.generation.is_none() {
-            let phase =
-                if self.connected.load(Ordering::Acquire) { Phase::WaitingForInput } else { Phase::Bootstrapping };
-            return (phase, None, true);
-        }
-        match rx.status(room) {
-            None => (Phase::Failed, Some("the request is not tracked".into()), true),
-            Some(Status::Pending) => (Phase::Transferring, None, false),
-            Some(Status::Done) => match &r.verify {
-                Verify::Off | Verify::Checked(Ok(())) => (Phase::Success, None, true),
-                // Every sender finished: nothing more can land.
-                Verify::Checked(Err(why)) => (Phase::Failed, Some(why.clone()), true),
-                Verify::Waiting | Verify::Running => (Phase::Transferring, None, false),
-            },
-            Some(Status::Failed(f)) => {
-                let reason = format!("{f} (decode rank {})", self.cfg.rank);
-                match rx.fence(room) {
-                    Some(Fence::Closed) => (Phase::Failed, Some(reason), true),
-                    Some(Fence::Quarantined(q)) => {
-                        let who: Vec<String> = q.into_iter().map(|(_, why)| why).collect();
-                        (Phase::Aborting, Some(format!("{reason}; QUARANTINED: {}", who.join("; "))), false)
-                    }
-                    _ => (Phase::Aborting, Some(reason), false),
-                }
-            }
-        }
-    }
-
     fn receiver_status(&self, room: RequestId) -> RequestStatus {
-        let Some(rx) = &self.receiver else {
-            return RequestStatus::of(Phase::Failed, Some("not a decode rank".into()), false);
-        };
-        let recvs = lock(&self.recvs);
-        match recvs.get(&room) {
-            None => RequestStatus::of(Phase::Failed, Some("the request was released or never created".into()), true),
-            Some(r) => {
-                let (phase, reason, reusable) = self.receiver_phase(room, r, rx);
-                RequestStatus::of(phase, reason, reusable)
-            }
-        }
+        let connect_error = lock(&self.connect_error).clone();
+        let connected = self.connected.load(Ordering::Acquire);
+        let s = lock(&self.decode).status(room, connect_error.as_deref(), connected, Instant::now());
+        RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
     /// Returns whether this call aborted a request that had no outcome.
     fn receiver_abort(&self, room: RequestId, reason: String) -> bool {
-        let Some(rx) = &self.receiver else { return false };
-        let mut recvs = lock(&self.recvs);
-        let Some(r) = recvs.get_mut(&room) else { return false };
+        let generation = lock(&self.decode).generation(room);
         tracing::debug!(
-            target: "kvxfer::request", trace_id = %r.generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
+            target: "kvxfer::request", trace_id = %generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
             room = %room, rank = %self.cfg.rank, role = "decode", "abort: {reason}"
         );
-        if r.generation.is_none() {
-            if r.early_failure.is_none() {
-                r.early_failure = Some(format!("aborted before the handoff: {reason}"));
-                return true;
-            }
-            return false;
-        }
-        let pending = matches!(rx.status(room), Some(Status::Pending));
-        rx.abort(room, &reason);
-        drop(recvs);
+        let aborted = lock(&self.decode).abort(room, &reason, Instant::now());
         self.wake.notify_waiters();
-        pending
+        aborted
     }
-
-    // ---------------------------------------------------------------- prefill side
 
     // ---------------------------------------------------------------- prefill side
 
@@ -2098,8 +1914,8 @@ impl Inner {
     /// The counters now: the agent's, the book's and the tracker's.
     fn stats_now(&self) -> AgentStats {
         let mut s = *lock(&self.stats);
-        if let Some(r) = &self.receiver {
-            s.tracker = r.stats();
+        if self.cfg.role == Side::Decode {
+            s.tracker = lock(&self.decode).tracker_stats();
         }
         let b = lock(&self.book).stats();
         s.early_handoffs_kept += b.early_kept;
@@ -2377,16 +2193,4 @@ fn check_digests(
         Ok(())
     })();
     (verdict, bytes)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fence_asks_are_repeated_after_1_2_4_then_every_8_seconds() {
-        let waits: Vec<u64> = (0..7).map(|n| reask_after(n).as_secs()).collect();
-        assert_eq!(waits, [1, 2, 4, 8, 8, 8, 8]);
-        assert_eq!(reask_after(u32::MAX), FENCE_REASK_MAX, "no overflow however many asks went out");
-    }
 }
