@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use crate::model::{RankId, SenderKey};
 use crate::notify::{Notification, RequestId};
 use crate::phase::Phase;
-use crate::prefill::{CallError, SendStatus};
+use crate::prefill::{BookStatus, CallError};
 use crate::tracker::{
     CompletionTracker, ExpectSpec, Failure, Fence, Handled, Loss, Status, TrackerConfig, TrackerStats,
 };
@@ -366,14 +366,14 @@ impl DecodeBook {
         connect_error: Option<&str>,
         connected: bool,
         now: Instant,
-    ) -> SendStatus {
+    ) -> BookStatus {
         match self.phase_of(room, connect_error, connected, now) {
-            None => SendStatus {
+            None => BookStatus {
                 phase: Phase::Failed,
                 reason: Some("the request was released or never created".into()),
                 pages_reusable: true,
             },
-            Some((phase, reason, pages_reusable)) => SendStatus { phase, reason, pages_reusable },
+            Some((phase, reason, pages_reusable)) => BookStatus { phase, reason, pages_reusable },
         }
     }
 
@@ -420,7 +420,7 @@ impl DecodeBook {
         connect_error: Option<&str>,
         connected: bool,
         now: Instant,
-    ) -> Result<SendStatus, CallError> {
+    ) -> Result<BookStatus, CallError> {
         if !self.reqs.contains_key(&room) {
             return Err(CallError::Unknown);
         }

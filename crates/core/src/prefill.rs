@@ -187,18 +187,19 @@ impl fmt::Display for CallError {
 
 impl std::error::Error for CallError {}
 
-/// A request's status on this rank.
+/// A request's status on this rank, as either book reports it (the engine's `RequestStatus`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SendStatus {
+pub struct BookStatus {
     /// Where it stands.
     pub phase: Phase,
     /// Why it failed (`Aborting`, `Failed`).
     pub reason: Option<String>,
-    /// Whether its source pages may be reused: nothing of it is in flight.
+    /// Whether the request's pages may be reused: prefill: its source pages (nothing of it is in
+    /// flight); decode: its destination pages (nothing of it can land any more).
     pub pages_reusable: bool,
 }
 
-impl SendStatus {
+impl BookStatus {
     fn of(phase: Phase, reason: Option<String>, pages_reusable: bool) -> Self {
         Self { phase, reason, pages_reusable }
     }
@@ -761,31 +762,31 @@ impl<X> PrefillBook<X> {
     }
 
     /// The request's status (`connected`: the driver's links to the receivers are up).
-    pub fn status(&self, room: RequestId, connected: bool) -> SendStatus {
+    pub fn status(&self, room: RequestId, connected: bool) -> BookStatus {
         let Some(q) = self.reqs.get(&room) else {
-            return SendStatus::of(Phase::Failed, Some("the request was released or never created".into()), true);
+            return BookStatus::of(Phase::Failed, Some("the request was released or never created".into()), true);
         };
         if let Some((f, _)) = &q.failure {
             return if q.outstanding == 0 {
-                SendStatus::of(Phase::Failed, Some(f.clone()), true)
+                BookStatus::of(Phase::Failed, Some(f.clone()), true)
             } else {
-                SendStatus::of(Phase::Aborting, Some(f.clone()), false)
+                BookStatus::of(Phase::Aborting, Some(f.clone()), false)
             };
         }
         if q.done {
-            return SendStatus::of(Phase::Success, None, true);
+            return BookStatus::of(Phase::Success, None, true);
         }
         if q.last_posted {
-            return SendStatus::of(Phase::Transferring, None, false);
+            return BookStatus::of(Phase::Transferring, None, false);
         }
         if !self.ready(q, connected) {
-            return SendStatus::of(Phase::Bootstrapping, None, q.outstanding == 0);
+            return BookStatus::of(Phase::Bootstrapping, None, q.outstanding == 0);
         }
-        SendStatus::of(Phase::WaitingForInput, None, q.outstanding == 0)
+        BookStatus::of(Phase::WaitingForInput, None, q.outstanding == 0)
     }
 
     /// Frees the request; refused (changing nothing) while transfers of it are in flight.
-    pub fn release(&mut self, room: RequestId, connected: bool) -> Result<(SendStatus, X), CallError> {
+    pub fn release(&mut self, room: RequestId, connected: bool) -> Result<(BookStatus, X), CallError> {
         let s = self.status(room, connected);
         let q = self.reqs.get(&room).ok_or(CallError::Unknown)?;
         if q.outstanding > 0

@@ -36,8 +36,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvxfer_core::prefill::{
-    AbortOutcome, Action, BookConfig, BookStats, CallError, FailCause, Handoff, HandoffOutcome, Part, PartTarget,
-    PrefillBook, SendStatus,
+    AbortOutcome, Action, BookConfig, BookStats, BookStatus, CallError, FailCause, Handoff, HandoffOutcome, Part,
+    PartTarget, PrefillBook,
 };
 use kvxfer_core::{NotificationBody, Phase, RankId, RequestId};
 
@@ -89,7 +89,7 @@ enum Answer {
     Abort(AbortOutcome),
     Bool(bool),
     Count(usize),
-    Released(Result<SendStatus, CallError>),
+    Released(Result<BookStatus, CallError>),
 }
 
 /// An action without the parts the model does not predict (instants, reasons' words).
@@ -415,7 +415,7 @@ impl Model {
                     return Answer::Released(Err(CallError::Refused("in flight".into())));
                 }
                 self.req = None;
-                Answer::Released(Ok(SendStatus { phase, reason: None, pages_reusable: reusable }))
+                Answer::Released(Ok(BookStatus { phase, reason: None, pages_reusable: reusable }))
             }
             Ev::PastTtl | Ev::PastDeadline => {
                 self.now += if ev == Ev::PastTtl { TTL } else { TIMEOUT };
