@@ -901,7 +901,7 @@ pub trait KvTransferBackend: Send + Sync + 'static {
 
     /// [`Self::post`], reading no source byte before the GPU work `order` names completed (see
     /// [`crate::order`]); the host is not blocked for it. The order is captured during the call.
-    /// The default takes only [`GpuOrder::Ready`]; a backend that moves CUDA memory overrides it.
+    /// The default takes only [`GpuOrder::Ready`](crate::GpuOrder::Ready); a backend that moves CUDA memory overrides it.
     fn post_ordered(
         &self,
         peer: PeerId,

@@ -129,7 +129,7 @@ pub fn from_identity(id: u64) -> (Side, RankId) {
 /// The sender key a rank puts on the notifications it sends: its [`identity`] as a key, so that a
 /// backend can bind every notification to the identity its connection proved (`to_u64` of the key
 /// equals the identity; for prefill ranks that is `SenderKey::of(rank)`, for decode ranks the key
-/// carries the decode bit in its `dp` field). Only `tp` and `pp` are read back ([`rank_of_key`]).
+/// carries the decode bit in its `dp` field). Only `tp` and `pp` are read back (`rank_of_key`).
 pub fn own_key(side: Side, rank: RankId) -> SenderKey {
     SenderKey::from_u64(identity(side, rank))
 }
