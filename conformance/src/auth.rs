@@ -61,7 +61,10 @@ fn prefill_identity(tp: u32) -> u64 {
     SenderKey::of(RankId::new(tp, 0)).to_u64()
 }
 
-const DECODE_IDENTITY: u64 = (1 << 63) | 0x7;
+/// Decode rank 7's endpoint identity (the one encoding: [`kvxfer_core::identity`]).
+fn decode_identity() -> u64 {
+    kvxfer_core::identity(kvxfer_core::Side::Decode, kvxfer_core::RankId::new(7, 0))
+}
 
 fn make(f: &dyn BackendFactory, identity: u64, s: Option<Secret>) -> Result<Arc<dyn KvTransferBackend>, String> {
     match f.create_with_secret(identity, s) {
@@ -96,7 +99,7 @@ fn names_authentication(e: &BackendError) -> bool {
 async fn same_secret(f: Arc<dyn BackendFactory>) -> Result<(), String> {
     let s = secret("a");
     let a = make(f.as_ref(), prefill_identity(1), Some(s.clone()))?;
-    let b = make(f.as_ref(), DECODE_IDENTITY, Some(s))?;
+    let b = make(f.as_ref(), decode_identity(), Some(s))?;
     let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 1) as u8).collect();
     let dst = HostBuffer::zeroed(8192).desc();
     let _src_reg = a.register(RegionId(1), HostBuffer::from_slice(&data).desc()).await.map_err(err)?;
@@ -163,16 +166,16 @@ async fn refused(a: &dyn KvTransferBackend, b: &dyn KvTransferBackend, what: &st
 
 async fn wrong_secret(f: Arc<dyn BackendFactory>) -> Result<(), String> {
     let a = make(f.as_ref(), prefill_identity(1), Some(secret("a")))?;
-    let b = make(f.as_ref(), DECODE_IDENTITY, Some(secret("b")))?;
+    let b = make(f.as_ref(), decode_identity(), Some(secret("b")))?;
     refused(a.as_ref(), b.as_ref(), "secrets differ").await
 }
 
 async fn missing_secret(f: Arc<dyn BackendFactory>) -> Result<(), String> {
-    let with = make(f.as_ref(), DECODE_IDENTITY, Some(secret("a")))?;
+    let with = make(f.as_ref(), decode_identity(), Some(secret("a")))?;
     let without = make(f.as_ref(), prefill_identity(1), None)?;
     refused(without.as_ref(), with.as_ref(), "connecting side has no secret").await?;
     let with = make(f.as_ref(), prefill_identity(2), Some(secret("a")))?;
-    let without = make(f.as_ref(), DECODE_IDENTITY ^ 1, None)?;
+    let without = make(f.as_ref(), decode_identity() ^ 1, None)?;
     refused(with.as_ref(), without.as_ref(), "accepting side has no secret").await
 }
 
@@ -180,7 +183,7 @@ async fn forged_notification(f: Arc<dyn BackendFactory>) -> Result<(), String> {
     let s = secret("a");
     let proved = prefill_identity(1);
     let a = make(f.as_ref(), proved, Some(s.clone()))?;
-    let b = make(f.as_ref(), DECODE_IDENTITY, Some(s))?;
+    let b = make(f.as_ref(), decode_identity(), Some(s))?;
     let peer = a.connect(&b.metadata().map_err(err)?).await.map_err(|e| format!("connect: {e}"))?;
     // A genuine notification first: the link works.
     let genuine = Notification::chunk(RequestId(21), SenderKey::of(RankId::new(1, 0)), 0, false);

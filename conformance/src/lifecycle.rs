@@ -534,7 +534,7 @@ async fn release_forgets(f: Arc<dyn BackendFactory>, style: NotifyStyle) -> Resu
     }
     // Late duplicates of the released use's chunk notifications, from an extra endpoint whose
     // identity is no rank of the cluster (its connection and loss concern no request).
-    let injector = f.create((1 << 63) | 0xffff).map_err(err)?;
+    let injector = f.create(kvxfer_core::identity(Side::Decode, RankId::new(0xffff, 0))).map_err(err)?;
     let decode = &c.decode[0];
     let peer = injector.connect(&decode.backend().metadata().map_err(err)?).await.map_err(err)?;
     let key = SenderKey::of(c.prefill[0].rank());

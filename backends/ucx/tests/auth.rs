@@ -26,7 +26,10 @@ fn prefill(tp: u32) -> u64 {
     SenderKey::of(RankId::new(tp, 0)).to_u64()
 }
 
-const DECODE: u64 = (1 << 63) | 9;
+/// Decode rank 9's endpoint identity (the one encoding: [`kvxfer_core::identity`]).
+fn decode_identity() -> u64 {
+    kvxfer_core::identity(kvxfer_core::Side::Decode, kvxfer_core::RankId::new(9, 0))
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_name_authentication_and_what_to_do() {
@@ -38,7 +41,7 @@ async fn refusals_name_authentication_and_what_to_do() {
         ];
         for (mine, theirs, says) in cases {
             let a = endpoint(tls, prefill(1), mine);
-            let b = endpoint(tls, DECODE, theirs);
+            let b = endpoint(tls, decode_identity(), theirs);
             let started = Instant::now();
             let e = a.connect(&b.metadata().unwrap()).await.expect_err("a mismatch must be refused");
             let text = e.to_string();
@@ -55,7 +58,7 @@ async fn refusals_name_authentication_and_what_to_do() {
 async fn a_forged_attached_notification_fails_the_connection_and_is_counted() {
     for tls in TRANSPORTS {
         let a = endpoint(tls, prefill(1), Some("cluster"));
-        let b = endpoint(tls, DECODE, Some("cluster"));
+        let b = endpoint(tls, decode_identity(), Some("cluster"));
         let src = HostBuffer::from_slice(&[7u8; 4096]).desc();
         let _s = a.register(RegionId(1), src).await.unwrap();
         let _d = b.register(RegionId(2), HostBuffer::zeroed(4096).desc()).await.unwrap();

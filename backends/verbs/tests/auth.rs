@@ -29,7 +29,10 @@ fn prefill(tp: u32) -> u64 {
     SenderKey::of(RankId::new(tp, 0)).to_u64()
 }
 
-const DECODE: u64 = (1 << 63) | 9;
+/// Decode rank 9's endpoint identity (the one encoding: [`kvxfer_core::identity`]).
+fn decode_identity() -> u64 {
+    kvxfer_core::identity(kvxfer_core::Side::Decode, kvxfer_core::RankId::new(9, 0))
+}
 
 async fn events_until_lost(b: &VerbsBackend, identity: u64, within: Duration) -> Vec<BackendEvent> {
     let deadline = Instant::now() + within;
@@ -51,7 +54,7 @@ async fn refusals_name_authentication_and_what_to_do() {
     ];
     for (mine, theirs, says) in cases {
         let a = endpoint(prefill(1), mine);
-        let b = endpoint(DECODE, theirs);
+        let b = endpoint(decode_identity(), theirs);
         let started = Instant::now();
         let e = a.connect(&b.metadata().unwrap()).await.expect_err("a mismatch must be refused");
         let text = e.to_string();
@@ -69,7 +72,7 @@ async fn refusals_name_authentication_and_what_to_do() {
 /// remote keys without proving the secret, and a hello before the exchange is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_is_announced_before_the_connector_proved_the_secret() {
-    let b = endpoint(DECODE, Some("cluster"));
+    let b = endpoint(decode_identity(), Some("cluster"));
     let _r = b.register(RegionId(1), HostBuffer::zeroed(4096).desc()).await.unwrap();
     let addr = Address::from_payload(&b.metadata().unwrap().payload).unwrap();
     let dial = move || {
@@ -116,7 +119,7 @@ async fn nothing_is_announced_before_the_connector_proved_the_secret() {
 async fn forged_case(attached: bool) {
     let what = if attached { "attached (ring)" } else { "out of band (SEND)" };
     let a = endpoint(prefill(1), Some("cluster"));
-    let b = endpoint(DECODE, Some("cluster"));
+    let b = endpoint(decode_identity(), Some("cluster"));
     let src = HostBuffer::from_slice(&[7u8; 4096]).desc();
     let _s = a.register(RegionId(1), src).await.unwrap();
     let _d = b.register(RegionId(2), HostBuffer::zeroed(4096).desc()).await.unwrap();
@@ -145,7 +148,7 @@ async fn forged_case(attached: bool) {
     assert!(reason.contains("forged") && reason.contains(&key), "{what}: {reason}");
     assert_eq!(b.forged_notifications(), 1, "{what}");
     // The sender is told (its side channel is closed with the reason) ...
-    let told = events_until_lost(&a, DECODE, Duration::from_secs(5)).await;
+    let told = events_until_lost(&a, decode_identity(), Duration::from_secs(5)).await;
     assert!(
         told.iter().any(|e| matches!(e, BackendEvent::PeerLost { reason, .. } if reason.contains("forged"))),
         "{what}: the sender was not told: {told:?}"
@@ -181,7 +184,7 @@ async fn a_forged_out_of_band_notification_fails_the_connection_and_is_counted()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_secret_keys_are_not_checked() {
     let a = endpoint(prefill(1), None);
-    let b = endpoint(DECODE, None);
+    let b = endpoint(decode_identity(), None);
     let peer = a.connect(&b.metadata().unwrap()).await.unwrap();
     let other = Notification::chunk(RequestId(3), SenderKey::of(RankId::new(5, 0)), 0, true);
     a.notify(peer, &other).await.unwrap();

@@ -51,8 +51,8 @@ pub use mem::{
     HostBuffer, MemDesc, MemError, MemKind, MemKinds, ReadGuard, Reservation, StridedWriteGuard, WriteGuard,
 };
 pub use model::{
-    Attention, KvKind, KvSpec, LayerPartition, Layout, Parallel, RankId, SenderKey, Side, SideSpec, Topology,
-    MAX_PARTITION_STAGES,
+    from_identity, identity, own_key, rank_of_key, Attention, KvKind, KvSpec, LayerPartition, Layout, Parallel, RankId,
+    SenderKey, Side, SideSpec, Topology, MAX_PARTITION_STAGES,
 };
 pub use notify::{Notification, NotificationBody, RequestId};
 pub use order::{CudaHandle, GpuOrder};

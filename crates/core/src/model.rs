@@ -381,6 +381,39 @@ pub struct SenderKey {
     pub tp: u16,
 }
 
+/// The identity a rank's endpoint carries (in [`BackendConfig::identity`](crate::BackendConfig::identity) and in lost-peer events):
+/// prefill ranks use their sender key, decode ranks a value with the top bit set. The one encoding
+/// every part of kvxfer uses.
+pub fn identity(side: Side, rank: RankId) -> u64 {
+    match side {
+        Side::Prefill => SenderKey::of(rank).to_u64(),
+        Side::Decode => (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp),
+    }
+}
+
+/// The (side, rank) an [`identity`] names.
+pub fn from_identity(id: u64) -> (Side, RankId) {
+    if id >> 63 == 1 {
+        (Side::Decode, RankId::new((id & 0xffff) as u32, ((id >> 16) & 0xffff) as u32))
+    } else {
+        let k = SenderKey::from_u64(id);
+        (Side::Prefill, RankId::new(u32::from(k.tp), u32::from(k.pp)))
+    }
+}
+
+/// The sender key a rank puts on the notifications it sends: its [`identity`] as a key, so that a
+/// backend can bind every notification to the identity its connection proved (`to_u64` of the key
+/// equals the identity; for prefill ranks that is `SenderKey::of(rank)`, for decode ranks the key
+/// carries the decode bit in its `dp` field). Only `tp` and `pp` are read back ([`rank_of_key`]).
+pub fn own_key(side: Side, rank: RankId) -> SenderKey {
+    SenderKey::from_u64(identity(side, rank))
+}
+
+/// The rank a sender key (or an [`own_key`]) names: its `tp` and `pp`.
+pub fn rank_of_key(k: SenderKey) -> RankId {
+    RankId::new(u32::from(k.tp), u32::from(k.pp))
+}
+
 impl SenderKey {
     /// The key of prefill rank `rank` in instance 0, CP rank 0.
     pub fn of(rank: RankId) -> Self {
@@ -801,5 +834,31 @@ impl Topology {
         } else {
             0
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank of every side round-trips through its identity; the two sides never share one;
+    /// a rank's own key is its identity as a key, and names the rank back.
+    #[test]
+    fn identities_round_trip_and_never_collide_across_sides() {
+        let mut seen = std::collections::HashSet::new();
+        for side in [Side::Prefill, Side::Decode] {
+            for tp in [0u32, 1, 7, 255, 0xffff] {
+                for pp in [0u32, 1, 3, 0xffff] {
+                    let r = RankId::new(tp, pp);
+                    let id = identity(side, r);
+                    assert_eq!(from_identity(id), (side, r), "{side} {r}");
+                    assert!(seen.insert(id), "{side} {r}: identity {id:#x} used twice");
+                    assert_eq!(own_key(side, r).to_u64(), id);
+                    assert_eq!(rank_of_key(own_key(side, r)), r);
+                    assert_eq!(id >> 63 == 1, side == Side::Decode);
+                }
+            }
+        }
+        assert_eq!(identity(Side::Prefill, RankId::new(3, 1)), SenderKey::of(RankId::new(3, 1)).to_u64());
     }
 }

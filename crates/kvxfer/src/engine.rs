@@ -106,37 +106,8 @@ use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, Metada
 use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
 use crate::session::{Cancel, KvPool, PoolBuffer, PoolMemory, SenderSession, Window};
 
-/// The identity a rank's endpoint carries (in [`BackendConfig::identity`] and in lost-peer events):
-/// prefill ranks use their sender key, decode ranks a value with the top bit set. The one encoding
-/// every part of kvxfer uses.
-pub fn identity(side: Side, rank: RankId) -> u64 {
-    match side {
-        Side::Prefill => SenderKey::of(rank).to_u64(),
-        Side::Decode => (1 << 63) | (u64::from(rank.pp) << 16) | u64::from(rank.tp),
-    }
-}
-
-/// The (side, rank) an [`identity`] names.
-pub fn from_identity(id: u64) -> (Side, RankId) {
-    if id >> 63 == 1 {
-        (Side::Decode, RankId::new((id & 0xffff) as u32, ((id >> 16) & 0xffff) as u32))
-    } else {
-        let k = SenderKey::from_u64(id);
-        (Side::Prefill, RankId::new(u32::from(k.tp), u32::from(k.pp)))
-    }
-}
-
-/// The sender key a rank puts on the notifications it sends: its [`identity`] as a key, so that a
-/// backend can bind every notification to the identity its connection proved (`to_u64` of the key
-/// equals the identity; for prefill ranks that is `SenderKey::of(rank)`, for decode ranks the key
-/// carries the decode bit in its `dp` field). Only `tp` and `pp` are read back (`rank_of_key`).
-pub fn own_key(side: Side, rank: RankId) -> SenderKey {
-    SenderKey::from_u64(identity(side, rank))
-}
-
-fn rank_of_key(k: SenderKey) -> RankId {
-    RankId::new(u32::from(k.tp), u32::from(k.pp))
-}
+use kvxfer_core::model::rank_of_key;
+pub use kvxfer_core::model::{from_identity, identity, own_key};
 
 /// The trace id of one decode rank's use of a room: the room in the high 64 bits, the generation
 /// the decode rank chose for it in the low 64 (never 0). Both travel in the handoff and in every
