@@ -484,7 +484,8 @@ struct Inner {
     /// The peer ranks this rank exchanges with, by rank.
     peers: Mutex<BTreeMap<RankId, Peer>>,
     connected: AtomicBool,
-    connect_error: Mutex<Option<String>>,
+    /// Why the initial connect failed (set once; every request fails with it).
+    connect_error: std::sync::OnceLock<String>,
     /// The prefill side's requests (every rule of their life: [`PrefillBook`]); empty on a decode rank.
     book: Mutex<PrefillBook<SendIo>>,
     /// The decode side's requests, with the completion tracker ([`DecodeBook`]); empty on a
@@ -684,7 +685,7 @@ impl Agent {
             sender,
             peers: Mutex::new(peers),
             connected: AtomicBool::new(false),
-            connect_error: Mutex::new(None),
+            connect_error: std::sync::OnceLock::new(),
             book: Mutex::new(PrefillBook::new(BookConfig {
                 rank,
                 receivers: if role == Side::Prefill { topo.receivers(rank) } else { Vec::new() },
@@ -767,7 +768,7 @@ impl Agent {
             if self.is_connected() {
                 return Ok(());
             }
-            if let Some(e) = lock(&self.inner.connect_error).clone() {
+            if let Some(e) = self.inner.connect_error.get().cloned() {
                 return Err(self.inner.setup(e));
             }
             if Instant::now() >= deadline {
@@ -1051,9 +1052,9 @@ impl Receiver {
         // Counted before it goes (the progress task counts final requests on its next tick, which
         // a request released at once would miss).
         inner.count_outcomes();
-        let connect_error = lock(&inner.connect_error).clone();
+        let connect_error = inner.connect_error.get().map(String::as_str);
         let connected = inner.connected.load(Ordering::Acquire);
-        let r = lock(&inner.decode).release(self.room, connect_error.as_deref(), connected, Instant::now());
+        let r = lock(&inner.decode).release(self.room, connect_error, connected, Instant::now());
         let s = r.map_err(|e| EngineError::InvalidCall {
             role: Side::Decode,
             rank: inner.cfg.rank,
@@ -1232,7 +1233,7 @@ impl Inner {
             Ok((members, topo)) if topo == self.topo => {
                 for m in members {
                     if let Err(e) = self.connect_peer(&m.registration, m.epoch).await {
-                        *lock(&self.connect_error) = Some(e);
+                        self.fail_connect(e);
                         self.wake.notify_waiters();
                         return;
                     }
@@ -1240,15 +1241,20 @@ impl Inner {
                 self.update_connected();
             }
             Ok((_, topo)) => {
-                *lock(&self.connect_error) = Some(format!(
+                self.fail_connect(format!(
                     "the peers' configuration {topo:?} differs from this rank's {:?}; start every rank with the same model and parallelism",
                     self.topo
                 ));
             }
-            Err(e) => *lock(&self.connect_error) = Some(e.to_string()),
+            Err(e) => self.fail_connect(e.to_string()),
         }
         self.wake.notify_waiters();
         self.watch_members(watch).await;
+    }
+
+    /// Records why the initial connect failed (the first reason stays).
+    fn fail_connect(&self, why: String) {
+        let _ = self.connect_error.set(why);
     }
 
     fn update_connected(&self) {
@@ -1623,7 +1629,7 @@ impl Inner {
             }
             Side::Prefill => {
                 // The initial connect failed: every request fails with it at once.
-                let failed = lock(&self.connect_error).clone();
+                let failed = self.connect_error.get().cloned();
                 if let Some(e) = failed {
                     let why = format!("connecting to the decode ranks failed: {e}");
                     self.book(|b| b.abort_open(&why, FailCause::Connect));
@@ -1647,9 +1653,9 @@ impl Inner {
     }
 
     fn count_outcomes(&self) {
-        let connect_error = lock(&self.connect_error).clone();
+        let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let outcomes = lock(&self.decode).take_outcomes(connect_error.as_deref(), connected, Instant::now());
+        let outcomes = lock(&self.decode).take_outcomes(connect_error, connected, Instant::now());
         let (mut done, mut failed) = (0, 0);
         for o in outcomes {
             let elapsed = o.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
@@ -1748,13 +1754,13 @@ impl Inner {
         // Bootstrapping: wait (bounded by the request's deadline) for the connections.
         let deadline = Instant::now() + self.cfg.request_timeout;
         while !self.connected.load(Ordering::Acquire) && Instant::now() < deadline {
-            if lock(&self.connect_error).is_some() || self.stop.reason().is_some() {
+            if self.connect_error.get().is_some() || self.stop.reason().is_some() {
                 break;
             }
             let notified = self.wake.notified();
             let _ = tokio::time::timeout(TICK * 5, notified).await;
         }
-        if lock(&self.connect_error).is_some() || !self.connected.load(Ordering::Acquire) {
+        if self.connect_error.get().is_some() || !self.connected.load(Ordering::Acquire) {
             // Not every sender is connected (the connect failed, a sender is lost, or the wait hit
             // the request's deadline): the request cannot succeed, so nothing is sent and nothing
             // can land. It fails with the connect error (`receiver_phase`), the lost sender (the
@@ -1769,9 +1775,9 @@ impl Inner {
     }
 
     fn receiver_status(&self, room: RequestId) -> RequestStatus {
-        let connect_error = lock(&self.connect_error).clone();
+        let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let s = lock(&self.decode).status(room, connect_error.as_deref(), connected, Instant::now());
+        let s = lock(&self.decode).status(room, connect_error, connected, Instant::now());
         RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
@@ -1929,7 +1935,7 @@ impl Inner {
         while s.peer_of(d).is_none()
             && Instant::now() < until
             && self.stop.reason().is_none()
-            && lock(&self.connect_error).is_none()
+            && self.connect_error.get().is_none()
         {
             tokio::time::sleep(TICK).await;
         }
