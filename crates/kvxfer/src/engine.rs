@@ -7,6 +7,11 @@
 //! block a scheduler step: they return at once and report through [`RequestStatus`]; the `wait_*`
 //! forms await a status with a deadline.
 //!
+//! The rules of a request's life are not here: they are the core's two sans-IO request books,
+//! [`kvxfer_core::prefill::PrefillBook`] (SEMANTICS §7) and [`kvxfer_core::decode::DecodeBook`]
+//! with its completion tracker (§5-§6). The agent holds each behind one lock, feeds it the engine's
+//! calls and the backend's events, and carries out what it returns.
+//!
 //! # Mapping onto the engines
 //!
 //! | kvxfer | SGLang (`disaggregation/base/conn.py`) | vLLM (KV connector, worker side) |
