@@ -470,11 +470,6 @@ impl DecodeBook {
     pub fn tracker_stats(&self) -> TrackerStats {
         self.tracker.stats()
     }
-
-    /// The tracker, for what the book does not wrap.
-    pub fn tracker(&self) -> &CompletionTracker {
-        &self.tracker
-    }
 }
 
 #[cfg(test)]

@@ -317,11 +317,6 @@ impl<X> PrefillBook<X> {
         }
     }
 
-    /// Its configuration.
-    pub fn config(&self) -> &BookConfig {
-        &self.cfg
-    }
-
     fn me(&self) -> SenderKey {
         SenderKey::of(self.cfg.rank)
     }
@@ -814,11 +809,6 @@ impl<X> PrefillBook<X> {
     /// The next action to carry out, oldest first.
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
-    }
-
-    /// Every room with a request.
-    pub fn rooms(&self) -> Vec<RequestId> {
-        self.reqs.keys().copied().collect()
     }
 
     /// Requests created and not released.

@@ -1843,7 +1843,6 @@ impl Inner {
                             digest, "final: succeeded"
                         );
                     }
-                    lock(&self.stats).succeeded += 1;
                     if let Some(t) = seconds {
                         self.recorder.succeeded(t);
                     }
@@ -1855,7 +1854,6 @@ impl Inner {
                             rank = %self.cfg.rank, role = "prefill", dst = %d, fenced, "final: failed: {why}"
                         );
                     }
-                    lock(&self.stats).failed += 1;
                     let seconds = started.map(|t| now.saturating_duration_since(t).as_secs_f64());
                     self.recorder.failed(seconds, cause_of(cause));
                 }
@@ -1903,6 +1901,9 @@ impl Inner {
         s.early_handoffs_kept += b.early_kept;
         s.early_handoffs_expired += b.early_expired;
         s.protocol_errors += b.not_fed;
+        // Prefill outcomes are the book's counts (the decode side's are counted as they end).
+        s.succeeded += b.succeeded;
+        s.failed += b.failed;
         s
     }
 
