@@ -9,8 +9,9 @@
 //!
 //! The rules of a request's life are not here: they are the core's two sans-IO request books,
 //! [`kvxfer_core::prefill::PrefillBook`] (SEMANTICS §7) and [`kvxfer_core::decode::DecodeBook`]
-//! with its completion tracker (§5-§6). The agent holds each behind one lock, feeds it the engine's
-//! calls and the backend's events, and carries out what it returns.
+//! with its completion tracker (§5-§6). An agent holds its role's book behind one lock (a prefill
+//! agent also its sender session; neither holds the other role's), feeds it the engine's calls and
+//! the backend's events, and carries out what it returns.
 //!
 //! # Mapping onto the engines
 //!
@@ -485,17 +486,14 @@ struct Inner {
     cfg: AgentConfig,
     topo: Topology,
     backend: Arc<dyn KvTransferBackend>,
-    sender: Option<SenderSession>,
+    /// What only this rank's role holds: the prefill side's session and request book, or the
+    /// decode side's request book.
+    half: Half,
     /// The peer ranks this rank exchanges with, by rank.
     peers: Mutex<BTreeMap<RankId, Peer>>,
     connected: AtomicBool,
     /// Why the initial connect failed (set once; every request fails with it).
     connect_error: std::sync::OnceLock<String>,
-    /// The prefill side's requests (every rule of their life: [`PrefillBook`]); empty on a decode rank.
-    book: Mutex<PrefillBook<SendIo>>,
-    /// The decode side's requests, with the completion tracker ([`DecodeBook`]); empty on a
-    /// prefill rank.
-    decode: Mutex<DecodeBook>,
     epoch: u64,
     stats: Mutex<AgentStats>,
     /// Peers whose cut-off could not be confirmed, with why (see the module docs).
@@ -513,6 +511,23 @@ struct Inner {
     wake: tokio::sync::Notify,
     stop: Cancel,
     handle: tokio::runtime::Handle,
+}
+
+/// What only one role's agent holds, typed: a prefill agent drives a [`SenderSession`] and a
+/// [`PrefillBook`], a decode agent a [`DecodeBook`]; neither holds the other's. The request handles
+/// ([`Sender`], [`Receiver`]) keep their own half, so no call reaches for the other role's.
+enum Half {
+    Prefill(Arc<PrefillHalf>),
+    /// The decode side's requests, with the completion tracker (every rule of their life).
+    Decode(Arc<Mutex<DecodeBook>>),
+}
+
+/// A prefill agent's own half.
+struct PrefillHalf {
+    /// Posts this rank's writes and notifications to its decode ranks.
+    session: SenderSession,
+    /// The requests (every rule of their life: [`PrefillBook`]).
+    book: Mutex<PrefillBook<SendIo>>,
 }
 
 /// One rank's transfer agent. Create with [`Agent::start`] inside a tokio runtime (multi-threaded);
@@ -628,7 +643,7 @@ impl Agent {
         };
         let registered_bytes: u64 = pool.buffers.iter().map(|b| b.len).sum();
         let pool_pages = pool.pages;
-        let sender = match role {
+        let session = match role {
             Side::Prefill => Some(
                 SenderSession::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
                     .map_err(|e| setup(e.to_string()))?
@@ -684,29 +699,34 @@ impl Agent {
         .into_iter()
         .map(|r| (r, Peer { id: None, epoch: 0, lost: None }))
         .collect();
-        let inner = Arc::new(Inner {
-            topo,
-            backend,
-            sender,
-            peers: Mutex::new(peers),
-            connected: AtomicBool::new(false),
-            connect_error: std::sync::OnceLock::new(),
-            book: Mutex::new(PrefillBook::new(BookConfig {
-                rank,
-                receivers: if role == Side::Prefill { topo.receivers(rank) } else { Vec::new() },
-                stage_layers: topo.stage_layers(role, rank.pp),
-                request_timeout: cfg.request_timeout,
-                early_max: cfg.early_max,
-                early_ttl: cfg.early_ttl,
+        let half = match session {
+            Some(session) => Half::Prefill(Arc::new(PrefillHalf {
+                session,
+                book: Mutex::new(PrefillBook::new(BookConfig {
+                    rank,
+                    receivers: topo.receivers(rank),
+                    stage_layers: topo.stage_layers(role, rank.pp),
+                    request_timeout: cfg.request_timeout,
+                    early_max: cfg.early_max,
+                    early_ttl: cfg.early_ttl,
+                })),
             })),
-            decode: Mutex::new(DecodeBook::new(DecodeConfig {
+            None => Half::Decode(Arc::new(Mutex::new(DecodeBook::new(DecodeConfig {
                 rank,
-                senders: if role == Side::Decode { topo.expected_senders(rank) } else { Vec::new() },
+                senders: topo.expected_senders(rank),
                 epoch,
                 request_timeout: cfg.request_timeout,
                 digest: cfg.digest,
                 tracker: cfg.tracker,
-            })),
+            })))),
+        };
+        let inner = Arc::new(Inner {
+            topo,
+            backend,
+            half,
+            peers: Mutex::new(peers),
+            connected: AtomicBool::new(false),
+            connect_error: std::sync::OnceLock::new(),
             pool_pages,
             epoch,
             stats: Mutex::new(AgentStats::default()),
@@ -789,26 +809,24 @@ impl Agent {
     /// A decode-side request for `room` (SGLang's `KVReceiver`). It is `Bootstrapping` until the
     /// prefill ranks are connected, then `WaitingForInput` until [`Receiver::send_metadata`].
     pub fn receiver(&self, room: RequestId) -> Result<Receiver, EngineError> {
-        self.inner.role_is(Side::Decode, "receiver")?;
-        lock(&self.inner.decode).create(room).map_err(|_| EngineError::RoomInUse {
-            role: Side::Decode,
-            rank: self.rank(),
-            room,
-        })?;
-        Ok(Receiver { inner: Arc::clone(&self.inner), room })
+        let Half::Decode(book) = &self.inner.half else {
+            return Err(self.inner.wrong_role(Side::Decode, "receiver"));
+        };
+        lock(book).create(room).map_err(|_| EngineError::RoomInUse { role: Side::Decode, rank: self.rank(), room })?;
+        Ok(Receiver { inner: Arc::clone(&self.inner), book: Arc::clone(book), room })
     }
 
     /// A prefill-side request for `room` (SGLang's `KVSender`). It is `Bootstrapping` until every
     /// decode rank it feeds has handed off its page list, then `WaitingForInput`.
     pub fn sender(&self, room: RequestId) -> Result<Sender, EngineError> {
-        self.inner.role_is(Side::Prefill, "sender")?;
+        let Half::Prefill(half) = &self.inner.half else {
+            return Err(self.inner.wrong_role(Side::Prefill, "sender"));
+        };
         let inner = &self.inner;
-        inner.book(|b| b.create(room, SendIo::default(), Instant::now())).map_err(|_| EngineError::RoomInUse {
-            role: Side::Prefill,
-            rank: self.rank(),
-            room,
-        })?;
-        Ok(Sender { inner: Arc::clone(inner), room })
+        inner
+            .book(half, |b| b.create(room, SendIo::default(), Instant::now()))
+            .map_err(|_| EngineError::RoomInUse { role: Side::Prefill, rank: self.rank(), room })?;
+        Ok(Sender { inner: Arc::clone(inner), half: Arc::clone(half), room })
     }
 
     /// Counters.
@@ -826,7 +844,10 @@ impl Agent {
 
     /// Requests active on this rank (created and not released).
     pub fn active_requests(&self) -> usize {
-        lock(&self.inner.book).len() + lock(&self.inner.decode).len()
+        match &self.inner.half {
+            Half::Prefill(p) => lock(&p.book).len(),
+            Half::Decode(d) => lock(d).len(),
+        }
     }
 
     /// Every metric of this agent now, in the OpenMetrics text format (what Prometheus scrapes;
@@ -841,15 +862,21 @@ impl Agent {
     /// `deadline`, until no peer can touch the memory). After it returns the engine may free the
     /// memory it registered.
     pub async fn shutdown(mut self, deadline: Instant) -> Result<(), EngineError> {
-        self.inner.book(|b| b.abort_open("the prefill rank shut down", FailCause::Shutdown));
-        let rooms: Vec<RequestId> = lock(&self.inner.decode).rooms();
-        for room in rooms {
-            self.inner.receiver_abort(room, "the decode rank shut down".into());
-        }
-        // Let the aborts and fences go out (bounded).
-        let until = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < until && lock(&self.inner.book).settling() {
-            tokio::time::sleep(TICK).await;
+        match &self.inner.half {
+            Half::Prefill(p) => {
+                self.inner.book(p, |b| b.abort_open("the prefill rank shut down", FailCause::Shutdown));
+                // Let the aborts and fences go out (bounded).
+                let until = Instant::now() + Duration::from_millis(500);
+                while Instant::now() < until && lock(&p.book).settling() {
+                    tokio::time::sleep(TICK).await;
+                }
+            }
+            Half::Decode(d) => {
+                let rooms: Vec<RequestId> = lock(d).rooms();
+                for room in rooms {
+                    self.inner.receiver_abort(d, room, "the decode rank shut down".into());
+                }
+            }
         }
         self.inner.stop.cancel("shutdown");
         // The tasks end at the cancel, unless one is inside a store or backend call that has not
@@ -917,21 +944,23 @@ impl crate::metrics::Source for Inner {
             let p = lock(&self.peers);
             (p.len() as u64, p.values().filter(|p| p.id.is_some() && p.lost.is_none()).count() as u64)
         };
-        let (sends, sends_in_flight, early_queued) = {
-            let b = lock(&self.book);
-            (b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
-        };
-        let (recvs, recvs_in_flight) = {
-            let d = lock(&self.decode);
-            (d.len() as u64, d.in_flight() as u64)
+        let (active_requests, in_flight, early_queued) = match &self.half {
+            Half::Prefill(p) => {
+                let b = lock(&p.book);
+                (b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
+            }
+            Half::Decode(d) => {
+                let d = lock(d);
+                (d.len() as u64, d.in_flight() as u64, 0)
+            }
         };
         Snapshot {
             stats,
             peers,
             peers_connected,
             quarantined_peers: lock(&self.quarantine).len() as u64,
-            active_requests: sends + recvs,
-            in_flight: sends_in_flight + recvs_in_flight,
+            active_requests,
+            in_flight,
             early_queued,
             registered_bytes: self.registered_bytes,
         }
@@ -948,6 +977,8 @@ impl fmt::Debug for Inner {
 #[derive(Clone)]
 pub struct Receiver {
     inner: Arc<Inner>,
+    /// The agent's decode book.
+    book: Arc<Mutex<DecodeBook>>,
     room: RequestId,
 }
 
@@ -971,7 +1002,7 @@ impl Receiver {
 
     /// The generation of this use of the room, once handed off.
     pub fn generation(&self) -> Option<u64> {
-        lock(&self.inner.decode).generation(self.room)
+        lock(&self.book).generation(self.room)
     }
 
     /// The trace id of this use of the room ([`TraceId`]), once handed off: the id this rank and
@@ -1002,7 +1033,7 @@ impl Receiver {
         }
         check_pages(Side::Decode, inner.cfg.rank, pages, inner.pool_pages).map_err(|e| invalid(e.to_string()))?;
         let bytes = pages.len() as u64 * inner.page_bytes;
-        let generation = lock(&inner.decode)
+        let generation = lock(&self.book)
             .hand_off(self.room, pages, aux_slot.is_some(), bytes, Instant::now())
             .map_err(|e| match e {
                 CallError::Unknown => invalid("the request was released; create a new receiver".into()),
@@ -1027,26 +1058,26 @@ impl Receiver {
 
     /// The request's status now; never blocks.
     pub fn status(&self) -> RequestStatus {
-        self.inner.receiver_status(self.room)
+        self.inner.receiver_status(&self.book, self.room)
     }
 
     /// Waits until the request is final (`Success` or `Failed`), at most until `deadline`.
     pub async fn wait(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
-        self.inner.wait_for(self.room, Side::Decode, deadline, |s| s.phase.is_final()).await
+        self.inner.wait_for(self.room, Side::Decode, deadline, || self.status(), |s| s.phase.is_final()).await
     }
 
     /// Aborts the request: every prefill rank that could still write is told at once and asked to
     /// fence; the request is `Aborting` until each confirmed (or is known dead), then `Failed` with
     /// [`RequestStatus::pages_reusable`]. Aborting a final request changes nothing.
     pub fn abort(&self, reason: &str) {
-        if self.inner.receiver_abort(self.room, reason.to_owned()) {
+        if self.inner.receiver_abort(&self.book, self.room, reason.to_owned()) {
             lock(&self.inner.stats).aborted += 1;
         }
     }
 
     /// The aux payload, once received.
     pub fn aux(&self) -> Option<Vec<u8>> {
-        lock(&self.inner.decode).aux(self.room)
+        lock(&self.book).aux(self.room)
     }
 
     /// Frees every trace of the request (tracker entry, generation). Refused while writes of it may
@@ -1056,10 +1087,10 @@ impl Receiver {
         let inner = &self.inner;
         // Counted before it goes (the progress task counts final requests on its next tick, which
         // a request released at once would miss).
-        inner.count_outcomes();
+        inner.count_outcomes(&self.book);
         let connect_error = inner.connect_error.get().map(String::as_str);
         let connected = inner.connected.load(Ordering::Acquire);
-        let r = lock(&inner.decode).release(self.room, connect_error, connected, Instant::now());
+        let r = lock(&self.book).release(self.room, connect_error, connected, Instant::now());
         let s = r.map_err(|e| EngineError::InvalidCall {
             role: Side::Decode,
             rank: inner.cfg.rank,
@@ -1074,6 +1105,8 @@ impl Receiver {
 #[derive(Clone)]
 pub struct Sender {
     inner: Arc<Inner>,
+    /// The agent's prefill half (session and book).
+    half: Arc<PrefillHalf>,
     room: RequestId,
 }
 
@@ -1086,14 +1119,14 @@ impl Sender {
     /// The trace ids of the transfers this request makes, one per decode rank that handed off so
     /// far ([`TraceId`]; each decode rank chooses its own generation).
     pub fn trace_ids(&self) -> Vec<(RankId, TraceId)> {
-        let handoffs = lock(&self.inner.book).handoffs(self.room);
+        let handoffs = lock(&self.half.book).handoffs(self.room);
         handoffs.into_iter().map(|(d, g)| (d, TraceId::of(self.room, g))).collect()
     }
 
     /// Sets the request's total page count (SGLang's `init(num_kv_indices)`): the chunk whose pages
     /// reach it is the last. Every decode rank's page list must have this many pages.
     pub fn init(&self, total_pages: u32) -> Result<(), EngineError> {
-        let r = lock(&self.inner.book).init(self.room, total_pages);
+        let r = lock(&self.half.book).init(self.room, total_pages);
         r.map_err(|e| self.inner.call_error(self.room, e))
     }
 
@@ -1103,7 +1136,7 @@ impl Sender {
     /// a source page outside the pool.
     pub fn send(&self, src_pages: &[u32]) -> Result<(), EngineError> {
         let stage_layers = self.inner.stage_layers();
-        self.inner.send_part(self.room, src_pages, 0..stage_layers, true)
+        self.inner.send_part(&self.half, self.room, src_pages, 0..stage_layers, true)
     }
 
     /// Layer-wise sending (vLLM's `save_kv_layer`): sends layers `layers` (stage-local) of the chunk
@@ -1111,7 +1144,7 @@ impl Sender {
     /// pages; once every layer of the stage was sent, the chunk's completion notification follows
     /// the writes (completion is still counted per chunk) and the next call starts the next chunk.
     pub fn send_layers(&self, src_pages: &[u32], layers: std::ops::Range<u32>) -> Result<(), EngineError> {
-        self.inner.send_part(self.room, src_pages, layers, false)
+        self.inner.send_part(&self.half, self.room, src_pages, layers, false)
     }
 
     /// Sends the request's aux data (SGLang's metadata row: first output token and the like) to
@@ -1122,26 +1155,27 @@ impl Sender {
         let inner = &self.inner;
         let room = self.room;
         let connected = inner.connected.load(Ordering::Acquire);
-        let targets =
-            inner.book(|b| b.reserve_aux(room, data.len(), connected)).map_err(|e| inner.call_error(room, e))?;
-        let this = Arc::clone(inner);
+        let targets = inner
+            .book(&self.half, |b| b.reserve_aux(room, data.len(), connected))
+            .map_err(|e| inner.call_error(room, e))?;
+        let (this, half) = (Arc::clone(inner), Arc::clone(&self.half));
         inner.handle.spawn(async move {
             let me = SenderKey::of(this.cfg.rank);
             let mut first = None;
             for (d, generation) in targets {
                 let n = Notification::new(room, me, NotificationBody::Aux(data.clone())).with_generation(generation);
-                if let Err(e) = this.sender.as_ref().expect("prefill agent").notify_rank(d, &n).await {
+                if let Err(e) = half.session.notify_rank(d, &n).await {
                     first.get_or_insert(e.to_string());
                 }
             }
-            this.book(|b| b.part_done(room, first.map_or(Ok(()), Err), &[]));
+            this.book(&half, |b| b.part_done(room, first.map_or(Ok(()), Err), &[]));
         });
         Ok(())
     }
 
     /// The request's status now; never blocks.
     pub fn status(&self) -> RequestStatus {
-        self.inner.sender_status(self.room)
+        self.inner.sender_status(&self.half, self.room)
     }
 
     /// Waits until the request leaves `Bootstrapping`, at most until `deadline`: every decode rank
@@ -1152,19 +1186,21 @@ impl Sender {
     /// For an engine with a task per request: it wakes when the last handoff arrives instead of
     /// polling [`Self::status`] on a timer (an engine loop that polls every step needs neither).
     pub async fn wait_ready(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
-        self.inner.wait_for(self.room, Side::Prefill, deadline, |s| s.phase != Phase::Bootstrapping).await
+        self.inner
+            .wait_for(self.room, Side::Prefill, deadline, || self.status(), |s| s.phase != Phase::Bootstrapping)
+            .await
     }
 
     /// Waits until the request is final, at most until `deadline`.
     pub async fn wait(&self, deadline: Instant) -> Result<RequestStatus, EngineError> {
-        self.inner.wait_for(self.room, Side::Prefill, deadline, |s| s.phase.is_final()).await
+        self.inner.wait_for(self.room, Side::Prefill, deadline, || self.status(), |s| s.phase.is_final()).await
     }
 
     /// Aborts: stops posting, aborts the transfers in flight, then tells every decode rank (a
     /// failure notification, which is also this rank's fence). `Aborting` until the transfers
     /// settled, then `Failed`.
     pub fn abort(&self, reason: &str) {
-        if self.inner.book(|b| b.abort(self.room, reason.to_owned(), FailCause::Aborted)) {
+        if self.inner.book(&self.half, |b| b.abort(self.room, reason.to_owned(), FailCause::Aborted)) {
             lock(&self.inner.stats).aborted += 1;
         }
     }
@@ -1172,7 +1208,7 @@ impl Sender {
     /// Frees the request. Refused while transfers of it are in flight (abort and wait first).
     pub fn release(self) -> Result<RequestStatus, EngineError> {
         let connected = self.inner.connected.load(Ordering::Acquire);
-        let r = lock(&self.inner.book).release(self.room, connected);
+        let r = lock(&self.half.book).release(self.room, connected);
         let (s, io) = r.map_err(|e| self.inner.call_error(self.room, e))?;
         drop(io);
         Ok(RequestStatus::of(s.phase, s.reason, s.pages_reusable))
@@ -1184,11 +1220,9 @@ impl Inner {
         EngineError::Setup { role: self.cfg.role, rank: self.cfg.rank, detail }
     }
 
-    fn role_is(&self, needs: Side, call: &'static str) -> Result<(), EngineError> {
-        if self.cfg.role != needs {
-            return Err(EngineError::WrongRole { role: self.cfg.role, rank: self.cfg.rank, call, needs });
-        }
-        Ok(())
+    /// The error of a call this rank's role does not take.
+    fn wrong_role(&self, needs: Side, call: &'static str) -> EngineError {
+        EngineError::WrongRole { role: self.cfg.role, rank: self.cfg.rank, call, needs }
     }
 
     fn stage_layers(&self) -> u32 {
@@ -1304,22 +1338,24 @@ impl Inner {
         if replaced {
             self.peer_lost(reg.rank, format!("{} rank {} was replaced under epoch {epoch}", reg.role, reg.rank));
         }
-        let id =
-            match &self.sender {
-                Some(s) => {
-                    s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
-                    s.peer_of(reg.rank)
+        let id = match &self.half {
+            Half::Prefill(p) => {
+                let s = &p.session;
+                s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
+                if let (Some(w), true) = (reg.warmup, self.cfg.warm_up) {
+                    self.warm_up(s, reg, w).await;
                 }
-                None => Some(self.backend.connect(&reg.endpoint).await.map_err(|e| {
-                    format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
-                })?),
-            };
-        if let (Some(s), Some(w), true) = (&self.sender, reg.warmup, self.cfg.warm_up) {
-            self.warm_up(s, reg, w).await;
-        }
-        if self.cfg.role == Side::Decode {
-            lock(&self.decode).sender_back(SenderKey::of(reg.rank));
-        }
+                s.peer_of(reg.rank)
+            }
+            Half::Decode(d) => {
+                let id =
+                    self.backend.connect(&reg.endpoint).await.map_err(|e| {
+                        format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
+                    })?;
+                lock(d).sender_back(SenderKey::of(reg.rank));
+                Some(id)
+            }
+        };
         // The old instance (if any) was given up on and is being cut off by `peer_lost`.
         lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
         Ok(())
@@ -1431,9 +1467,9 @@ impl Inner {
         let given_up = Instant::now();
         lock(&self.stats).peers_lost += 1;
         self.connected.store(false, Ordering::Release);
-        let active = match self.cfg.role {
-            Side::Decode => lock(&self.decode).len(),
-            Side::Prefill => lock(&self.book).open_count(),
+        let active = match &self.half {
+            Half::Decode(d) => lock(d).len(),
+            Half::Prefill(p) => lock(&p.book).open_count(),
         };
         // A peer that leaves when nothing needs it (a normal shutdown) is no warning.
         if active > 0 {
@@ -1441,12 +1477,12 @@ impl Inner {
         } else {
             tracing::info!(rank = %self.cfg.rank, peer = %r, "lost {} rank {r}: {why}", self.other());
         }
-        let loss = match self.cfg.role {
-            Side::Decode => Some(lock(&self.decode).sender_lost(SenderKey::of(r), &why).id),
-            Side::Prefill => {
+        let loss = match &self.half {
+            Half::Decode(d) => Some(lock(d).sender_lost(SenderKey::of(r), &why).id),
+            Half::Prefill(p) => {
                 // Stop posting at once: every open send to it fails (its transfers are failed by the
                 // cut-off below, which makes their source pages reusable).
-                self.book(|b| b.abort_open(&format!("lost decode rank {r}: {why}"), FailCause::PeerLost));
+                self.book(p, |b| b.abort_open(&format!("lost decode rank {r}: {why}"), FailCause::PeerLost));
                 None
             }
         };
@@ -1486,8 +1522,8 @@ impl Inner {
         let key = SenderKey::of(r);
         match outcome {
             Ok(how) => {
-                if let Some(loss) = loss {
-                    lock(&self.decode).sender_cut_off(key, loss);
+                if let (Some(loss), Half::Decode(d)) = (loss, &self.half) {
+                    lock(d).sender_cut_off(key, loss);
                 }
                 {
                     let mut st = lock(&self.stats);
@@ -1508,8 +1544,8 @@ impl Inner {
                      are quarantined",
                     self.other()
                 );
-                if let Some(loss) = loss {
-                    lock(&self.decode).sender_quarantined(key, loss, &what);
+                if let (Some(loss), Half::Decode(d)) = (loss, &self.half) {
+                    lock(d).sender_quarantined(key, loss, &what);
                 }
                 lock(&self.stats).quarantined += 1;
                 lock(&self.quarantine).insert(r, what.clone());
@@ -1545,8 +1581,8 @@ impl Inner {
 
     fn route(self: &Arc<Self>, e: BackendEvent) {
         match e {
-            BackendEvent::Notification(n) => match self.cfg.role {
-                Side::Decode => match &n.body {
+            BackendEvent::Notification(n) => match &self.half {
+                Half::Decode(book) => match &n.body {
                     NotificationBody::Handoff { .. } | NotificationBody::Abort(_) => {
                         lock(&self.stats).protocol_errors += 1;
                     }
@@ -1559,10 +1595,10 @@ impl Inner {
                         if matches!(body, NotificationBody::Fenced) {
                             lock(&self.stats).fences += 1;
                         }
-                        lock(&self.decode).handle(&n, Instant::now());
+                        lock(book).handle(&n, Instant::now());
                     }
                 },
-                Side::Prefill => {
+                Half::Prefill(p) => {
                     let d = rank_of_key(n.sender);
                     // A decode rank's generations carry its membership epoch (`send_metadata`): one
                     // older than the epoch the membership announced for that rank comes from a
@@ -1580,9 +1616,9 @@ impl Inner {
                     match n.body {
                         NotificationBody::Handoff { pages, aux_slot, digest } => {
                             let h = Handoff { generation: n.generation, pages, aux_slot, digest };
-                            self.on_handoff(d, n.request, h);
+                            self.on_handoff(p, d, n.request, h);
                         }
-                        NotificationBody::Abort(reason) => self.on_abort(d, n.request, n.generation, &reason),
+                        NotificationBody::Abort(reason) => self.on_abort(p, d, n.request, n.generation, &reason),
                         _ => lock(&self.stats).protocol_errors += 1,
                     }
                 }
@@ -1598,8 +1634,8 @@ impl Inner {
 
     fn housekeeping(self: &Arc<Self>) {
         let now = Instant::now();
-        match self.cfg.role {
-            Side::Decode => {
+        match &self.half {
+            Half::Decode(book) => {
                 // Deadlines; failed requests: ask every sender that may still write to stop and
                 // fence (again while its fence is missing).
                 let connected: BTreeSet<RankId> = lock(&self.peers)
@@ -1607,7 +1643,7 @@ impl Inner {
                     .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
                     .map(|(r, _)| *r)
                     .collect();
-                let asks = lock(&self.decode).poll(now, |k| connected.contains(&rank_of_key(k)));
+                let asks = lock(book).poll(now, |k| connected.contains(&rank_of_key(k)));
                 for a in asks {
                     if a.repeated > 0 {
                         lock(&self.stats).fence_reasks += 1;
@@ -1628,23 +1664,23 @@ impl Inner {
                     self.handle.spawn(async move { this.to_prefill(rank_of_key(a.key), &note).await });
                 }
                 if self.cfg.digest {
-                    self.start_checks();
+                    self.start_checks(book);
                 }
-                self.count_outcomes();
+                self.count_outcomes(book);
             }
-            Side::Prefill => {
+            Half::Prefill(p) => {
                 // The initial connect failed: every request fails with it at once.
                 let failed = self.connect_error.get().cloned();
                 if let Some(e) = failed {
                     let why = format!("connecting to the decode ranks failed: {e}");
-                    self.book(|b| b.abort_open(&why, FailCause::Connect));
+                    self.book(p, |b| b.abort_open(&why, FailCause::Connect));
                 }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
                 let lost: Vec<(RankId, String)> =
                     lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
                 if let Some((r, why)) = lost.first() {
-                    self.book(|b| b.abort_open(&format!("decode rank {r} is lost: {why}"), FailCause::PeerLost));
+                    self.book(p, |b| b.abort_open(&format!("decode rank {r} is lost: {why}"), FailCause::PeerLost));
                 }
                 // Requests past their deadline fail; early handoffs and aborts expire.
                 let connected: BTreeSet<RankId> = lock(&self.peers)
@@ -1652,15 +1688,16 @@ impl Inner {
                     .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
                     .map(|(r, _)| *r)
                     .collect();
-                self.book(|b| b.poll_deadlines(now, |d| connected.contains(&d)));
+                self.book(p, |b| b.poll_deadlines(now, |d| connected.contains(&d)));
             }
         }
     }
 
-    fn count_outcomes(&self) {
+    /// Counts and logs the decode requests that became final since the last call.
+    fn count_outcomes(&self, book: &Mutex<DecodeBook>) {
         let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let outcomes = lock(&self.decode).take_outcomes(connect_error, connected, Instant::now());
+        let outcomes = lock(book).take_outcomes(connect_error, connected, Instant::now());
         let (mut done, mut failed) = (0, 0);
         for o in outcomes {
             let elapsed = o.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
@@ -1696,10 +1733,10 @@ impl Inner {
     // ---------------------------------------------------------------- decode side
 
     /// Starts the digest check of every request whose tracker has all chunks and digests.
-    fn start_checks(self: &Arc<Self>) {
-        let jobs = lock(&self.decode).take_checks(Instant::now());
+    fn start_checks(self: &Arc<Self>, book: &Arc<Mutex<DecodeBook>>) {
+        let jobs = lock(book).take_checks(Instant::now());
         for Check { room, generation, pages, sent } in jobs {
-            let this = Arc::clone(self);
+            let (this, book) = (Arc::clone(self), Arc::clone(book));
             let (topo, me) = (self.topo, self.cfg.rank);
             let pages = Arc::new(pages);
             // One blocking task per sender: they hash disjoint bytes, in parallel where cores are free.
@@ -1734,7 +1771,7 @@ impl Inner {
                     target: "kvxfer::request", trace_id = %TraceId::of(room, generation),
                     room = %room, rank = %this.cfg.rank, role = "decode", bytes, ok = result.is_ok(), "digest checked"
                 );
-                lock(&this.decode).check_done(room, generation, result);
+                lock(&book).check_done(room, generation, result);
                 this.wake.notify_waiters();
             });
         }
@@ -1779,21 +1816,21 @@ impl Inner {
         self.wake.notify_waiters();
     }
 
-    fn receiver_status(&self, room: RequestId) -> RequestStatus {
+    fn receiver_status(&self, book: &Mutex<DecodeBook>, room: RequestId) -> RequestStatus {
         let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let s = lock(&self.decode).status(room, connect_error, connected, Instant::now());
+        let s = lock(book).status(room, connect_error, connected, Instant::now());
         RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
     /// Returns whether this call aborted a request that had no outcome.
-    fn receiver_abort(&self, room: RequestId, reason: String) -> bool {
-        let generation = lock(&self.decode).generation(room);
+    fn receiver_abort(&self, book: &Mutex<DecodeBook>, room: RequestId, reason: String) -> bool {
+        let generation = lock(book).generation(room);
         tracing::debug!(
             target: "kvxfer::request", trace_id = %generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
             room = %room, rank = %self.cfg.rank, role = "decode", "abort: {reason}"
         );
-        let aborted = lock(&self.decode).abort(room, &reason, Instant::now());
+        let aborted = lock(book).abort(room, &reason, Instant::now());
         self.wake.notify_waiters();
         aborted
     }
@@ -1803,9 +1840,9 @@ impl Inner {
     /// Runs `f` on the request book under its lock, then carries out the actions it queued
     /// (cancels under the lock, as they only signal; notifications and counting after it) and
     /// wakes the waiters.
-    fn book<R>(self: &Arc<Self>, f: impl FnOnce(&mut PrefillBook<SendIo>) -> R) -> R {
+    fn book<R>(self: &Arc<Self>, half: &Arc<PrefillHalf>, f: impl FnOnce(&mut PrefillBook<SendIo>) -> R) -> R {
         let (r, actions) = {
-            let mut b = lock(&self.book);
+            let mut b = lock(&half.book);
             let r = f(&mut b);
             let mut actions = Vec::new();
             while let Some(a) = b.poll_action() {
@@ -1821,14 +1858,14 @@ impl Inner {
             (r, actions)
         };
         if !actions.is_empty() {
-            self.carry_out(actions);
+            self.carry_out(half, actions);
         }
         self.wake.notify_waiters();
         r
     }
 
     /// Carries out the book's notifications (in order, in one task) and counts its outcomes.
-    fn carry_out(self: &Arc<Self>, actions: Vec<BookAction>) {
+    fn carry_out(self: &Arc<Self>, half: &Arc<PrefillHalf>, actions: Vec<BookAction>) {
         let mut notes = Vec::new();
         let now = Instant::now();
         for a in actions {
@@ -1863,9 +1900,9 @@ impl Inner {
         if notes.is_empty() {
             return;
         }
-        let this = Arc::clone(self);
+        let (this, half) = (Arc::clone(self), Arc::clone(half));
         self.handle.spawn(async move {
-            let Some(s) = &this.sender else { return };
+            let s = &half.session;
             for (d, n, after_link) in notes {
                 if after_link {
                     this.link_to(s, d).await;
@@ -1894,31 +1931,33 @@ impl Inner {
     /// The counters now: the agent's, the book's and the tracker's.
     fn stats_now(&self) -> AgentStats {
         let mut s = *lock(&self.stats);
-        if self.cfg.role == Side::Decode {
-            s.tracker = lock(&self.decode).tracker_stats();
+        match &self.half {
+            Half::Decode(d) => s.tracker = lock(d).tracker_stats(),
+            Half::Prefill(p) => {
+                let b = lock(&p.book).stats();
+                s.early_handoffs_kept += b.early_kept;
+                s.early_handoffs_expired += b.early_expired;
+                s.protocol_errors += b.not_fed;
+                // Prefill outcomes are the book's counts (the decode side's are counted as they end).
+                s.succeeded += b.succeeded;
+                s.failed += b.failed;
+            }
         }
-        let b = lock(&self.book).stats();
-        s.early_handoffs_kept += b.early_kept;
-        s.early_handoffs_expired += b.early_expired;
-        s.protocol_errors += b.not_fed;
-        // Prefill outcomes are the book's counts (the decode side's are counted as they end).
-        s.succeeded += b.succeeded;
-        s.failed += b.failed;
         s
     }
 
-    fn on_handoff(self: &Arc<Self>, d: RankId, room: RequestId, h: Handoff) {
+    fn on_handoff(self: &Arc<Self>, half: &Arc<PrefillHalf>, d: RankId, room: RequestId, h: Handoff) {
         tracing::debug!(
             target: "kvxfer::request", trace_id = %TraceId::of(room, h.generation), room = %room,
             rank = %self.cfg.rank, role = "prefill", from = %d, pages = h.pages.len(), digest = h.digest,
             "handoff received"
         );
-        if self.book(|b| b.handle_handoff(d, room, h, Instant::now())) == HandoffOutcome::NotFed {
+        if self.book(half, |b| b.handle_handoff(d, room, h, Instant::now())) == HandoffOutcome::NotFed {
             tracing::warn!(rank = %self.cfg.rank, from = %d, "handoff from a decode rank this rank does not feed");
         }
     }
 
-    fn on_abort(self: &Arc<Self>, d: RankId, room: RequestId, generation: u64, reason: &str) {
+    fn on_abort(self: &Arc<Self>, half: &Arc<PrefillHalf>, d: RankId, room: RequestId, generation: u64, reason: &str) {
         lock(&self.stats).aborts_received += 1;
         tracing::debug!(
             target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
@@ -1926,7 +1965,7 @@ impl Inner {
         );
         // The book decides, under its one lock, whether the fence goes now or once the transfers in
         // flight settled (a write completing beside the abort cannot leave it unfenced).
-        let outcome = self.book(|b| b.handle_abort(d, room, generation, reason, Instant::now()));
+        let outcome = self.book(half, |b| b.handle_abort(d, room, generation, reason, Instant::now()));
         tracing::debug!(
             target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
             rank = %self.cfg.rank, role = "prefill", dst = %d, ?outcome, "abort handled"
@@ -1949,6 +1988,7 @@ impl Inner {
 
     fn send_part(
         self: &Arc<Self>,
+        half: &Arc<PrefillHalf>,
         room: RequestId,
         src_pages: &[u32],
         layers: std::ops::Range<u32>,
@@ -1960,7 +2000,7 @@ impl Inner {
         // posted in the background. A layer part that finishes its chunk takes the handles of the
         // chunk's earlier parts, to send the notification after them.
         let (part, cancel, earlier) = self
-            .book(|b| {
+            .book(half, |b| {
                 let part = b.reserve_part(room, src_pages, layers.clone(), whole, connected, Instant::now())?;
                 let io = b.io_mut(room).expect("reserved");
                 let earlier = if !whole && part.finish { std::mem::take(&mut io.parts) } else { Vec::new() };
@@ -1977,10 +2017,10 @@ impl Inner {
         }
         let span = tracing::debug_span!(target: "kvxfer::request", "kvxfer_send_part", room = %room, rank = %self.cfg.rank, chunk);
         let deadline = Instant::now() + self.cfg.request_timeout;
-        let this = Arc::clone(self);
+        let (this, half2) = (Arc::clone(self), Arc::clone(half));
         let src = src_pages.to_vec();
         let part = async move {
-            let s = this.sender.as_ref().expect("prefill agent");
+            let s = &half2.session;
             // Layer-wise: the notification follows every earlier part of the chunk.
             for h in earlier {
                 match h.await {
@@ -2016,18 +2056,18 @@ impl Inner {
             }
             hashed
         };
-        let this = Arc::clone(self);
+        let (this, half2) = (Arc::clone(self), Arc::clone(half));
         let part = tracing::Instrument::instrument(part, span);
         let handle = self.handle.spawn(async move {
             let (r, digests) = match part.await {
                 Ok(d) => (Ok(()), d),
                 Err(e) => (Err(e), Vec::new()),
             };
-            this.book(|b| b.part_done(room, r.clone(), &digests));
+            this.book(&half2, |b| b.part_done(room, r.clone(), &digests));
             r
         });
         if !whole && !finish {
-            if let Some(io) = lock(&self.book).io_mut(room) {
+            if let Some(io) = lock(&half.book).io_mut(room) {
                 io.parts.push(handle);
             }
         }
@@ -2067,8 +2107,8 @@ impl Inner {
         Ok(hashed.0)
     }
 
-    fn sender_status(&self, room: RequestId) -> RequestStatus {
-        let s = lock(&self.book).status(room, self.connected.load(Ordering::Acquire));
+    fn sender_status(&self, half: &PrefillHalf, room: RequestId) -> RequestStatus {
+        let s = lock(&half.book).status(room, self.connected.load(Ordering::Acquire));
         RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
@@ -2077,15 +2117,13 @@ impl Inner {
         room: RequestId,
         side: Side,
         deadline: Instant,
+        status: impl Fn() -> RequestStatus,
         done: impl Fn(&RequestStatus) -> bool,
     ) -> Result<RequestStatus, EngineError> {
         let start = Instant::now();
         loop {
             let notified = self.wake.notified();
-            let s = match side {
-                Side::Decode => self.receiver_status(room),
-                Side::Prefill => self.sender_status(room),
-            };
+            let s = status();
             if done(&s) {
                 return Ok(s);
             }
