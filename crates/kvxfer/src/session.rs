@@ -7,6 +7,11 @@
 //! notifies with its sender key, attached to the data or out of band after completion, as the
 //! session's [`NotifyStyle`] says. The decode rank polls [`ReceiverSession::status`] or awaits
 //! [`ReceiverSession::wait`].
+//!
+//! The engine API ([`crate::engine::Agent`]) posts through a [`SenderSession`] (its prefill
+//! agents hold one); its decode side is the core's [`kvxfer_core::decode::DecodeBook`], not a
+//! [`ReceiverSession`], which serves callers without membership or request lifecycle: the
+//! conformance suite and `kvxfer bench --model`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -1165,11 +1170,6 @@ impl ReceiverSession {
     /// Where the request's fence stands: [`Fence::Closed`] when its pages may be reused.
     pub fn fence(&self, request: RequestId) -> Option<Fence> {
         lock(&self.tracker).fence(request, Instant::now())
-    }
-
-    /// Runs `f` on the tracker (the engine API routes notifications and losses through it).
-    pub fn with_tracker<R>(&self, f: impl FnOnce(&mut CompletionTracker) -> R) -> R {
-        f(&mut lock(&self.tracker))
     }
 
     /// Tracker counters (dropped duplicates, early notifications...).
