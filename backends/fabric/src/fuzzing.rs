@@ -5,7 +5,7 @@
 //! (`backends/fabric/tests/fuzz_corpus.rs`). Each entry point takes arbitrary bytes, must never panic
 //! on them, and panics only when a property of the wire format is broken; each returns whether the
 //! input was accepted. The message entry point reads messages the way the progress thread's
-//! `message` does (`backend.rs`), without a libfabric endpoint. Not part of the API.
+//! `message` does (`progress.rs`), without a libfabric endpoint. Not part of the API.
 
 use std::time::Instant;
 
