@@ -13,8 +13,8 @@ use kvxfer_core::secret::NONCE_BYTES;
 use kvxfer_core::toolkit::{Fragmenter, Reassembler};
 use kvxfer_core::{EndpointMetadata, Notification, RequestId, Secret, SenderKey};
 
-use crate::proto::{self, Address, Challenge, Frame, Hello, Open, RemoteRegion, PROTO_VERSION};
 use crate::ring::{self, Imm, RingRx, RingTx};
+use crate::wire::{Address, Challenge, Frame, Hello, Open, RemoteRegion, PROTO_VERSION};
 use crate::NAME;
 
 /// Mode byte of a [`wire`] input: the rest is a side-channel byte stream.
@@ -22,12 +22,12 @@ pub const MODE_SIDE_CHANNEL: u8 = 0;
 /// Mode byte of a [`wire`] input: the rest is a ring geometry and its completions.
 pub const MODE_RING: u8 = 1;
 
-/// Reassembler bounds of the endpoint (`endpoint.rs`).
+/// Reassembler bounds of the endpoint (`peers.rs`).
 const MAX_PENDING_NOTIFICATIONS: usize = 64;
 
 /// `verbs_wire`: the first byte chooses what the rest is. [`MODE_SIDE_CHANNEL`] (even): the bytes of
 /// the TCP side channel, read as the endpoint reads them ([`Frame::read_from`] during the handshake,
-/// [`proto::take_frame`] afterwards); every frame re-encodes to the same bytes (a hello to the same
+/// [`crate::wire::take_frame`] afterwards); every frame re-encodes to the same bytes (a hello to the same
 /// value), a hello is validated for both link layers and its ring geometry used, credits applied,
 /// and the authentication exchange checked as the endpoint checks it (a challenge's proof against
 /// the open before it, an auth's against both, with a fixed secret; the seeds carry valid proofs).
@@ -63,13 +63,13 @@ impl Auth {
             Frame::Open(o) => *self = Auth { open: Some(o.clone()), challenge: None, refused: false },
             Frame::Challenge(c) => {
                 if let (Some(o), Some(p)) = (&self.open, &c.proof) {
-                    self.refused |= !proto::exchange(o, c).verify_acceptor(secret, p);
+                    self.refused |= !crate::wire::exchange(o, c).verify_acceptor(secret, p);
                 }
                 self.challenge = Some(c.clone());
             }
             Frame::Auth(Some(p)) => {
                 if let (Some(o), Some(c)) = (&self.open, &self.challenge) {
-                    let x = proto::exchange(o, c);
+                    let x = crate::wire::exchange(o, c);
                     let ok = x.verify_connector(secret, p);
                     assert!(!(ok && x.verify_acceptor(secret, p)), "a proof verified in both directions");
                     self.refused |= !ok;
@@ -130,7 +130,7 @@ fn side_channel(stream: &[u8]) -> bool {
     let mut buf = stream.to_vec();
     loop {
         let before = buf.clone();
-        match proto::take_frame(&mut buf) {
+        match crate::wire::take_frame(&mut buf) {
             Ok(Some(f)) => frame(&f, &before[..before.len() - buf.len()]),
             Ok(None) => return buf.is_empty() && !auth.refused,
             Err(_) => return false,
@@ -254,7 +254,7 @@ pub fn wire_seeds() -> Vec<(String, Vec<u8>)> {
         nonce: [0xa2; NONCE_BYTES],
         proof: None,
     };
-    let x = proto::exchange(&open, &challenge);
+    let x = crate::wire::exchange(&open, &challenge);
     let unauthenticated = stream(&[
         Frame::Open(open.clone()),
         Frame::Challenge(challenge.clone()),

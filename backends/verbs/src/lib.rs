@@ -10,10 +10,16 @@
 //!   QP), the crate's only `unsafe` code, compiled in every build;
 //! - `emu` (private, `emulator` feature only): an in-process software model of the same interface,
 //!   used by endpoints created with `device=emulated` (or `create_emulated`);
-//! - `endpoint` and `transfer` (private): the endpoint, connections, posting and completions;
+//! - `endpoint` (private): the endpoint's shared state, opening the device, starting its threads;
+//! - `peers` (private): connecting, the handshake listener and authentication, side channels, cut-off;
+//! - `regions` (private): revoking and closing registrations;
+//! - `progress` (private): posting and the poller that drives completions;
+//! - `transfer` (private): transfers on one connection (jobs, the posting pump, send completions);
 //! - [`attrs`]: QP attributes for INIT, RTR and RTS built from exchanged metadata;
 //! - [`ring`]: the notification ring (slots, credits, immediates);
-//! - [`proto`]: the metadata payload and the side-channel frames.
+//! - [`wire`]: the metadata payload and the side-channel frames.
+//!
+//! The trait impls (`KvTransferBackend` for [`VerbsBackend`] and for the endpoint) are in this file.
 //!
 //! **The cluster secret** (`BackendConfig::secret`): every connection starts with the toolkit's
 //! mutual challenge-response ([`kvxfer_core::secret::Exchange`]) on the side channel, before any
@@ -30,13 +36,19 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvxfer_core::toolkit::{Options, FRAGMENT_HEADER};
 use kvxfer_core::{
     BackendConfig, BackendError, BackendEvent, Capabilities, Completion, CutOff, EndpointMetadata, KvTransferBackend,
     Limits, MemDesc, MemKinds, Notification, OptionDoc, PeerId, RegionId, Registration, Transfer, WriteOp,
 };
+
+use crate::endpoint::{io_err, Endpoint};
+use crate::regions::Closer;
+use crate::transfer::{lock, Peer};
+use crate::verbs::{Access, MemoryRegion, Verbs};
+use crate::wire::Address;
 
 pub mod attrs;
 #[cfg(feature = "emulator")]
@@ -47,10 +59,13 @@ mod ffi;
 #[doc(hidden)]
 pub mod fuzzing;
 mod limits;
-pub mod proto;
+mod peers;
+mod progress;
+mod regions;
 pub mod ring;
 mod transfer;
 mod verbs;
+pub mod wire;
 
 /// Registry name.
 pub const NAME: &str = "verbs";
@@ -310,6 +325,162 @@ impl KvTransferBackend for VerbsBackend {
     }
     async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
         self.ep.cut_off(peer, reason).await
+    }
+}
+
+#[async_trait::async_trait]
+impl<V: Verbs> KvTransferBackend for Endpoint<V> {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities
+    }
+
+    async fn register(&self, id: RegionId, mem: MemDesc) -> Result<Registration, BackendError> {
+        let inner = &self.inner;
+        inner.closed()?;
+        inner.capabilities.check_memory(NAME, &mem.kind())?;
+        let rt = tokio::runtime::Handle::try_current().map_err(|e| BackendError::Unsupported {
+            backend: NAME,
+            what: format!("registering outside a tokio runtime ({e})"),
+        })?;
+        if lock(&inner.mrs).contains_key(&id) {
+            return Err(BackendError::RegionInUse { backend: NAME, region: id });
+        }
+        let limit = inner.capabilities.limits.max_regions;
+        if inner.regions.len() as u64 >= limit {
+            let asked = inner.regions.len() as u64 + 1;
+            return Err(BackendError::Limit { backend: NAME, what: "registered regions", asked, limit });
+        }
+        // Some providers refuse to register zero bytes; an empty region needs no registration.
+        let mr = if mem.is_empty() {
+            None
+        } else {
+            // Pinning pages can take long: not on the runtime's threads.
+            let (pd, m) = (inner.pd.clone(), mem.clone());
+            let mr = rt
+                .spawn_blocking(move || V::Mr::register(&pd, m, Access::RemoteWrite))
+                .await
+                .map_err(|e| io_err("the registration task", e))??;
+            Some(Arc::new(mr))
+        };
+        {
+            let mut mrs = lock(&inner.mrs);
+            inner.regions.insert(id, mem.clone())?;
+            mrs.insert(id, mr.clone());
+        }
+        let closer = Closer { inner: inner.clone(), id, mr, rt };
+        Ok(Registration::new(NAME, id, &mem, Box::new(closer)))
+    }
+
+    fn metadata(&self) -> Result<EndpointMetadata, BackendError> {
+        self.inner.closed()?;
+        Ok(EndpointMetadata::new(NAME, self.inner.identity, self.inner.address().to_payload()))
+    }
+
+    async fn connect(&self, peer: &EndpointMetadata) -> Result<PeerId, BackendError> {
+        self.inner.closed()?;
+        peer.check(NAME)?;
+        let addr = Address::from_payload(&peer.payload)
+            .map_err(|detail| BackendError::BadMetadata { backend: NAME, detail })?;
+        if addr.link_layer != self.inner.port.link_layer {
+            return Err(BackendError::BadMetadata {
+                backend: NAME,
+                detail: format!(
+                    "peer's link layer is {} and ours is {} (1 InfiniBand, 2 Ethernet)",
+                    addr.link_layer, self.inner.port.link_layer
+                ),
+            });
+        }
+        let inner = self.inner.clone();
+        let identity = peer.identity;
+        tokio::task::spawn_blocking(move || inner.dial(addr, identity))
+            .await
+            .map_err(|e| io_err("the handshake task", e))?
+    }
+
+    fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError> {
+        self.inner.post(peer, ops, notify)
+    }
+
+    async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {
+        self.inner.notify(peer, notification).await
+    }
+
+    async fn recv(&self, max_wait: Duration) -> Result<Vec<BackendEvent>, BackendError> {
+        Ok(self.inner.events.recv(max_wait).await)
+    }
+
+    /// Cuts the peer's instance off (see the crate README, "Cutting a peer off"): every queue pair
+    /// of that instance, in both directions, goes to ERR (the NIC drops every write that arrives on
+    /// it afterwards, and its remote keys reach our memory through no other queue pair), its side
+    /// channels are shut and its handshakes refused for this endpoint's life; the call resolves once
+    /// every transfer to it is final (their posted requests flushed: the NIC reads no more of our
+    /// memory for them), bounded by `timeout_ms`.
+    async fn cut_off(&self, peer: PeerId, reason: &str) -> Result<CutOff, BackendError> {
+        let inner = &self.inner;
+        let p = match inner.peers.get(peer) {
+            Ok(p) => p,
+            // Cut off already (this id, or another connection of the same instance): still confirmed.
+            Err(_) if lock(&inner.cut_ids).contains(&peer) => {
+                return Ok(CutOff { closed: 0, failed_transfers: 0, how: "already cut off" });
+            }
+            Err(e) => return Err(e),
+        };
+        let who = (p.identity, p.instance);
+        let victims: Vec<Arc<Peer<V>>> = {
+            let mut cut = lock(&inner.cut);
+            cut.insert(who);
+            inner.peers.all().into_iter().filter(|(_, q)| (q.identity, q.instance) == who).map(|(_, q)| q).collect()
+        };
+        tracing::info!(peer = %p.label, instance = who.1, %reason, connections = victims.len(), "cutting off");
+        let mut failed = 0;
+        let mut error = None;
+        lock(&inner.cut_ids).extend(victims.iter().map(|q| q.id));
+        for q in &victims {
+            let _ = inner.peers.remove(q.id);
+            match inner.cut_peer(q, reason) {
+                Ok(n) => failed += n,
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = error {
+            // A queue pair that did not reach ERR may still take writes: not confirmed.
+            return Err(e);
+        }
+        let deadline = Instant::now() + inner.opts.timeout;
+        for q in &victims {
+            if !q.wait_idle(deadline).await {
+                return Err(inner.timeout_error(format!(
+                    "the flush completions of the transfers to the cut-off {} (the device may still read their \
+                     source memory)",
+                    q.label
+                )));
+            }
+            inner.forget_key(q);
+        }
+        Ok(CutOff {
+            closed: victims.len(),
+            failed_transfers: failed,
+            how: "queue pairs moved to the error state, side channels shut, instance refused at the handshake",
+        })
+    }
+
+    async fn disconnect(&self, peer: PeerId) -> Result<(), BackendError> {
+        let p = self.inner.peers.remove(peer)?;
+        self.inner.close_peer(&p, "disconnect requested");
+        // Posted requests end with their flush completions (the QP is in the error state).
+        let settled = p.wait_idle(Instant::now() + self.inner.opts.timeout).await;
+        self.inner.forget_key(&p);
+        if !settled {
+            let n = p.abandon("their flush did not arrive before the disconnect deadline");
+            return Err(self.inner.timeout_error(format!("the flush of {n} transfers to {}", p.label)));
+        }
+        Ok(())
     }
 }
 

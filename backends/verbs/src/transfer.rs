@@ -26,9 +26,9 @@ use kvxfer_core::toolkit::{segments, Fragmenter, Reassembler, RegionRef};
 use kvxfer_core::{AbortTransfer, BackendError, MemDesc, PeerId, RegionId, TransferState, WriteOp};
 use tokio::sync::Notify;
 
-use crate::proto::{Frame, Hello, RemoteRegion};
 use crate::ring::{RingRx, RingTx};
 use crate::verbs::{Completion, LocalSge, PostError, QueuePair, SendKind, SendWr, Verbs};
+use crate::wire::{Frame, Hello, RemoteRegion};
 use crate::NAME;
 
 /// Out-of-band SEND fragments posted per round (the staging area holds this many).

@@ -13,7 +13,7 @@ use kvxfer_core::{
     BackendConfig, BackendEvent, HostBuffer, KvTransferBackend, Notification, RankId, RegionId, RequestId, Secret,
     SenderKey, WriteOp,
 };
-use kvxfer_verbs::proto::{Address, Frame, Open, PROTO_VERSION};
+use kvxfer_verbs::wire::{Address, Frame, Open, PROTO_VERSION};
 use kvxfer_verbs::VerbsBackend;
 
 fn endpoint(identity: u64, secret: Option<&str>) -> Arc<VerbsBackend> {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer_core::secret::NONCE_BYTES;
 use kvxfer_core::{BackendConfig, BackendError, HostBuffer, KvTransferBackend, RegionId, WriteOp};
-use kvxfer_verbs::proto::{Address, Frame, Open, PROTO_VERSION};
+use kvxfer_verbs::wire::{Address, Frame, Open, PROTO_VERSION};
 use kvxfer_verbs::{HandshakeRefusals, VerbsBackend};
 
 fn endpoint(identity: u64, opts: &[(&str, &str)]) -> Arc<VerbsBackend> {

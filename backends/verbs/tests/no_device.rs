@@ -92,5 +92,5 @@ fn the_model_is_chosen_only_by_name() {
 fn metadata_payload_of_another_backend_is_not_an_address() {
     // What connect checks first: a tcp endpoint's payload does not parse as a verbs address.
     let foreign = EndpointMetadata { version: 1, backend: "tcp".into(), identity: 1, payload: b"127.0.0.1:9".to_vec() };
-    assert!(kvxfer_verbs::proto::Address::from_payload(&foreign.payload).is_err());
+    assert!(kvxfer_verbs::wire::Address::from_payload(&foreign.payload).is_err());
 }
