@@ -5,13 +5,14 @@
 //!   under its idle RSS + 64 MiB, and a well-formed client is served meanwhile;
 //! - 1,000 idle connections: well-formed clients are still served, and the idle connections are
 //!   closed at the idle deadline (a short one here);
-//! - a rank that registers, crashes and registers again is accepted under a higher epoch, and
-//!   `peers` shows the new one (the legacy `register` table, and membership under a lease);
+//! - a rank that registers, crashes and registers again is accepted under a higher epoch once its
+//!   lease expired, and the peers see the new one (membership through the service's store);
 //! - with a shared secret: unauthenticated and wrongly authenticated clients are refused and get no
 //!   value, an authenticated one works, a captured request line replayed on another connection is
 //!   refused, and the secret is never printed;
 //! - at the open-file limit, the accept loop backs off instead of spinning and recovers;
-//! - the limits given on the command line hold, and the key count returns to 0 (nothing leaks).
+//! - the limits given on the command line hold, and the store's key and lease counts return to 0
+//!   (nothing leaks).
 //!
 //! Every loop is bounded in count and time; every process started is killed on drop.
 
@@ -21,12 +22,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapClient, BootstrapError, RankRegistration, Secret, ServerStats};
+use kvxfer::bootstrap::{BootstrapClient, RankRegistration, Secret, ServerStats};
 use kvxfer::metadata::bootstrap::BootstrapStore;
 use kvxfer::metadata::{Membership, MetadataError, MetadataStore};
 use kvxfer::session::KvPool;
 use kvxfer::{Attention, EndpointMetadata, KvSpec, Layout, Parallel, RankId, Side, SideSpec};
-use serde_json::json;
+use serde_json::{json, Value};
 
 const EXE: &str = env!("CARGO_BIN_EXE_kvxfer");
 const MIB: u64 = 1 << 20;
@@ -98,6 +99,11 @@ impl Service {
         BootstrapClient::new(self.addr.to_string()).with_timeout(Duration::from_secs(10))
     }
 
+    /// The service's metadata store as ranks reach it (keys under `/longrun`).
+    fn store(&self) -> BootstrapStore {
+        BootstrapStore::new(&self.addr.to_string(), "/longrun").with_timeout(Duration::from_secs(10))
+    }
+
     /// A field of the service's /proc/<pid>/status, in bytes.
     fn status_bytes(&self, field: &str) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("/proc/<pid>/status");
@@ -144,6 +150,26 @@ fn rt() -> tokio::runtime::Runtime {
 
 fn stats(rt: &tokio::runtime::Runtime, c: &BootstrapClient) -> ServerStats {
     rt.block_on(c.stats()).expect("stats")
+}
+
+/// Puts `value` under `key` (no lease).
+fn put(rt: &tokio::runtime::Runtime, s: &BootstrapStore, key: &str, value: Value) -> Result<u64, String> {
+    rt.block_on(s.put(key, &value, None)).map_err(|e| e.to_string())
+}
+
+/// The value under `key`, if any.
+fn get(rt: &tokio::runtime::Runtime, s: &BootstrapStore, key: &str) -> Result<Option<Value>, String> {
+    rt.block_on(s.get(key)).map(|(e, _)| e.map(|e| e.value)).map_err(|e| e.to_string())
+}
+
+/// A rank joins as ranks do (its record under a lease, checked against the ranks there), and the
+/// ranks of its role are listed; returns how many there are.
+fn join_and_list(rt: &tokio::runtime::Runtime, s: &BootstrapStore, r: RankRegistration) -> (Membership, usize) {
+    let store: Arc<dyn MetadataStore> = Arc::new(s.clone());
+    let role = r.role;
+    let m = rt.block_on(Membership::join(Arc::clone(&store), r, Duration::from_secs(30))).unwrap();
+    let peers = rt.block_on(kvxfer::metadata::peers(&*store, role, 1, Duration::from_secs(10))).unwrap();
+    (m, peers.len())
 }
 
 /// Polls the service's stats (at most `within`) until `pred` holds; returns the last. A refused
@@ -205,10 +231,11 @@ fn a_client_sending_100_mb_without_newline_leaves_the_service_small_while_others
     let svc = Service::start(&[], &[], None);
     let rt = rt();
     let c = svc.client();
+    let kv = svc.store();
     // Warm up: the runtime, the service and its first allocations.
     for i in 0..20 {
-        rt.block_on(c.put(&format!("warm/{i}"), json!(i))).unwrap();
-        rt.block_on(c.get(&format!("warm/{i}"), Duration::from_secs(5))).unwrap();
+        put(&rt, &kv, &format!("warm/{i}"), json!(i)).unwrap();
+        get(&rt, &kv, &format!("warm/{i}")).unwrap().unwrap();
     }
     // Start the peak count here (Linux >= 4.0: "5" resets VmHWM to VmRSS).
     let _ = std::fs::write(format!("/proc/{}/clear_refs", svc.pid()), "5");
@@ -247,15 +274,15 @@ fn a_client_sending_100_mb_without_newline_leaves_the_service_small_while_others
         String::from_utf8_lossy(&got).into_owned()
     });
 
-    // Meanwhile a well-formed client registers, queries, puts and gets.
+    // Meanwhile a well-formed client joins as a rank, lists the ranks, puts and gets.
     let _ = sent_rx.recv_timeout(Duration::from_secs(30));
     let t = Instant::now();
-    rt.block_on(c.register(&reg(Side::Prefill, 0, "well-formed"))).unwrap();
-    let peers = rt.block_on(c.peers(Side::Prefill, 1, Duration::from_secs(10))).unwrap();
-    assert_eq!(peers.len(), 1);
-    rt.block_on(c.put("during", json!("yes"))).unwrap();
-    assert_eq!(rt.block_on(c.get("during", Duration::from_secs(5))).unwrap(), json!("yes"));
+    let (member, ranks) = join_and_list(&rt, &kv, reg(Side::Prefill, 0, "well-formed"));
+    assert_eq!(ranks, 1);
+    put(&rt, &kv, "during", json!("yes")).unwrap();
+    assert_eq!(get(&rt, &kv, "during").unwrap(), Some(json!("yes")));
     let served_in = t.elapsed();
+    rt.block_on(member.leave()).unwrap();
 
     let sent = writer.join().unwrap();
     let answer = answer.join().unwrap();
@@ -264,7 +291,7 @@ fn a_client_sending_100_mb_without_newline_leaves_the_service_small_while_others
     let growth = peak.saturating_sub(idle);
     eprintln!(
         "bootstrap process: idle RSS {:.1} MiB, peak {:.1} MiB (growth {:.1} MiB), after {:.1} MiB; the hostile \
-         client sent {} MiB and got {:?}; a well-formed client was served (register, peers, put, get) in {served_in:?}",
+         client sent {} MiB and got {:?}; a well-formed client was served (join, list, put, get) in {served_in:?}",
         idle as f64 / MIB as f64,
         peak as f64 / MIB as f64,
         growth as f64 / MIB as f64,
@@ -292,6 +319,7 @@ fn a_thousand_idle_connections_neither_stop_service_nor_outlive_the_idle_deadlin
     let svc = Service::start(&["--idle-timeout-s", &IDLE_S.to_string()], &[], None);
     let rt = rt();
     let c = svc.client();
+    let kv = svc.store();
     let t0 = Instant::now();
     let mut held = Vec::with_capacity(IDLE);
     for _ in 0..IDLE {
@@ -304,13 +332,14 @@ fn a_thousand_idle_connections_neither_stop_service_nor_outlive_the_idle_deadlin
     let mut times = Vec::new();
     for i in 0..5 {
         let t = Instant::now();
-        rt.block_on(c.put(&format!("k{i}"), json!(i))).unwrap();
-        assert_eq!(rt.block_on(c.get(&format!("k{i}"), Duration::from_secs(5))).unwrap(), json!(i));
+        put(&rt, &kv, &format!("k{i}"), json!(i)).unwrap();
+        assert_eq!(get(&rt, &kv, &format!("k{i}")).unwrap(), Some(json!(i)));
         times.push(t.elapsed());
     }
     let t = Instant::now();
-    rt.block_on(c.register(&reg(Side::Prefill, 0, "under load"))).unwrap();
+    let (member, _) = join_and_list(&rt, &kv, reg(Side::Prefill, 0, "under load"));
     let register = t.elapsed();
+    rt.block_on(member.leave()).unwrap();
     let during = t0.elapsed();
     assert!(
         during < Duration::from_secs(IDLE_S),
@@ -319,7 +348,7 @@ fn a_thousand_idle_connections_neither_stop_service_nor_outlive_the_idle_deadlin
     times.sort();
     eprintln!(
         "{IDLE} idle connections opened in {opened:?}; a well-formed put + get took {:?} (median of 5, max {:?}), \
-         a register {register:?}",
+         a join and list {register:?}",
         times[2], times[4]
     );
     // Each idle connection is answered an error and closed at the deadline.
@@ -347,22 +376,6 @@ fn a_thousand_idle_connections_neither_stop_service_nor_outlive_the_idle_deadlin
 fn a_rank_that_crashes_registers_again_under_a_higher_epoch() {
     let svc = Service::start(&[], &[], None);
     let rt = rt();
-    let c = svc.client();
-    // The legacy table: register, crash (the process and its connection are gone), register again.
-    let first = rt.block_on(c.register_with_epoch(&reg(Side::Prefill, 0, "pid 100"))).unwrap();
-    rt.block_on(c.register_with_epoch(&reg(Side::Prefill, 1, "pid 101"))).unwrap();
-    let peers = rt.block_on(c.peers_with_epochs(Side::Prefill, 2, Duration::from_secs(5))).unwrap();
-    let old = peers.iter().find(|p| p.registration.rank == RankId::new(0, 0)).unwrap().epoch;
-    assert_eq!(old, first.epoch);
-    let again = rt.block_on(c.register_with_epoch(&reg(Side::Prefill, 0, "pid 200"))).unwrap();
-    assert_eq!(again.replaced, Some(first.epoch));
-    assert!(again.epoch > first.epoch);
-    let peers = rt.block_on(c.peers_with_epochs(Side::Prefill, 2, Duration::from_secs(5))).unwrap();
-    assert_eq!(peers.len(), 2);
-    let p0 = peers.iter().find(|p| p.registration.rank == RankId::new(0, 0)).unwrap();
-    assert_eq!((p0.epoch, p0.registration.label.as_str()), (again.epoch, "pid 200"));
-    eprintln!("legacy register: epoch {} before the crash, {} after", first.epoch, again.epoch);
-
     // Membership through the store: the lease of the crashed rank must expire first.
     let ttl = Duration::from_millis(800);
     let store: Arc<dyn MetadataStore> = Arc::new(BootstrapStore::new(&svc.addr.to_string(), "/crash"));
@@ -439,35 +452,38 @@ fn with_a_secret_only_proven_requests_are_served_and_a_replayed_line_is_refused(
     let _ = std::fs::remove_dir_all(&dir);
     let rt = rt();
     let secret = Secret::new(SECRET.as_bytes().to_vec()).unwrap();
-    let good = svc.client().with_secret(secret.clone());
-    rt.block_on(good.put("k", json!("the value"))).unwrap();
-    assert_eq!(rt.block_on(good.get("k", Duration::from_secs(5))).unwrap(), json!("the value"));
+    let good = svc.store().with_secret(secret.clone());
+    put(&rt, &good, "k", json!("the value")).unwrap();
+    assert_eq!(get(&rt, &good, "k").unwrap(), Some(json!("the value")));
 
     // Without a proof: refused, no value.
-    let e = rt.block_on(svc.client().get("k", Duration::from_secs(1))).unwrap_err();
-    assert!(matches!(&e, BootstrapError::Auth { .. }) && !e.to_string().contains("the value"), "{e}");
+    let e = get(&rt, &svc.store(), "k").unwrap_err();
+    assert!(e.contains("authentication required") && !e.contains("the value"), "{e}");
     let mut raw = BufReader::new(TcpStream::connect(svc.addr).unwrap());
     let challenge = raw_line(&mut raw);
     assert!(challenge.starts_with("{\"challenge\":\""), "{challenge}");
-    raw.get_mut().write_all(b"{\"op\":\"get\",\"key\":\"k\",\"timeout_ms\":0}\n").unwrap();
+    raw.get_mut().write_all(b"{\"op\":\"store\",\"call\":{\"op\":\"get\",\"key\":\"/longrun/k\"}}\n").unwrap();
     let l = raw_line(&mut raw);
     assert!(l.contains("authentication required") && !l.contains("the value"), "{l}");
     // A wrong secret: refused, no value.
-    let wrong = svc.client().with_secret(Secret::new(b"guessed".to_vec()).unwrap());
-    let e = rt.block_on(wrong.get("k", Duration::from_secs(1))).unwrap_err();
-    assert!(e.to_string().contains("authentication failed") && !e.to_string().contains("the value"), "{e}");
+    let wrong = svc.store().with_secret(Secret::new(b"guessed".to_vec()).unwrap());
+    let e = get(&rt, &wrong, "k").unwrap_err();
+    assert!(e.contains("authentication failed") && !e.contains("the value"), "{e}");
 
     // Capture an authenticated get and an authenticated put on the wire, then replay each line on a
     // fresh connection: both refused; the put changed nothing.
+    let through = |proxy: SocketAddr| {
+        BootstrapStore::new(&proxy.to_string(), "/longrun")
+            .with_secret(secret.clone())
+            .with_timeout(Duration::from_secs(10))
+    };
     let (proxy, rec) = recording_proxy(svc.addr);
-    let via = BootstrapClient::new(proxy.to_string()).with_secret(secret.clone()).with_timeout(Duration::from_secs(10));
-    assert_eq!(rt.block_on(via.get("k", Duration::from_secs(5))).unwrap(), json!("the value"));
+    assert_eq!(get(&rt, &through(proxy), "k").unwrap(), Some(json!("the value")));
     let get_line = rec.join().unwrap();
     let (proxy, rec) = recording_proxy(svc.addr);
-    let via = BootstrapClient::new(proxy.to_string()).with_secret(secret.clone()).with_timeout(Duration::from_secs(10));
-    rt.block_on(via.put("k", json!("overwritten"))).unwrap();
+    put(&rt, &through(proxy), "k", json!("overwritten")).unwrap();
     let put_line = rec.join().unwrap();
-    rt.block_on(good.put("k", json!("the value"))).unwrap();
+    put(&rt, &good, "k", json!("the value")).unwrap();
     assert!(String::from_utf8_lossy(&put_line).starts_with("{\"auth\":\""), "{}", String::from_utf8_lossy(&put_line));
     for line in [&get_line, &put_line] {
         let mut raw = BufReader::new(TcpStream::connect(svc.addr).unwrap());
@@ -476,16 +492,17 @@ fn with_a_secret_only_proven_requests_are_served_and_a_replayed_line_is_refused(
         let l = raw_line(&mut raw);
         assert!(l.contains("authentication failed") && !l.contains("the value"), "replay answered {l}");
     }
-    assert_eq!(rt.block_on(good.get("k", Duration::from_secs(5))).unwrap(), json!("the value"));
-    let s = stats(&rt, &good);
+    assert_eq!(get(&rt, &good, "k").unwrap(), Some(json!("the value")));
+    let s = stats(&rt, &svc.client().with_secret(secret.clone()));
     assert_eq!(s.auth_failures, 5, "{s:?}");
 
     // The secret from the environment instead of a file.
     let env = Service::start(&[], &[("KVXFER_SECRET", SECRET)], None);
-    let c = env.client().with_secret(secret.clone());
-    rt.block_on(c.put("e", json!(1))).unwrap();
-    assert!(matches!(rt.block_on(env.client().put("e", json!(2))), Err(BootstrapError::Auth { .. })));
-    assert_eq!(rt.block_on(c.get("e", Duration::from_secs(1))).unwrap(), json!(1));
+    let c = env.store().with_secret(secret.clone());
+    put(&rt, &c, "e", json!(1)).unwrap();
+    let e = put(&rt, &env.store(), "e", json!(2)).unwrap_err();
+    assert!(e.contains("authentication required"), "{e}");
+    assert_eq!(get(&rt, &c, "e").unwrap(), Some(json!(1)));
     // Never printed.
     for (what, s) in [("file", &svc), ("environment", &env)] {
         let out = s.output_with("must prove the shared secret");
@@ -504,11 +521,12 @@ fn with_tls_flags_only_clients_of_the_cluster_are_served() {
     let svc = Service::start(&args, &[], None);
     let rt = rt();
     let c = svc.client().with_tls(Some(tls.clone()));
-    rt.block_on(c.put("k", json!("over tls"))).unwrap();
-    assert_eq!(rt.block_on(c.get("k", Duration::from_secs(5))).unwrap(), json!("over tls"));
+    let kv = svc.store().with_tls(Some(tls.clone()));
+    put(&rt, &kv, "k", json!("over tls")).unwrap();
+    assert_eq!(get(&rt, &kv, "k").unwrap(), Some(json!("over tls")));
     // A plaintext client gets nothing; the service counts the failed handshake.
-    let e = rt.block_on(svc.client().get("k", Duration::from_secs(1))).unwrap_err();
-    assert!(!e.to_string().contains("over tls"), "{e}");
+    let e = get(&rt, &svc.store().with_timeout(Duration::from_secs(1)), "k").unwrap_err();
+    assert!(!e.contains("over tls"), "{e}");
     let s = stats(&rt, &c);
     assert!(s.tls_failures >= 1, "{s:?}");
     assert!(svc.output_with("TLS on every connection").contains("TLS on every connection"));
@@ -518,7 +536,7 @@ fn with_tls_flags_only_clients_of_the_cluster_are_served() {
         &[("KVXFER_TLS_CERT", &p(&files.cert)), ("KVXFER_TLS_KEY", &p(&files.key)), ("KVXFER_TLS_CA", &p(&files.ca))],
         None,
     );
-    rt.block_on(env.client().with_tls(Some(tls)).put("e", json!(1))).unwrap();
+    put(&rt, &env.store().with_tls(Some(tls)), "e", json!(1)).unwrap();
     let out = Command::new(EXE)
         .args(["bootstrap", "--listen", "127.0.0.1:0", "--for-s", "1", "--tls-cert", &p(&files.cert)])
         .output()
@@ -553,10 +571,11 @@ fn at_the_open_file_limit_the_service_backs_off_instead_of_spinning_and_recovers
     // Descriptors come back: the service serves again, and counted the failures.
     held.clear();
     let c = svc.client();
+    let kv = svc.store();
     let end = Instant::now() + Duration::from_secs(20);
     loop {
-        match rt.block_on(c.put("after", json!(true))) {
-            Ok(()) => break,
+        match put(&rt, &kv, "after", json!(true)) {
+            Ok(_) => break,
             Err(e) if Instant::now() < end => {
                 eprintln!("not yet: {e}");
                 std::thread::sleep(Duration::from_millis(200));
@@ -576,24 +595,26 @@ fn limits_given_on_the_command_line_hold_and_nothing_leaks() {
     let svc = Service::start(&["--max-connections", "8", "--max-value-bytes", "4096", "--max-waits", "2"], &[], None);
     let rt = rt();
     let c = svc.client();
+    let kv = svc.store();
     // A value over the limit, named with its size and the limit.
-    let e = rt.block_on(c.put("big", json!("x".repeat(5000)))).unwrap_err().to_string();
+    let e = put(&rt, &kv, "big", json!("x".repeat(5000))).unwrap_err();
     assert!(e.contains("5002 bytes") && e.contains("limit of 4096"), "{e}");
-    // Waits over the limit.
+    // Waits over the limit: two watches wait for their keys, a third is refused.
+    let (_, rev) = rt.block_on(kv.get("w0")).unwrap();
     let waiting: Vec<_> = (0..2)
         .map(|i| {
-            let c = c.clone();
-            rt.spawn(async move { c.get(&format!("w{i}"), Duration::from_secs(20)).await })
+            let kv = kv.clone();
+            rt.spawn(async move { kv.watch(&format!("w{i}"), rev).await?.next(Duration::from_secs(20)).await })
         })
         .collect();
     until(&rt, &c, Duration::from_secs(5), |s| s.waits == 2);
-    let e = rt.block_on(c.get("w9", Duration::from_secs(5))).unwrap_err().to_string();
-    assert!(e.contains("2 waits") && e.contains("--max-waits"), "{e}");
+    let e = rt.block_on(async { kv.watch("w9", rev).await?.next(Duration::from_secs(5)).await }).unwrap_err();
+    assert!(e.to_string().contains("2 waits") && e.to_string().contains("--max-waits"), "{e}");
     for i in 0..2 {
-        rt.block_on(c.put(&format!("w{i}"), json!(i))).unwrap();
+        put(&rt, &kv, &format!("w{i}"), json!(i)).unwrap();
     }
     for w in waiting {
-        rt.block_on(w).unwrap().unwrap();
+        assert!(!rt.block_on(w).unwrap().unwrap().is_empty(), "a watch saw no change");
     }
     // Connections over the limit: one error line each, then the service goes on.
     let held: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(svc.addr).unwrap()).collect();
@@ -602,26 +623,25 @@ fn limits_given_on_the_command_line_hold_and_nothing_leaks() {
     let l = raw_line(&mut extra);
     assert!(l.contains("8 connections open") && l.contains("--max-connections"), "{l}");
     drop(held);
-    // Many keys come and go (deleted, or expired by their TTL): none stay.
+    // Many keys come and go (deleted, or expired with their lease): none stay.
     let end = Instant::now() + Duration::from_secs(30);
     let s = until(&rt, &c, Duration::from_secs(5), |s| s.connections == 1);
     assert_eq!(s.connections, 1, "{s:?}");
     for i in 0..200 {
         assert!(Instant::now() < end, "too slow");
-        rt.block_on(c.put(&format!("req/{i}"), json!({"pages": [i, i + 1]}))).unwrap();
-        if i % 2 == 0 {
-            assert!(rt.block_on(c.delete(&format!("req/{i}"))).unwrap());
-        } else {
-            rt.block_on(c.put_with_ttl(&format!("ready/{i}"), json!(true), Duration::from_millis(300))).unwrap();
-            assert!(rt.block_on(c.delete(&format!("req/{i}"))).unwrap());
+        put(&rt, &kv, &format!("req/{i}"), json!({"pages": [i, i + 1]})).unwrap();
+        if i % 2 == 1 {
+            let lease = rt.block_on(kv.grant(Duration::from_millis(300))).unwrap();
+            rt.block_on(kv.put(&format!("ready/{i}"), &json!(true), Some(lease))).unwrap();
         }
+        assert!(rt.block_on(kv.delete(&format!("req/{i}"))).unwrap());
     }
     for i in 0..2 {
-        rt.block_on(c.delete(&format!("w{i}"))).unwrap();
+        rt.block_on(kv.delete(&format!("w{i}"))).unwrap();
     }
     std::thread::sleep(Duration::from_millis(400));
-    let s = until(&rt, &c, Duration::from_secs(5), |s| s.keys == 0 && s.connections == 1);
+    let s = until(&rt, &c, Duration::from_secs(5), |s| s.store_keys == 0 && s.store_leases == 0 && s.connections == 1);
     eprintln!("after 200 requests' keys: {s:?}");
-    assert_eq!((s.keys, s.connections, s.waits), (0, 1, 0), "{s:?}");
+    assert_eq!((s.store_keys, s.store_leases, s.connections, s.waits), (0, 0, 1, 0), "{s:?}");
     assert!(s.refused_values == 1 && s.refused_waits == 1 && s.refused_connections >= 1, "{s:?}");
 }

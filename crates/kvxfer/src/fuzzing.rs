@@ -7,13 +7,14 @@
 use std::time::Instant;
 
 use kvxfer_core::{Attention, EndpointMetadata, KvSpec, Layout, Parallel, RankId, Side, SideSpec, Topology};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::bootstrap::{check_compatible, check_pair, check_rank_in_config, describe, parse_request};
 use crate::bootstrap::{RankRegistration, Request, Response};
 use crate::metadata::auth::{self, Secret};
 use crate::metadata::memory::{json_len, MemState, MemStoreError, StoreCall};
-use crate::metadata::LeaseId;
+use crate::metadata::{LeaseId, RankRecord};
 use crate::session::{region_id, KvPool, PoolBuffer};
 
 /// The secret of the fuzzed service (requests signed with it verify).
@@ -35,10 +36,11 @@ fn json_round_trip<T: serde::Serialize + serde::de::DeserializeOwned>(v: &T) -> 
 
 /// `bootstrap_request`: `data` as a connection's bytes, read as the service reads them: one line (up
 /// to the first newline) that must be UTF-8, its proof checked against [`SECRET`] and [`NONCE`] (a
-/// service with a secret) or not (without one), then [`parse_request`]; and what the service then
-/// does without waiting: a registration's checks against a prefill and a decode rank of the seed
-/// configuration (and its pool against the topology, as a peer validates it), value sizes, and a
-/// store call applied to a fresh in-memory store. Also read as a client reads the service's lines (a
+/// service with a secret) or not (without one), then [`parse_request`]; and what the service and
+/// its ranks then do without waiting: value sizes, the store call applied to a fresh in-memory
+/// store, and, when the call puts a rank record ([`RankRecord`]), the checks a joining rank makes
+/// of it against a prefill and a decode rank of the seed configuration (and its pool against the
+/// topology, as a peer validates it). Also read as a client reads the service's lines (a
 /// response, a challenge). Returns whether a request was parsed.
 pub fn request(data: &[u8]) -> bool {
     let line = match data.iter().position(|b| *b == b'\n') {
@@ -63,19 +65,21 @@ fn serve(body: &str) -> bool {
     let Ok(req) = parse_request(body) else { return false };
     let req = json_round_trip(&req);
     match req {
-        Request::Register { entry } => register(&entry),
-        Request::Put { key, value, ttl_ms } => {
-            let _ = (json_len(&value), format!("put {key}"));
-            if let Some(ms) = ttl_ms {
-                let _ = Instant::now().checked_add(std::time::Duration::from_millis(ms));
+        Request::Store { call } => {
+            if let StoreCall::Put { value, .. } | StoreCall::Create { value, .. } = &call {
+                if let Ok(rec) = RankRecord::deserialize(value) {
+                    register(&rec.registration);
+                    json_round_trip(&rec);
+                }
             }
+            store(call)
         }
-        Request::Store { call } => store(call),
-        Request::Peers { .. } | Request::Get { .. } | Request::Delete { .. } | Request::Stats => {}
+        Request::Stats => {}
     }
     true
 }
 
+/// What a rank joining the store checks of another rank's record.
 fn register(entry: &RankRegistration) {
     let _ = describe(entry);
     let _ = check_rank_in_config(entry);
@@ -91,13 +95,6 @@ fn register(entry: &RankRegistration) {
         }
     }
     let _ = Topology::new(&entry.spec, &entry.spec);
-    // What `peers` answers (the registration with its epoch), read back as the client reads it.
-    let mut v = serde_json::to_value(entry).expect("serializes");
-    if let Value::Object(m) = &mut v {
-        m.insert("epoch".into(), json!(7));
-    }
-    let back: RankRegistration = serde_json::from_value(v).expect("a peers entry parses");
-    assert_eq!(&back, entry);
 }
 
 fn store(call: StoreCall) {
@@ -161,11 +158,20 @@ pub fn seed_registration(role: Side) -> RankRegistration {
 /// [`NONCE`]), and a response and a challenge line: the seed corpus of `bootstrap_request`.
 pub fn seeds() -> Vec<(String, Vec<u8>)> {
     let reqs: Vec<(&str, Request)> = vec![
-        ("register", Request::Register { entry: Box::new(seed_registration(Side::Decode)) }),
-        ("peers", Request::Peers { role: Side::Decode, want: 2, timeout_ms: 30_000 }),
-        ("put", Request::Put { key: "req/7".into(), value: json!({"pages": [1, 2, 3]}), ttl_ms: Some(60_000) }),
-        ("get", Request::Get { key: "req/7".into(), timeout_ms: 0 }),
-        ("delete", Request::Delete { key: "req/7".into() }),
+        (
+            "store-put-rank",
+            Request::Store {
+                call: StoreCall::Create {
+                    key: "/kvxfer/ranks/decode/0.0".into(),
+                    value: serde_json::to_value(RankRecord {
+                        registration: seed_registration(Side::Decode),
+                        left: false,
+                    })
+                    .expect("serializes"),
+                    lease: Some(LeaseId(1)),
+                },
+            },
+        ),
         ("stats", Request::Stats),
         ("store-grant", Request::Store { call: StoreCall::Grant { ttl_ms: 5_000 } }),
         ("store-keepalive", Request::Store { call: StoreCall::KeepAlive { lease: LeaseId(1) } }),
@@ -194,7 +200,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         out.push((name.to_owned(), line));
         out.push((format!("{name}-signed"), signed));
     }
-    let resp: Response = serde_json::from_str(r#"{"ok":true,"epoch":3,"replaced":1}"#).expect("a response");
+    let resp: Response = serde_json::from_str(r#"{"ok":true,"result":{"Ok":3}}"#).expect("a response");
     let mut line = serde_json::to_vec(&resp).expect("serializes");
     line.push(b'\n');
     out.push(("response".to_owned(), line));

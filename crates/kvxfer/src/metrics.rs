@@ -295,8 +295,8 @@ impl AgentMetrics {
 }
 
 /// The bootstrap service's counters ([`crate::bootstrap::ServerStats`]) in the OpenMetrics text
-/// format (`kvxfer bootstrap --metrics-listen`): gauges `kvxfer_bootstrap_{keys, ranks, store_keys,
-/// store_leases, connections, waits}` and counters `kvxfer_bootstrap_{accepted, refused_connections,
+/// format (`kvxfer bootstrap --metrics-listen`): gauges `kvxfer_bootstrap_{store_keys, store_leases,
+/// connections, waits}` and counters `kvxfer_bootstrap_{accepted, refused_connections,
 /// refused_per_source, refused_waits, refused_values, auth_failures, tls_failures, idle_closed,
 /// malformed, accept_errors}_total`, as [`crate::bootstrap::ServerStats`] documents them.
 pub fn encode_bootstrap(stats: &crate::bootstrap::ServerStats) -> String {
@@ -306,12 +306,10 @@ pub fn encode_bootstrap(stats: &crate::bootstrap::ServerStats) -> String {
         fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
             let s = &self.0;
             for (name, help, v) in [
-                ("keys", "Keys of the put/get table.", s.keys),
-                ("ranks", "Ranks registered with `register`.", s.ranks),
                 ("store_keys", "Keys of the metadata store.", s.store_keys),
                 ("store_leases", "Live leases of the metadata store.", s.store_leases),
                 ("connections", "Connections open now.", s.connections),
-                ("waits", "Waits held now (get, peers, store watches).", s.waits),
+                ("waits", "Waits held now (store watches).", s.waits),
             ] {
                 gauge(&mut e, name, help, v as f64)?;
             }
@@ -410,9 +408,9 @@ mod tests {
 
     #[test]
     fn bootstrap_counters() {
-        let s = crate::bootstrap::ServerStats { ranks: 3, accepted: 12, auth_failures: 1, ..Default::default() };
+        let s = crate::bootstrap::ServerStats { store_keys: 3, accepted: 12, auth_failures: 1, ..Default::default() };
         let t = encode_bootstrap(&s);
-        assert_eq!(sample(&t, "kvxfer_bootstrap_ranks "), 3.0);
+        assert_eq!(sample(&t, "kvxfer_bootstrap_store_keys "), 3.0);
         assert_eq!(sample(&t, "kvxfer_bootstrap_accepted_total "), 12.0);
         assert_eq!(sample(&t, "kvxfer_bootstrap_auth_failures_total "), 1.0);
         assert!(t.ends_with("# EOF\n"), "{t}");

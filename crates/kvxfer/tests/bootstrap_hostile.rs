@@ -1,13 +1,16 @@
 //! Issue 10, defect 7 (first part): the bootstrap's line limit applies while reading. A client that
 //! sends 100 MB without a newline gets an error and is disconnected once it passes the limit; the
 //! server's memory (this process's RSS, server in-process) grows by less than 64 MiB meanwhile; a
-//! well-formed client registers and queries at the same time and succeeds.
+//! well-formed client publishes a rank record and lists it at the same time (the store calls a
+//! joining rank makes) and succeeds.
 //!
 //! The only test of this binary, so no other test's allocations disturb the measurement.
 
 use std::time::{Duration, Instant};
 
-use kvxfer::bootstrap::{BootstrapClient, BootstrapServer, RankRegistration, MAX_REQUEST_LINE};
+use kvxfer::bootstrap::{BootstrapServer, RankRegistration, MAX_REQUEST_LINE};
+use kvxfer::metadata::bootstrap::BootstrapStore;
+use kvxfer::metadata::{MetadataStore, RankRecord};
 use kvxfer::session::KvPool;
 use kvxfer_core::{Attention, EndpointMetadata, KvSpec, Layout, Parallel, RankId, Side, SideSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -51,10 +54,10 @@ fn registration() -> RankRegistration {
 async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_served() {
     let server = BootstrapServer::start("127.0.0.1:0").await.unwrap();
     let addr = server.addr().to_string();
-    let client = BootstrapClient::new(addr.clone()).with_timeout(Duration::from_secs(20));
+    let client = BootstrapStore::new(&addr, "/hostile").with_timeout(Duration::from_secs(20));
     // Warm up: the runtime, the service and the client have made their first allocations.
-    client.put("warm", serde_json::json!(1)).await.unwrap();
-    assert_eq!(client.get("warm", Duration::from_secs(5)).await.unwrap(), serde_json::json!(1));
+    client.put("warm", &serde_json::json!(1), None).await.unwrap();
+    assert_eq!(client.get("warm").await.unwrap().0.unwrap().value, serde_json::json!(1));
     // Start the peak count here (Linux >= 4.0: "5" resets VmHWM to VmRSS); without it the peak only
     // overestimates the growth.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
@@ -101,12 +104,15 @@ async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_serve
         }
     });
 
-    // Meanwhile a well-formed client registers and queries.
+    // Meanwhile a well-formed client publishes a rank record and lists the ranks.
     let _ = sent_rx.await;
     let t = Instant::now();
-    client.register(&registration()).await.unwrap();
-    let peers = client.peers(Side::Prefill, 1, Duration::from_secs(10)).await.unwrap();
-    assert_eq!(peers, vec![registration()]);
+    let record = RankRecord { registration: registration(), left: false };
+    let lease = client.grant(Duration::from_secs(30)).await.unwrap();
+    client.put("ranks/prefill/0.0", &serde_json::to_value(&record).unwrap(), Some(lease)).await.unwrap();
+    let (ranks, _) = client.list("ranks/").await.unwrap();
+    let listed: Vec<RankRecord> = ranks.into_iter().map(|e| serde_json::from_value(e.value).unwrap()).collect();
+    assert_eq!(listed, vec![record]);
     let served_in = t.elapsed();
 
     let (sent, write_error) =
@@ -134,6 +140,6 @@ async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_serve
     assert!(growth <= bound, "the server's memory grew by {growth} bytes, more than the line limit allows ({bound})");
     assert!(answer.contains("\"ok\":false") && answer.contains("longer than"), "no error answer: {answer:?}");
     // The service still answers afterwards.
-    client.put("after", serde_json::json!(2)).await.unwrap();
-    assert_eq!(client.get("after", Duration::from_secs(5)).await.unwrap(), serde_json::json!(2));
+    client.put("after", &serde_json::json!(2), None).await.unwrap();
+    assert_eq!(client.get("after").await.unwrap().0.unwrap().value, serde_json::json!(2));
 }
