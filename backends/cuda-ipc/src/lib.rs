@@ -907,14 +907,7 @@ mod tests {
     /// gives (`advertise`'s default is computed).
     #[test]
     fn documented_defaults_are_the_defaults() {
-        let unset = IpcOptions::from_config(&BackendConfig::new(1)).unwrap();
-        let mut all = BackendConfig::new(1);
-        for d in OPTIONS.iter().filter(|d| d.name != "advertise") {
-            let one = BackendConfig::new(1).with(d.name, d.default);
-            assert_eq!(IpcOptions::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
-            all = all.with(d.name, d.default);
-        }
-        assert_eq!(IpcOptions::from_config(&all).unwrap(), unset);
+        kvxfer_core::check_documented_defaults(OPTIONS, &["advertise"], IpcOptions::from_config);
     }
 
     #[test]

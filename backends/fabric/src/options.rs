@@ -166,14 +166,9 @@ mod tests {
         if std::env::var_os("FI_PROVIDER").is_some() {
             phrases.push("provider");
         }
-        let parsed = |c: &BackendConfig| format!("{:?}", Options::from_config(c).unwrap());
-        let unset = parsed(&BackendConfig::new(1));
-        let mut all = BackendConfig::new(1);
-        for d in OPTIONS.iter().filter(|d| !phrases.contains(&d.name)) {
-            assert_eq!(parsed(&BackendConfig::new(1).with(d.name, d.default)), unset, "{}={}", d.name, d.default);
-            all = all.with(d.name, d.default);
-        }
-        assert_eq!(parsed(&all), unset);
+        kvxfer_core::check_documented_defaults(OPTIONS, &phrases, |c| {
+            Options::from_config(c).map(|o| format!("{o:?}"))
+        });
         let e = Options::from_config(&BackendConfig::new(1).with("bogus", "1")).unwrap_err().to_string();
         assert!(e.contains("known options: provider, addr, timeout_ms, peer_timeout_ms, recv_buffers"), "{e}");
     }

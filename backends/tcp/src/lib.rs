@@ -856,14 +856,7 @@ mod tests {
     #[test]
     fn documented_defaults_are_the_defaults() {
         let phrases = ["advertise", "tls_cert", "tls_key", "tls_ca"];
-        let unset = TcpOptions::from_config(&BackendConfig::new(1)).unwrap();
-        let mut all = BackendConfig::new(1);
-        for d in OPTIONS.iter().filter(|d| !phrases.contains(&d.name)) {
-            let one = BackendConfig::new(1).with(d.name, d.default);
-            assert_eq!(TcpOptions::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
-            all = all.with(d.name, d.default);
-        }
-        assert_eq!(TcpOptions::from_config(&all).unwrap(), unset);
+        kvxfer_core::check_documented_defaults(OPTIONS, &phrases, TcpOptions::from_config);
         assert!(OPTIONS.iter().any(|d| d.name == "poll_us" && d.default == "200"));
     }
 

@@ -581,13 +581,12 @@ mod tests {
     /// gives (the others' defaults are UCX's).
     #[test]
     fn documented_defaults_are_the_defaults() {
-        let unset = parsed(&BackendConfig::new(1));
-        let mut all = BackendConfig::new(1);
-        for d in OPTIONS.iter().filter(|d| d.default != "UCX's" && !d.default.starts_with("UCX's ")) {
-            assert_eq!(parsed(&BackendConfig::new(1).with(d.name, d.default)), unset, "{}={}", d.name, d.default);
-            all = all.with(d.name, d.default);
-        }
-        assert_eq!(parsed(&all), unset);
+        let ucxs: Vec<&str> = OPTIONS
+            .iter()
+            .filter(|d| d.default == "UCX's" || d.default.starts_with("UCX's "))
+            .map(|d| d.name)
+            .collect();
+        kvxfer_core::check_documented_defaults(OPTIONS, &ucxs, |c| settings(c).map(|_| parsed(c)));
     }
 
     #[test]

@@ -563,14 +563,7 @@ mod tests {
         std::env::remove_var("KVXFER_VERBS_SIGNAL_EVERY");
         // Every documented default that is a value parses, set to it, to what leaving it unset gives
         // (here, where the variables above are gone again; `device`'s default is a phrase).
-        let unset = Settings::from_config(&BackendConfig::new(1)).unwrap();
-        let mut all = BackendConfig::new(1);
-        for d in OPTIONS.iter().filter(|d| d.name != "device") {
-            let one = BackendConfig::new(1).with(d.name, d.default);
-            assert_eq!(Settings::from_config(&one).unwrap(), unset, "{}={}", d.name, d.default);
-            all = all.with(d.name, d.default);
-        }
-        assert_eq!(Settings::from_config(&all).unwrap(), unset);
+        kvxfer_core::check_documented_defaults(OPTIONS, &["device"], Settings::from_config);
     }
 
     #[test]

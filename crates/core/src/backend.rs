@@ -1000,6 +1000,26 @@ impl OptionDoc {
     }
 }
 
+/// For a backend's tests: every option of `options` whose documented default is a value (every
+/// one not named in `phrases`, whose defaults are computed or someone else's) parses, set to that
+/// default, to what leaving it unset gives, one at a time and all together. `parse` is the
+/// backend's option parser; it must accept a config with no options. Panics naming the first option
+/// whose documented default is not its default.
+pub fn check_documented_defaults<T: PartialEq + fmt::Debug, E: fmt::Debug>(
+    options: &[OptionDoc],
+    phrases: &[&str],
+    parse: impl Fn(&BackendConfig) -> Result<T, E>,
+) {
+    let unset = parse(&BackendConfig::new(1)).expect("no options parse");
+    let mut all = BackendConfig::new(1);
+    for d in options.iter().filter(|d| !phrases.contains(&d.name)) {
+        let one = parse(&BackendConfig::new(1).with(d.name, d.default));
+        assert_eq!(one.as_ref().ok(), Some(&unset), "{}={} (documented default): {one:?}", d.name, d.default);
+        all = all.with(d.name, d.default);
+    }
+    assert_eq!(parse(&all).ok().as_ref(), Some(&unset), "every documented default at once");
+}
+
 /// A backend's registry entry, submitted with `inventory::submit!`.
 #[derive(Debug)]
 pub struct BackendDescriptor {

@@ -42,9 +42,9 @@ pub mod toolkit;
 pub mod tracker;
 
 pub use backend::{
-    AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture, Capabilities,
-    CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle, OptionDoc, PeerId,
-    RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
+    check_documented_defaults, AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture,
+    Capabilities, CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle,
+    OptionDoc, PeerId, RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
 pub use mem::{

@@ -416,7 +416,8 @@ pub struct AgentStats {
     pub aborted: u64,
     /// Handoffs a prefill rank kept for rooms it had no sender for yet.
     pub early_handoffs_kept: u64,
-    /// Such handoffs that expired (too old, or too many kept).
+    /// Such handoffs, and aborts kept the same way (an abort for a room with no sender yet), that
+    /// were dropped: too old, or too many kept.
     pub early_handoffs_expired: u64,
     /// Abort requests received from the other side.
     pub aborts_received: u64,

@@ -55,7 +55,7 @@ docs! {
     "kvxfer_fences_total", "counter", "", "Fences sent (prefill) or received (decode).";
     "kvxfer_fence_reasks_total", "counter", "", "Asks to abort sent again because a prefill rank's fence had not come within 1 s (doubling to 8 s) (decode); above zero: an ask or a fence was lost, or a prefill rank did not answer.";
     "kvxfer_early_handoffs_kept_total", "counter", "", "Handoffs kept before their sender existed (prefill).";
-    "kvxfer_early_handoffs_expired_total", "counter", "", "Kept handoffs dropped: too old or too many (prefill).";
+    "kvxfer_early_handoffs_expired_total", "counter", "", "Kept early handoffs and aborts dropped: too old or too many (prefill).";
     "kvxfer_early_notifications_kept_total", "counter", "", "Notifications kept before their request was handed off (decode).";
     "kvxfer_early_notifications_expired_total", "counter", "", "Kept notifications dropped: too old or too many (decode).";
     "kvxfer_notifications_total", "counter", "", "Notifications the decode tracker recorded (duplicates not included).";
