@@ -11,6 +11,7 @@
 //!   unclaimed feature is refused with a typed error.
 //! - `selfconnect`: an endpoint connected to itself moves bytes and notifications.
 //! - `bidirectional`: two endpoints writing to each other at once, round after round.
+//! - `indexed`: page lists ([`kvxfer_core::IndexedOp`]) moved byte for byte by every backend.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -510,5 +511,122 @@ pub(crate) async fn capabilities(f: Arc<dyn BackendFactory>, _: NotifyStyle) -> 
     drop(view);
     dreg.close(deadline(30)).await.map_err(err)?;
     host_reg.close(deadline(30)).await.map_err(err)?;
+    Ok(())
+}
+
+/// Pages of the indexed case's pools, tokens per page, bytes per head.
+const IX_PAGES: u64 = 64;
+const IX_TOKENS: u64 = 16;
+const IX_HEAD: u64 = 64;
+
+/// `indexed`: [`KvTransferBackend::post_indexed`] moves page lists byte for byte, whatever the
+/// backend's [`kvxfer_core::Capabilities::indexed`] says: two layouts' templates (NHD, heads 1..3
+/// of 4 into a 2-head page, one range per token; HND, heads 2..4 as one range per page) at
+/// shuffled pages, runs of one and of several pages, checked against the expected bytes computed
+/// here, token by token. A run out of the destination's range is refused before anything moves
+/// (the destination keeps every sentinel byte); more runs than the ops-per-post limit are refused
+/// as a limit.
+pub(crate) async fn indexed_page_lists(f: Arc<dyn BackendFactory>, _: NotifyStyle) -> Result<(), String> {
+    use kvxfer_core::{IndexedOp, PageRun};
+    let (a, b) = pair(f.as_ref()).await?;
+    // Source pages hold 4 heads per token, destination pages 2.
+    let (src_page, dst_page) = (IX_TOKENS * 4 * IX_HEAD, IX_TOKENS * 2 * IX_HEAD);
+    let mut src = pattern(IX_PAGES * src_page, 21);
+    let mut nhd = HostBuffer::filled((IX_PAGES * dst_page) as usize, SENTINEL);
+    let mut hnd = HostBuffer::filled((IX_PAGES * dst_page) as usize, SENTINEL);
+    let _s = a.register(RegionId(1), src.desc()).await.map_err(err)?;
+    let nhd_view = nhd.desc();
+    let hnd_view = hnd.desc();
+    let _n = b.register(RegionId(2), nhd_view.clone()).await.map_err(err)?;
+    let _h = b.register(RegionId(3), hnd_view.clone()).await.map_err(err)?;
+    let peer = a.connect(&b.metadata().map_err(err)?).await.map_err(err)?;
+    // Runs: source pages 0..28 to shuffled destination pages (20 slots of 3 pages, permuted), every
+    // fifth run 3 pages long.
+    let mut runs = Vec::new();
+    let mut s = 0u32;
+    for k in 0..20u32 {
+        let len = if k % 5 == 0 { 3 } else { 1 };
+        runs.push(PageRun { src: s, dst: (k * 7 + 3) % 20 * 3, len });
+        s += len;
+    }
+    let runs: Arc<[PageRun]> = runs.into();
+    // NHD: token t of a page holds its heads at t * heads * IX_HEAD; heads 1..3 of the source
+    // land as heads 0..2 of the destination.
+    let nhd_t = WriteOp {
+        src: RegionId(1),
+        src_offset: IX_HEAD,
+        dst: RegionId(2),
+        dst_offset: 0,
+        len: 2 * IX_HEAD,
+        count: IX_TOKENS,
+        src_stride: 4 * IX_HEAD,
+        dst_stride: 2 * IX_HEAD,
+    };
+    // HND: head h of a page holds its tokens at h * IX_TOKENS * IX_HEAD; heads 2..4 as one range.
+    let hnd_t = WriteOp {
+        src: RegionId(1),
+        src_offset: 2 * IX_TOKENS * IX_HEAD,
+        dst: RegionId(3),
+        dst_offset: 0,
+        len: 2 * IX_TOKENS * IX_HEAD,
+        count: 1,
+        src_stride: src_page,
+        dst_stride: dst_page,
+    };
+    let ops = [IndexedOp::new(nhd_t, Arc::clone(&runs)), IndexedOp::new(hnd_t, Arc::clone(&runs))];
+    let total: u64 = ops.iter().map(IndexedOp::bytes).sum();
+    let t = a.post_indexed(peer, &ops, None).map_err(err)?;
+    if t.bytes() != total {
+        return Err(format!("the transfer says {} bytes, the ops {total}", t.bytes()));
+    }
+    t.wait(deadline(20)).await.map_err(err)?;
+    let mut want_nhd = vec![SENTINEL; (IX_PAGES * dst_page) as usize];
+    let mut want_hnd = want_nhd.clone();
+    for r in runs.iter() {
+        for p in 0..u64::from(r.len) {
+            let (sp, dp) = (u64::from(r.src) + p, u64::from(r.dst) + p);
+            for tok in 0..IX_TOKENS {
+                for h in 0..2 {
+                    for i in 0..IX_HEAD {
+                        let from = sp * src_page + (tok * 4 + 1 + h) * IX_HEAD + i;
+                        want_nhd[(dp * dst_page + (tok * 2 + h) * IX_HEAD + i) as usize] = pat(from, 21);
+                        let from = sp * src_page + ((2 + h) * IX_TOKENS + tok) * IX_HEAD + i;
+                        want_hnd[(dp * dst_page + (h * IX_TOKENS + tok) * IX_HEAD + i) as usize] = pat(from, 21);
+                    }
+                }
+            }
+        }
+    }
+    for (name, view, want) in [("NHD", &nhd_view, &want_nhd), ("HND", &hnd_view, &want_hnd)] {
+        let g = view.read_guard(0, want.len() as u64).map_err(err)?;
+        if let Some(i) = first_diff(g.as_slice(), want) {
+            return Err(format!("{name} page list: destination byte {i} (page {}) is wrong", i as u64 / dst_page));
+        }
+    }
+    // Out of range: the second run's destination page is past the pool; nothing of the first lands.
+    let mut fresh = HostBuffer::filled((IX_PAGES * dst_page) as usize, SENTINEL);
+    let fresh_view = fresh.desc();
+    let _f = b.register(RegionId(4), fresh_view.clone()).await.map_err(err)?;
+    let peer2 = a.connect(&b.metadata().map_err(err)?).await.map_err(err)?;
+    let bad: Arc<[PageRun]> =
+        vec![PageRun { src: 0, dst: 0, len: 1 }, PageRun { src: 1, dst: IX_PAGES as u32, len: 1 }].into();
+    match a.post_indexed(peer2, &[IndexedOp::new(WriteOp { dst: RegionId(4), ..nhd_t }, bad)], None) {
+        Err(BackendError::OutOfBounds { side: "destination", .. }) => {}
+        other => return Err(format!("a run past the destination pool: expected OutOfBounds, got {other:?}")),
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let g = fresh_view.read_guard(0, fresh_view.len() as u64).map_err(err)?;
+    if let Some(i) = g.as_slice().iter().position(|x| *x != SENTINEL) {
+        return Err(format!("a refused indexed post wrote destination byte {i}"));
+    }
+    // The ops-per-post limit counts an indexed op as its runs.
+    let limit = a.capabilities().limits.max_ops_per_post;
+    if limit < IX_PAGES {
+        let many: Arc<[PageRun]> = (0..=limit as u32).map(|k| PageRun { src: k, dst: k, len: 1 }).collect();
+        match a.post_indexed(peer2, &[IndexedOp::new(WriteOp { dst: RegionId(4), ..nhd_t }, many)], None) {
+            Err(BackendError::Limit { .. }) => {}
+            other => return Err(format!("{} runs over a limit of {limit}: expected Limit, got {other:?}", limit + 1)),
+        }
+    }
     Ok(())
 }

@@ -15,7 +15,8 @@
 //! `lifetime` (closing a registration while writes land, writing to a closed one, dropping one
 //! without closing), `abort` (abort mid-way then reuse the pages, abort of a finished transfer, abort
 //! on both sides at once), `capabilities` (every claim exercised, every unclaimed feature refused),
-//! `selfconnect` and `bidirectional`; `presumed_dead` (a peer cut off stays cut off: nothing it
+//! `selfconnect`, `bidirectional` and `indexed` (page lists through `post_indexed`, byte for byte,
+//! refused out of range and over the ops limit); `presumed_dead` (a peer cut off stays cut off: nothing it
 //! sends after `cut_off` returned lands, a new instance of it is admitted); and `lifecycle` (a request's life through the engine API's
 //! agents: early handoffs, generations and room reuse, abort from either side, release,
 //! heterogeneous TP); and `auth` (with the cluster secret: one secret connects, a wrong or missing
@@ -878,6 +879,7 @@ pub fn trials(factory: Arc<dyn BackendFactory>) -> (Vec<Trial>, Vec<(String, usi
         ("capabilities::claims_exercised", |f, s| Box::pin(contract::capabilities(f, s))),
         ("selfconnect::write_and_notify", |f, s| Box::pin(contract::self_connect(f, s))),
         ("bidirectional::ten_rounds", |f, s| Box::pin(contract::bidirectional(f, s))),
+        ("indexed::page_lists_byte_for_byte", |f, s| Box::pin(contract::indexed_page_lists(f, s))),
         ("presumed_dead::nothing_lands_after_cut_off", |f, s| {
             Box::pin(presumed_dead::nothing_lands_after_cut_off(f, s))
         }),

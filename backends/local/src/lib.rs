@@ -52,11 +52,9 @@ const STEP: u64 = 1 << 20;
 const CUT_OFF_DEVICE_WAIT: Duration = Duration::from_secs(30);
 
 /// What the local backend supports.
-pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, false, false).with_limits(Limits::new(
-    1 << 20,
-    kvxfer_core::notify::MAX_PAYLOAD as u64 + 64,
-    1 << 16,
-));
+pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, false, false)
+    .with_limits(Limits::new(1 << 20, kvxfer_core::notify::MAX_PAYLOAD as u64 + 64, 1 << 16))
+    .with_indexed(true);
 
 /// The local backend's options: none (any option is refused).
 pub const OPTIONS: &[OptionDoc] = &[];
@@ -225,6 +223,59 @@ pub struct LocalBackend {
 }
 
 impl LocalBackend {
+    /// `post_ordered` of `n` writes (each checked before anything is posted; an `Err` item is
+    /// returned as it is, nothing posted).
+    fn post_writes(
+        &self,
+        peer: PeerId,
+        n: usize,
+        ops: impl Iterator<Item = Result<WriteOp, BackendError>>,
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
+        let (p, other) = self.peer(peer)?;
+        let note_len = match notify {
+            Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),
+            None => 0,
+        };
+        CAPABILITIES.check_post(NAME, n, note_len)?;
+        // Resolve and check every op before anything is posted; one table locked at a time.
+        let mut resolved = Vec::with_capacity(n);
+        let mut bytes = 0u64;
+        for op in ops {
+            let op = op?;
+            let src = self.ep.regions.get(op.src, None)?;
+            op.check_src(NAME, None, src.len())?;
+            let dst = other.regions.get(op.dst, Some(peer))?;
+            op.check_dst(NAME, Some(peer), dst.len())?;
+            bytes += op.bytes();
+            resolved.push(Resolved { src, dst, op });
+        }
+        let state = TransferState::new(NAME, peer);
+        {
+            let mut inflight = lock(&p.inflight);
+            inflight.retain(|s| !s.status().is_final());
+            inflight.push(state.clone());
+        }
+        let (from, to, note) = (Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
+        let task: BoxFuture<'static, ()> = if cuda::touches_device(&resolved) {
+            Box::pin(cuda::run(state.clone(), resolved, from, to, note, gate))
+        } else {
+            Box::pin(cuda::after_gate(gate, state.clone(), run(state.clone(), resolved, from, to, note)))
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn(task)),
+            Err(_) => futures::executor::block_on(task),
+        }
+        Ok(Transfer::new(state, Arc::new(Abort), bytes))
+    }
+
     /// A new endpoint with the given identity and no secret.
     pub fn new(identity: u64) -> Self {
         Self::with_secret(identity, None)
@@ -518,46 +569,20 @@ impl KvTransferBackend for LocalBackend {
         notify: Option<&Notification>,
         order: kvxfer_core::GpuOrder,
     ) -> Result<Transfer, BackendError> {
-        // The send's GPU order, captured now: no source byte is read before it completed.
-        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
-            backend: NAME,
-            context: "the send's GPU order".into(),
-            detail: e.to_string(),
-        })?;
-        let (p, other) = self.peer(peer)?;
-        let note_len = match notify {
-            Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),
-            None => 0,
-        };
-        CAPABILITIES.check_post(NAME, ops.len(), note_len)?;
-        // Resolve and check every op before anything is posted; one table locked at a time.
-        let mut resolved = Vec::with_capacity(ops.len());
-        let mut bytes = 0u64;
-        for op in ops {
-            let src = self.ep.regions.get(op.src, None)?;
-            op.check_src(NAME, None, src.len())?;
-            let dst = other.regions.get(op.dst, Some(peer))?;
-            op.check_dst(NAME, Some(peer), dst.len())?;
-            bytes += op.bytes();
-            resolved.push(Resolved { src, dst, op: *op });
-        }
-        let state = TransferState::new(NAME, peer);
-        {
-            let mut inflight = lock(&p.inflight);
-            inflight.retain(|s| !s.status().is_final());
-            inflight.push(state.clone());
-        }
-        let (from, to, note) = (Arc::clone(&self.ep), Arc::downgrade(&other), notify.cloned());
-        let task: BoxFuture<'static, ()> = if cuda::touches_device(&resolved) {
-            Box::pin(cuda::run(state.clone(), resolved, from, to, note, gate))
-        } else {
-            Box::pin(cuda::after_gate(gate, state.clone(), run(state.clone(), resolved, from, to, note)))
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => drop(h.spawn(task)),
-            Err(_) => futures::executor::block_on(task),
-        }
-        Ok(Transfer::new(state, Arc::new(Abort), bytes))
+        self.post_writes(peer, ops.len(), ops.iter().map(|op| Ok(*op)), notify, order)
+    }
+
+    /// Native: the copy task is handed each run's ranges as they come (no [`WriteOp`] list in
+    /// between).
+    fn post_indexed(
+        &self,
+        peer: PeerId,
+        ops: &[kvxfer_core::IndexedOp],
+        notify: Option<&Notification>,
+    ) -> Result<Transfer, BackendError> {
+        let n = ops.iter().map(kvxfer_core::IndexedOp::write_ops).sum();
+        let writes = ops.iter().flat_map(|op| op.writes(NAME, Some(peer)));
+        self.post_writes(peer, n, writes, notify, kvxfer_core::GpuOrder::Ready)
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {

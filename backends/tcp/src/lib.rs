@@ -52,8 +52,8 @@
 //! (the same per source IP address, default 64; a connection beyond either is refused at once,
 //! naming the limit), `socket_buffer`
 //! (SO_SNDBUF/SO_RCVBUF in bytes, default 0: the kernel's autotuning), `poll_us` (how long a
-//! stream polls its socket before sleeping, a receiver an empty one and a sender a full send
-//! buffer, default 200; 0 never polls), `tls` (`on`/`off`, default
+//! stream polls its socket before sleeping, a receiver an empty one mid-frame or while more frames
+//! of a batch are due and a sender a full send buffer, default 200; 0 never polls), `tls` (`on`/`off`, default
 //! off), `tls_cert`, `tls_key`, `tls_ca` (PEM files; default: `KVXFER_TLS_CERT`, `KVXFER_TLS_KEY`,
 //! `KVXFER_TLS_CA`).
 //!
@@ -112,7 +112,8 @@ pub const MAX_OPS_PER_POST: u64 = 1 << 20;
 pub const CAPABILITIES: Capabilities = Capabilities::new(true, true, true, true)
     .with_memory(MemKinds::HOST)
     .with_limits(Limits::new(MAX_OPS_PER_POST, wire::MAX_NOTE as u64, u64::MAX))
-    .with_completion(Completion::Remote);
+    .with_completion(Completion::Remote)
+    .with_indexed(true);
 
 /// Every option of a TCP endpoint, with its default and what it does: the list
 /// [`TcpOptions::from_config`] checks keys against and `kvxfer backends` prints.
@@ -148,7 +149,7 @@ pub const OPTIONS: &[OptionDoc] = &[
     OptionDoc::new(
         "poll_us",
         "200",
-        "microseconds a stream polls its socket before it sleeps (0..=1000000; 0: never polls)",
+        "microseconds a stream polls its socket before it sleeps: a receiver mid-frame or while more frames of a batch are due, a sender on a full send buffer (0..=1000000; 0: never polls)",
     ),
     OptionDoc::new("tls", "off", "on: every stream runs TLS 1.3 with mutual authentication; off: plaintext"),
     OptionDoc::new("tls_cert", "KVXFER_TLS_CERT", "this endpoint's certificate (chain), PEM; with tls=on only"),
@@ -394,6 +395,80 @@ impl std::fmt::Debug for TcpBackend {
 }
 
 impl TcpBackend {
+    /// `post_ordered` of `n` writes (each checked before anything is queued; an `Err` item is
+    /// returned as it is, nothing posted).
+    fn post_writes(
+        &self,
+        peer: PeerId,
+        n: usize,
+        ops: impl Iterator<Item = Result<WriteOp, BackendError>>,
+        notify: Option<&Notification>,
+        order: kvxfer_core::GpuOrder,
+    ) -> Result<Transfer, BackendError> {
+        // The send's GPU order, captured now: no source byte is read before it completed.
+        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
+            backend: NAME,
+            context: "the send's GPU order".into(),
+            detail: e.to_string(),
+        })?;
+        let link = self.peers.get(peer)?;
+        link.state.check()?;
+        let note = notify
+            .map(Notification::encode)
+            .transpose()
+            .map_err(|source| BackendError::Codec { backend: NAME, source })?;
+        CAPABILITIES.check_post(NAME, n, note.as_ref().map_or(0, Vec::len))?;
+        // Check every op before queueing a byte; hold the source regions until the transfer is final.
+        let mut srcs = Vec::new();
+        let mut slots: HashMap<RegionId, usize> = HashMap::new();
+        let mut items = Vec::with_capacity(n);
+        let mut total = 0u64;
+        for op in ops {
+            let op = op?;
+            let slot = match slots.get(&op.src) {
+                Some(s) => *s,
+                None => {
+                    srcs.push(self.shared.regions.get(op.src, None)?);
+                    slots.insert(op.src, srcs.len() - 1);
+                    srcs.len() - 1
+                }
+            };
+            op.check_src(NAME, None, srcs[slot].len())?;
+            let dst_len = *link.regions.get(&op.dst).ok_or(BackendError::UnknownRegion {
+                backend: NAME,
+                region: op.dst,
+                peer: Some(peer),
+            })?;
+            op.check_dst(NAME, Some(peer), dst_len)?;
+            if op.len == 0 {
+                continue;
+            }
+            if op.count > 1 && op.dst_stride < op.len {
+                return Err(BackendError::Unsupported {
+                    backend: NAME,
+                    what: format!(
+                        "a destination stride ({}) smaller than the range length ({}): the op's ranges overlap",
+                        op.dst_stride, op.len
+                    ),
+                });
+            }
+            total += op.bytes();
+            let src = SrcOp { slot, offset: op.src_offset, stride: op.src_stride, len: op.len, count: op.count };
+            items.push(Item { src, dst: OpDesc::of(&op) });
+        }
+        let descs: Vec<OpDesc> = items.iter().map(|i| i.dst).collect();
+        wire::check_disjoint(&descs).map_err(|e| BackendError::Unsupported {
+            backend: NAME,
+            what: format!("overlapping destination ranges in one post ({e})"),
+        })?;
+        if items.is_empty() && note.is_none() {
+            return Ok(Transfer::finished(NAME, peer, TransferStatus::Done, 0));
+        }
+        let frames = send::plan(items, link.streams(), total);
+        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note, gate)?;
+        Ok(Transfer::new(Arc::clone(&xfer.state), xfer, total))
+    }
+
     /// Binds the listener and starts accepting.
     pub fn new(config: &BackendConfig) -> Result<Self, BackendError> {
         let opts = TcpOptions::from_config(config)?;
@@ -707,67 +782,20 @@ impl KvTransferBackend for TcpBackend {
         notify: Option<&Notification>,
         order: kvxfer_core::GpuOrder,
     ) -> Result<Transfer, BackendError> {
-        // The send's GPU order, captured now: no source byte is read before it completed.
-        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
-            backend: NAME,
-            context: "the send's GPU order".into(),
-            detail: e.to_string(),
-        })?;
-        let link = self.peers.get(peer)?;
-        link.state.check()?;
-        let note = notify
-            .map(Notification::encode)
-            .transpose()
-            .map_err(|source| BackendError::Codec { backend: NAME, source })?;
-        CAPABILITIES.check_post(NAME, ops.len(), note.as_ref().map_or(0, Vec::len))?;
-        // Check every op before queueing a byte; hold the source regions until the transfer is final.
-        let mut srcs = Vec::new();
-        let mut slots: HashMap<RegionId, usize> = HashMap::new();
-        let mut items = Vec::with_capacity(ops.len());
-        let mut total = 0u64;
-        for op in ops {
-            let slot = match slots.get(&op.src) {
-                Some(s) => *s,
-                None => {
-                    srcs.push(self.shared.regions.get(op.src, None)?);
-                    slots.insert(op.src, srcs.len() - 1);
-                    srcs.len() - 1
-                }
-            };
-            op.check_src(NAME, None, srcs[slot].len())?;
-            let dst_len = *link.regions.get(&op.dst).ok_or(BackendError::UnknownRegion {
-                backend: NAME,
-                region: op.dst,
-                peer: Some(peer),
-            })?;
-            op.check_dst(NAME, Some(peer), dst_len)?;
-            if op.len == 0 {
-                continue;
-            }
-            if op.count > 1 && op.dst_stride < op.len {
-                return Err(BackendError::Unsupported {
-                    backend: NAME,
-                    what: format!(
-                        "a destination stride ({}) smaller than the range length ({}): the op's ranges overlap",
-                        op.dst_stride, op.len
-                    ),
-                });
-            }
-            total += op.bytes();
-            let src = SrcOp { slot, offset: op.src_offset, stride: op.src_stride, len: op.len, count: op.count };
-            items.push(Item { src, dst: OpDesc::of(op) });
-        }
-        let descs: Vec<OpDesc> = items.iter().map(|i| i.dst).collect();
-        wire::check_disjoint(&descs).map_err(|e| BackendError::Unsupported {
-            backend: NAME,
-            what: format!("overlapping destination ranges in one post ({e})"),
-        })?;
-        if items.is_empty() && note.is_none() {
-            return Ok(Transfer::finished(NAME, peer, TransferStatus::Done, 0));
-        }
-        let frames = send::plan(items, link.streams(), total);
-        let xfer = link.send(TransferState::new(NAME, peer), srcs, frames, note, gate)?;
-        Ok(Transfer::new(Arc::clone(&xfer.state), xfer, total))
+        self.post_writes(peer, ops.len(), ops.iter().map(|op| Ok(*op)), notify, order)
+    }
+
+    /// Native: the runs become the WRITE frames' op descriptors directly (no [`WriteOp`] list in
+    /// between); the receiver places each range where its descriptor says, as for any op.
+    fn post_indexed(
+        &self,
+        peer: PeerId,
+        ops: &[kvxfer_core::IndexedOp],
+        notify: Option<&Notification>,
+    ) -> Result<Transfer, BackendError> {
+        let n = ops.iter().map(kvxfer_core::IndexedOp::write_ops).sum();
+        let writes = ops.iter().flat_map(|op| op.writes(NAME, Some(peer)));
+        self.post_writes(peer, n, writes, notify, kvxfer_core::GpuOrder::Ready)
     }
 
     async fn notify(&self, peer: PeerId, notification: &Notification) -> Result<(), BackendError> {

@@ -67,10 +67,11 @@ fn write_table(out: &mut impl Write, all: &[&BackendDescriptor]) -> io::Result<(
         writeln!(out, "  notifications: {}", or_none(styles(d)))?;
         writeln!(
             out,
-            "  cross-process: {}, cross-host: {}, completion: {}",
+            "  cross-process: {}, cross-host: {}, completion: {}, page lists (indexed ops): {}",
             yes(c.cross_process),
             yes(c.cross_host),
-            completion(c.completion)
+            completion(c.completion),
+            if c.indexed { "native" } else { "expanded" }
         )?;
         if d.options.is_empty() {
             writeln!(out, "  options: none")?;
@@ -108,6 +109,7 @@ fn to_json(all: &[&BackendDescriptor]) -> Value {
                 "cross_process": c.cross_process,
                 "cross_host": c.cross_host,
                 "completion": completion(c.completion),
+                "indexed": if c.indexed { "native" } else { "expanded" },
                 "options": options,
             })
         })

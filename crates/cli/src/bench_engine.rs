@@ -35,8 +35,8 @@ use kvxfer::metadata::MetadataAddr;
 use kvxfer::session::region_id;
 use kvxfer_core::plan::{plan_chunk, ChunkPlan};
 use kvxfer_core::{
-    BackendConfig, HostBuffer, KvTransferBackend, PeerId, RankId, RegionId, Registration, RequestId, Side, Topology,
-    Transfer, WriteOp,
+    BackendConfig, HostBuffer, IndexedOp, KvTransferBackend, PeerId, RankId, RegionId, Registration, RequestId, Side,
+    Topology, Transfer,
 };
 use serde::Serialize;
 use tokio::runtime::Handle;
@@ -110,10 +110,14 @@ pub struct EngineCase {
     pub pages: u32,
     /// Communicating (prefill, decode) pairs.
     pub pairs: usize,
-    /// Ops per pair (the most of any pair): what the backend is handed.
+    /// Ops per pair (the most of any pair): what the backend is handed, indexed ops (a page list
+    /// against a template, one per layer and kv kind, cut at the sessions' batch of
+    /// [`kvxfer::session::WRITE_BATCH`] writes).
     pub ops_per_pair: u64,
-    /// Mean bytes per op.
-    pub bytes_per_op: u64,
+    /// Strided writes per pair (the most of any pair): one per page run, what the ops stand for.
+    pub writes_per_pair: u64,
+    /// Mean bytes per strided write (a page run's ranges).
+    pub bytes_per_write: u64,
     /// Timed runs per path.
     pub runs: u32,
     /// Through the engine API.
@@ -377,27 +381,41 @@ async fn raw_endpoints(a: &BenchArgs, c: &Cluster, rts: &[Handle]) -> Result<Raw
     Ok(Raw { prefill, peers, _regs: regs, _decode: decode })
 }
 
-/// The plan's ops per (prefill tp, decode tp).
-fn pair_ops(plan: &ChunkPlan) -> Vec<(u32, u32, Vec<WriteOp>)> {
+/// The plan's indexed ops per (prefill tp, decode tp), one per (layer, slice) as the sessions build
+/// them, cut into posts as the sessions cut them (at most `per_post` writes, about a quarter of
+/// the default window's bytes).
+fn pair_ops(plan: &ChunkPlan, per_post: usize) -> Vec<(u32, u32, Vec<Vec<IndexedOp>>)> {
     plan.pairs
         .iter()
+        .filter(|pair| pair.writes())
         .map(|pair| {
-            let ops = pair.ops().map(|op| crate::bench::write_op(&op)).collect();
-            (pair.src.tp, pair.dst.tp, ops)
+            let ops = (0..pair.layers).flat_map(|l| {
+                pair.slices.iter().map(move |s| {
+                    IndexedOp::new(crate::bench::write_op(&pair.page_template(l, s)), Arc::clone(&pair.runs))
+                })
+            });
+            let max_bytes = kvxfer::session::Window::default().batch_bytes();
+            (pair.src.tp, pair.dst.tp, IndexedOp::batches(ops, per_post, max_bytes))
         })
         .collect()
 }
 
-async fn raw_request(raw: &Raw, ops: &[(u32, u32, Vec<WriteOp>)]) -> Result<Duration, String> {
+/// What the sessions hand a backend per post: [`kvxfer::session::WRITE_BATCH`] writes, fewer under
+/// a lower limit.
+fn per_post(raw: &Raw) -> usize {
+    let limit = raw.prefill.first().map_or(u64::MAX, |be| be.capabilities().limits.max_ops_per_post);
+    (kvxfer::session::WRITE_BATCH as u64).min(limit).max(1) as usize
+}
+
+async fn raw_request(raw: &Raw, ops: &[(u32, u32, Vec<Vec<IndexedOp>>)]) -> Result<Duration, String> {
     let deadline = Instant::now() + REQUEST_DEADLINE;
     let t0 = Instant::now();
     let mut ts: Vec<Transfer> = Vec::new();
-    for (p, d, ops) in ops {
+    for (p, d, batches) in ops {
         let be = &raw.prefill[*p as usize];
         let peer = raw.peers[&(*p, *d)];
-        let per = be.capabilities().limits.max_ops_per_post.clamp(1, 1 << 20) as usize;
-        for chunk in ops.chunks(per) {
-            ts.push(be.post(peer, chunk, None).map_err(|e| e.to_string())?);
+        for batch in batches {
+            ts.push(be.post_indexed(peer, batch, None).map_err(|e| e.to_string())?);
         }
     }
     for t in &ts {
@@ -471,6 +489,8 @@ struct Measured {
     post: Vec<Duration>,
     raw: Vec<Duration>,
     verified: bool,
+    /// Indexed ops handed to the backend per pair (the most of any pair).
+    ops_per_pair: u64,
 }
 
 async fn measure_case(
@@ -482,9 +502,10 @@ async fn measure_case(
     dst: &[u32],
 ) -> Result<(Measured, ChunkPlan), String> {
     let plan = plan_chunk(topo, src, dst).map_err(|e| e.to_string())?;
-    let ops = pair_ops(&plan);
+    let ops = pair_ops(&plan, per_post(raw));
     let src: Arc<[u32]> = src.into();
-    let mut m = Measured { engine: Vec::new(), post: Vec::new(), raw: Vec::new(), verified: true };
+    let ops_per_pair = ops.iter().map(|(_, _, b)| b.iter().map(Vec::len).sum::<usize>() as u64).max().unwrap_or(0);
+    let mut m = Measured { engine: Vec::new(), post: Vec::new(), raw: Vec::new(), verified: true, ops_per_pair };
     // Verification runs into cleared pools first (they double as warm-ups), then the timed runs.
     clear_destinations(c)?;
     engine_request(c, &src, dst).await?;
@@ -565,7 +586,7 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
         }
         let small_plan = plan_chunk(&topo, &[0], &[0]).map_err(|e| e.to_string())?;
         let small_bytes: u64 = small_plan.pairs.iter().map(|p| p.bytes()).sum();
-        let small_ops = pair_ops(&small_plan);
+        let small_ops = pair_ops(&small_plan, per_post(&raw));
         raw_request(&raw, &small_ops).await?;
         let mut small_raw = Vec::new();
         for _ in 0..a.small_requests {
@@ -605,13 +626,13 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
             raw_latency: small_raw,
             engine_added_us: small_lat.p50_us - small_raw.p50_us,
         };
-        // (name, bytes, plan, engine, raw, verified) per case.
+        // (name, bytes, plan, engine, raw, verified, ops per pair) per case.
         let timed: Vec<_> = cases
             .iter()
             .map(|(name, (m, plan))| {
                 let bytes: u64 = plan.pairs.iter().map(|p| p.bytes()).sum();
                 let engine = PathTiming::of(bytes, &m.engine, Some(&m.post));
-                (*name, bytes, plan, engine, PathTiming::of(bytes, &m.raw, None), m.verified)
+                (*name, bytes, plan, engine, PathTiming::of(bytes, &m.raw, None), m.verified, m.ops_per_pair)
             })
             .collect();
         let (frag_raw, frag_engine) = match timed.as_slice() {
@@ -621,7 +642,7 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
         let layout = w.layout_name();
         let cases = timed
             .into_iter()
-            .map(|(name, bytes, plan, engine, raw, verified)| EngineCase {
+            .map(|(name, bytes, plan, engine, raw, verified, ops_per_pair)| EngineCase {
                 name: format!(
                     "{name}: {} {layout} P{}->D{} {} tokens",
                     preset.name(),
@@ -632,8 +653,9 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
                 bytes,
                 pages: n,
                 pairs: plan.pairs.iter().filter(|p| p.writes()).count(),
-                ops_per_pair: plan.pairs.iter().map(|p| p.op_count()).max().unwrap_or(0),
-                bytes_per_op: bytes / plan.op_count().max(1),
+                ops_per_pair,
+                writes_per_pair: plan.pairs.iter().map(|p| p.op_count()).max().unwrap_or(0),
+                bytes_per_write: bytes / plan.op_count().max(1),
                 runs: a.runs,
                 engine_vs_raw: engine.median_gbps / raw.median_gbps,
                 engine,
@@ -680,7 +702,7 @@ fn print_table(r: &EngineReport) {
             println!(
                 "{:<34} {:>9} {:>8} {:>9.3} {:>10.0} {:>10.0} {:>10} {:>10}",
                 format!("{label} / {path}"),
-                crate::bench::human(c.bytes_per_op),
+                crate::bench::human(c.bytes_per_write),
                 c.ops_per_pair,
                 t.median_gbps,
                 t.latency.avg_us,
@@ -695,11 +717,12 @@ fn print_table(r: &EngineReport) {
     }
     for c in &r.cases {
         println!(
-            "  {}: {} in {} pairs, {} ops per pair; engine / raw = {:.2}; verified: {}",
+            "  {}: {} in {} pairs, {} ops per pair ({} page-run writes); engine / raw = {:.2}; verified: {}",
             c.name.split(':').next().unwrap_or(""),
             crate::bench::human(c.bytes),
             c.pairs,
             c.ops_per_pair,
+            c.writes_per_pair,
             c.engine_vs_raw,
             if c.verified { "every byte" } else { "FAILED" }
         );

@@ -57,6 +57,7 @@ fn json_lists_the_same() {
     assert_eq!(tcp["memory"], serde_json::json!(kvxfer_tcp::CAPABILITIES.memory.names()));
     assert_eq!(tcp["memory"], serde_json::json!(["host"]));
     assert_eq!(tcp["completion"], "remote");
+    assert_eq!(tcp["indexed"], "native");
     assert_eq!(tcp["cross_host"], true);
     let options = tcp["options"].as_array().unwrap();
     assert_eq!(options.len(), kvxfer_tcp::OPTIONS.len());

@@ -108,6 +108,179 @@ impl WriteOp {
     }
 }
 
+/// One [`WriteOp`] shape repeated at many pages: what a request on a fragmented pool is made of.
+///
+/// `template` is the write of page 0 of the source to page 0 of the destination: `count` ranges
+/// of `len` bytes per page, at `src_stride` / `dst_stride`. A page spans `count * stride` bytes on
+/// each side, so page `p` starts `p * count * stride` bytes after page 0, and a run of `n`
+/// consecutive pages is the same ranges continued (`n * count` of them). Each [`PageRun`] of
+/// `pages` (source page, destination page, pages in the run) becomes one strided write, merged into
+/// one contiguous range where the strides equal `len`. The planner emits one per (layer, kv kind,
+/// pair) on a fragmented pool: a 32K-token request on shuffled pages is a few hundred of these
+/// rather than hundreds of thousands of [`WriteOp`]s.
+///
+/// [`KvTransferBackend::post_indexed`] takes them; every backend does (the default expands them
+/// into [`WriteOp`]s, [`Capabilities::indexed`] says which backends move them without that step).
+/// Bounds are checked per run, with overflow checks, before anything is posted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexedOp {
+    template: WriteOp,
+    runs: Arc<[crate::plan::PageRun]>,
+    start: usize,
+    end: usize,
+}
+
+impl IndexedOp {
+    /// `template` (page 0 to page 0) at every run of `runs`.
+    pub fn new(template: WriteOp, runs: Arc<[crate::plan::PageRun]>) -> Self {
+        let end = runs.len();
+        Self { template, runs, start: 0, end }
+    }
+
+    /// The write of source page 0 to destination page 0.
+    pub fn template(&self) -> &WriteOp {
+        &self.template
+    }
+
+    /// The page runs this op writes.
+    pub fn runs(&self) -> &[crate::plan::PageRun] {
+        &self.runs[self.start..self.end]
+    }
+
+    /// The number of [`WriteOp`]s it expands into (one per run): what counts against
+    /// [`Limits::max_ops_per_post`].
+    pub fn write_ops(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Total bytes (saturating).
+    pub fn bytes(&self) -> u64 {
+        let pages: u64 = self.runs().iter().map(|r| u64::from(r.len)).sum();
+        self.template.bytes().saturating_mul(pages)
+    }
+
+    /// How many leading runs fit in `bytes` (at least one, when there is one): where to
+    /// [`Self::split_off`] to keep a post under a byte budget.
+    pub fn runs_within(&self, bytes: u64) -> usize {
+        let per_page = self.template.bytes();
+        let mut total = 0u64;
+        let fit = self
+            .runs()
+            .iter()
+            .take_while(|r| {
+                total = total.saturating_add(per_page.saturating_mul(u64::from(r.len)));
+                total <= bytes
+            })
+            .count();
+        fit.max(1).min(self.write_ops())
+    }
+
+    /// Splits off the runs from `at` on (`at` counted within [`Self::runs`]); both halves share the
+    /// run list. `None` when `at` is not strictly inside.
+    pub fn split_off(&mut self, at: usize) -> Option<IndexedOp> {
+        if at == 0 || at >= self.write_ops() {
+            return None;
+        }
+        let tail =
+            IndexedOp { template: self.template, runs: Arc::clone(&self.runs), start: self.start + at, end: self.end };
+        self.end = self.start + at;
+        Some(tail)
+    }
+
+    /// The write of one run, `None` when an offset overflows `u64`.
+    pub fn write_of(&self, run: &crate::plan::PageRun) -> Option<WriteOp> {
+        let t = &self.template;
+        let src_page = t.count.checked_mul(t.src_stride)?;
+        let dst_page = t.count.checked_mul(t.dst_stride)?;
+        let mut op = WriteOp {
+            src_offset: src_page.checked_mul(u64::from(run.src))?.checked_add(t.src_offset)?,
+            dst_offset: dst_page.checked_mul(u64::from(run.dst))?.checked_add(t.dst_offset)?,
+            count: t.count.checked_mul(u64::from(run.len))?,
+            ..*t
+        };
+        if op.count > 1 && op.len == op.src_stride && op.len == op.dst_stride {
+            op.len = op.len.checked_mul(op.count)?;
+            op.count = 1;
+        }
+        if op.count == 1 {
+            op.src_stride = op.len;
+            op.dst_stride = op.len;
+        }
+        Some(op)
+    }
+
+    /// The [`WriteOp`]s it stands for, one per run, in order; an offset that overflows is
+    /// [`BackendError::OutOfBounds`] (on the side it overflows).
+    pub fn writes(
+        &self,
+        backend: &'static str,
+        peer: Option<PeerId>,
+    ) -> impl Iterator<Item = Result<WriteOp, BackendError>> + '_ {
+        self.runs().iter().map(move |r| self.write_of(r).ok_or_else(|| self.overflow(backend, peer, r)))
+    }
+
+    /// The error of a run whose offsets overflow `u64`: out of every region (`region_len`
+    /// `u64::MAX`), on the side that overflows.
+    fn overflow(&self, backend: &'static str, peer: Option<PeerId>, r: &crate::plan::PageRun) -> BackendError {
+        let t = &self.template;
+        let at = |offset: u64, stride: u64, page: u32| {
+            t.count.checked_mul(stride)?.checked_mul(u64::from(page))?.checked_add(offset)
+        };
+        let bytes = t.bytes().saturating_mul(u64::from(r.len));
+        let (side, region, offset) = match at(t.src_offset, t.src_stride, r.src) {
+            None => ("source", t.src, None),
+            Some(_) => ("destination", t.dst, at(t.dst_offset, t.dst_stride, r.dst)),
+        };
+        let source = MemError::out_of_bounds(offset.unwrap_or(u64::MAX), bytes, u64::MAX);
+        BackendError::OutOfBounds { backend, side, region, peer, source }
+    }
+
+    /// `ops` cut into posts of at most `per_post` writes and about `max_bytes` bytes each (a post
+    /// closes once it reaches either; an op is split where one fills; a run larger than
+    /// `max_bytes` is a post of its own), in order: what a caller hands
+    /// [`KvTransferBackend::post_indexed`] under [`Limits::max_ops_per_post`]. The sessions cut
+    /// the same way.
+    pub fn batches(ops: impl IntoIterator<Item = IndexedOp>, per_post: usize, max_bytes: u64) -> Vec<Vec<IndexedOp>> {
+        let (per_post, max_bytes) = (per_post.max(1), max_bytes.max(1));
+        let (mut out, mut batch, mut writes, mut bytes) = (Vec::new(), Vec::new(), 0usize, 0u64);
+        for mut op in ops {
+            loop {
+                let tail = op.split_off(op.runs_within(max_bytes.saturating_sub(bytes)).min(per_post - writes));
+                writes += op.write_ops();
+                bytes = bytes.saturating_add(op.bytes());
+                batch.push(op);
+                if writes >= per_post || bytes >= max_bytes {
+                    out.push(std::mem::take(&mut batch));
+                    (writes, bytes) = (0, 0);
+                }
+                match tail {
+                    Some(t) => op = t,
+                    None => break,
+                }
+            }
+        }
+        if !batch.is_empty() {
+            out.push(batch);
+        }
+        out
+    }
+
+    /// Expands `ops` into [`WriteOp`]s (what the default [`KvTransferBackend::post_indexed`] posts).
+    pub fn expand(
+        ops: &[IndexedOp],
+        backend: &'static str,
+        peer: Option<PeerId>,
+    ) -> Result<Vec<WriteOp>, BackendError> {
+        let mut out = Vec::with_capacity(ops.iter().map(IndexedOp::write_ops).sum());
+        for op in ops {
+            for w in op.writes(backend, peer) {
+                out.push(w?);
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// How a backend reports that a chunk's bytes have landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -190,6 +363,12 @@ pub struct Capabilities {
     /// is gone and refused with [`BackendError::Unsupported`] otherwise: pages a live peer given up
     /// on could write stay quarantined.
     pub cut_off_live: bool,
+    /// [`KvTransferBackend::post_indexed`] moves [`IndexedOp`]s as they are (its wire or its copy
+    /// loop walks the page runs), where `false` means the trait's default expands them into one
+    /// [`WriteOp`] per run first. Every backend takes indexed ops either way; this only says
+    /// whether the page list travels to the backend's data path whole.
+    #[serde(default)]
+    pub indexed: bool,
 }
 
 impl Capabilities {
@@ -204,7 +383,14 @@ impl Capabilities {
             limits: Limits::UNLIMITED,
             completion: Completion::Remote,
             cut_off_live: true,
+            indexed: false,
         }
+    }
+
+    /// With [`Self::indexed`] set to `native`.
+    pub const fn with_indexed(mut self, native: bool) -> Self {
+        self.indexed = native;
+        self
     }
 
     /// With these memory kinds.
@@ -899,6 +1085,22 @@ pub trait KvTransferBackend: Send + Sync + 'static {
     /// posted.
     fn post(&self, peer: PeerId, ops: &[WriteOp], notify: Option<&Notification>) -> Result<Transfer, BackendError>;
 
+    /// [`Self::post`] of ops given as page lists against a template (see [`IndexedOp`]): the same
+    /// bytes as the [`WriteOp`]s they expand into, in the same order, with the same contract
+    /// (checked whole before anything is posted; an error means nothing was posted). Each indexed
+    /// op counts as its runs against [`Limits::max_ops_per_post`]. The default expands them and
+    /// calls [`Self::post`]; a backend whose data path walks page lists itself overrides it and
+    /// says so in [`Capabilities::indexed`].
+    fn post_indexed(
+        &self,
+        peer: PeerId,
+        ops: &[IndexedOp],
+        notify: Option<&Notification>,
+    ) -> Result<Transfer, BackendError> {
+        let writes = IndexedOp::expand(ops, self.name(), Some(peer))?;
+        self.post(peer, &writes, notify)
+    }
+
     /// [`Self::post`], reading no source byte before the GPU work `order` names completed (see
     /// [`crate::order`]); the host is not blocked for it. The order is captured during the call.
     /// The default takes only [`GpuOrder::Ready`](crate::GpuOrder::Ready); a backend that moves CUDA memory overrides it.
@@ -1099,6 +1301,72 @@ mod tests {
         assert!(WriteOp::check_bounds(u64::MAX - 4, 1, 8, 1, u64::MAX).is_err());
         assert!(WriteOp::check_bounds(0, u64::MAX, 1, 3, u64::MAX).is_err());
         assert!(WriteOp::check_bounds(0, 0, 0, 0, 10).is_err());
+    }
+
+    fn runs(list: &[(u32, u32, u32)]) -> Arc<[crate::plan::PageRun]> {
+        list.iter().map(|&(src, dst, len)| crate::plan::PageRun { src, dst, len }).collect()
+    }
+
+    #[test]
+    fn indexed_ops_expand_split_and_refuse_overflow() {
+        // 4 ranges of 8 bytes per page, 16 apart on the source and 32 on the destination.
+        let t = WriteOp {
+            src: RegionId(1),
+            src_offset: 8,
+            dst: RegionId(2),
+            dst_offset: 0,
+            len: 8,
+            count: 4,
+            src_stride: 16,
+            dst_stride: 32,
+        };
+        let mut op = IndexedOp::new(t, runs(&[(0, 3, 1), (5, 1, 2)]));
+        let w = IndexedOp::expand(std::slice::from_ref(&op), "t", None).unwrap();
+        assert_eq!(
+            w,
+            vec![
+                WriteOp { dst_offset: 3 * 128, ..t },
+                WriteOp { src_offset: 8 + 5 * 64, dst_offset: 128, count: 8, ..t },
+            ]
+        );
+        assert_eq!(op.bytes(), 3 * 32);
+        assert!(op.split_off(0).is_none() && op.split_off(2).is_none());
+        let tail = op.split_off(1).unwrap();
+        assert_eq!((op.write_ops(), tail.write_ops()), (1, 1));
+        assert_eq!(tail.runs()[0].src, 5);
+        let two = IndexedOp::new(t, runs(&[(0, 3, 1), (5, 1, 2)]));
+        assert_eq!((two.runs_within(0), two.runs_within(32), two.runs_within(95), two.runs_within(96)), (1, 1, 1, 2));
+        // Batches of at most 3 writes: three ops of 2 runs become [2, 1] and [1, 2].
+        let three = IndexedOp::new(t, runs(&[(0, 0, 1), (1, 1, 1)]));
+        let sizes = |b: Vec<Vec<IndexedOp>>| -> Vec<Vec<usize>> {
+            b.iter().map(|b| b.iter().map(IndexedOp::write_ops).collect()).collect()
+        };
+        let b = IndexedOp::batches(vec![three.clone(), three.clone(), three.clone()], 3, u64::MAX);
+        assert_eq!(sizes(b), vec![vec![2, 1], vec![1, 2]]);
+        // And at most 64 bytes (two runs of 32): [2], [2], [2]; a budget under one run: one run each.
+        assert_eq!(
+            sizes(IndexedOp::batches(vec![three.clone(), three.clone(), three.clone()], 8, 64)),
+            vec![vec![2]; 3]
+        );
+        assert_eq!(sizes(IndexedOp::batches(vec![three.clone(), three], 8, 1)), vec![vec![1]; 4]);
+        // Contiguous pages merge into one range per run.
+        let c = WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, 64);
+        let op = IndexedOp::new(WriteOp { count: 2, len: 32, src_stride: 32, dst_stride: 32, ..c }, runs(&[(2, 0, 3)]));
+        assert_eq!(
+            IndexedOp::expand(&[op], "t", None).unwrap(),
+            vec![WriteOp { src_offset: 128, ..WriteOp::contiguous(RegionId(1), 0, RegionId(2), 0, 192) }]
+        );
+        // A page index whose offset overflows u64 is refused, naming the side.
+        let op = IndexedOp::new(WriteOp { src_stride: u64::MAX / 2, ..t }, runs(&[(0, 0, 1), (7, 0, 1)]));
+        let e = IndexedOp::expand(&[op], "t", Some(PeerId(3))).unwrap_err();
+        assert!(
+            matches!(e, BackendError::OutOfBounds { side: "source", region: RegionId(1), peer: Some(PeerId(3)), .. }),
+            "{e}"
+        );
+        let op = IndexedOp::new(t, runs(&[(0, u32::MAX, 1)]));
+        let op = IndexedOp { template: WriteOp { dst_stride: u64::MAX / 8, ..t }, ..op };
+        let e = IndexedOp::expand(&[op], "t", None).unwrap_err();
+        assert!(matches!(e, BackendError::OutOfBounds { side: "destination", .. }), "{e}");
     }
 
     #[test]

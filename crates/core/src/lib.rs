@@ -43,8 +43,8 @@ pub mod tracker;
 
 pub use backend::{
     check_documented_defaults, AbortTransfer, BackendConfig, BackendDescriptor, BackendError, BackendEvent, BoxFuture,
-    Capabilities, CloseRegistration, Completion, CutOff, EndpointMetadata, KvTransferBackend, Limits, NotifyStyle,
-    OptionDoc, PeerId, RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
+    Capabilities, CloseRegistration, Completion, CutOff, EndpointMetadata, IndexedOp, KvTransferBackend, Limits,
+    NotifyStyle, OptionDoc, PeerId, RegionId, Registration, Transfer, TransferState, TransferStatus, WriteOp,
 };
 pub use error::{CodecError, ConfigError, Mismatch, PlanError, TrackerError};
 pub use mem::{

@@ -201,41 +201,14 @@ impl PairPlan {
 
     /// The op for source layer `l`, slice `s`, run `r`.
     pub fn op(&self, l: u32, s: &KindSlice, r: &PageRun) -> PlannedOp {
-        let sz = u64::from(self.page_size);
-        let hb = s.head_bytes;
-        let (hp, hd, n) = (u64::from(s.src_heads), u64::from(s.dst_heads), u64::from(s.n));
-        let src_page = u64::from(r.src) * sz * hp * hb;
-        let dst_page = u64::from(r.dst) * sz * hd * hb;
-        let (src_offset, dst_offset, len, count, src_stride, dst_stride) = match self.layout {
-            // Token rows: one range per token, row strides hp*hb and hd*hb; tokens of consecutive
-            // pages are consecutive rows, so a run is one strided op of len*S rows.
-            Layout::Nhd => (
-                src_page + u64::from(s.src_slot) * hb,
-                dst_page + u64::from(s.dst_slot) * hb,
-                n * hb,
-                u64::from(r.len) * sz,
-                hp * hb,
-                hd * hb,
-            ),
-            // Head-major pages: one range per page, page strides S*hp*hb and S*hd*hb.
-            Layout::Hnd => (
-                src_page + u64::from(s.src_slot) * sz * hb,
-                dst_page + u64::from(s.dst_slot) * sz * hb,
-                n * sz * hb,
-                u64::from(r.len),
-                sz * hp * hb,
-                sz * hd * hb,
-            ),
-        };
+        // The page template moved to the run's first pages: a page spans `count * stride` bytes on
+        // each side, and a run of `len` pages continues the same ranges.
+        let t = self.page_template(l, s);
         let mut op = PlannedOp {
-            src_region: BufferRef { layer: l, kind: s.kind },
-            dst_region: BufferRef { layer: self.dst_layer_offset + l, kind: s.kind },
-            src_offset,
-            dst_offset,
-            len,
-            count,
-            src_stride,
-            dst_stride,
+            src_offset: t.src_offset + u64::from(r.src) * t.count * t.src_stride,
+            dst_offset: t.dst_offset + u64::from(r.dst) * t.count * t.dst_stride,
+            count: t.count * u64::from(r.len),
+            ..t
         };
         if op.count > 1 && op.len == op.src_stride && op.len == op.dst_stride {
             op.len *= op.count;
@@ -246,6 +219,37 @@ impl PairPlan {
             op.dst_stride = op.len;
         }
         op
+    }
+
+    /// The template of the indexed op for source layer `l` and slice `s`: the write of source page
+    /// 0 to destination page 0, with the ranges of one page unmerged, so that a page spans
+    /// `count * stride` bytes on each side (what [`crate::IndexedOp`] requires). [`Self::op`] is it
+    /// moved to a run (the one place the slice and page arithmetic lives).
+    pub fn page_template(&self, l: u32, s: &KindSlice) -> PlannedOp {
+        let sz = u64::from(self.page_size);
+        let hb = s.head_bytes;
+        let (hp, hd, n) = (u64::from(s.src_heads), u64::from(s.dst_heads), u64::from(s.n));
+        let (src_offset, dst_offset, len, count, src_stride, dst_stride) = match self.layout {
+            Layout::Nhd => (u64::from(s.src_slot) * hb, u64::from(s.dst_slot) * hb, n * hb, sz, hp * hb, hd * hb),
+            Layout::Hnd => (
+                u64::from(s.src_slot) * sz * hb,
+                u64::from(s.dst_slot) * sz * hb,
+                n * sz * hb,
+                1,
+                sz * hp * hb,
+                sz * hd * hb,
+            ),
+        };
+        PlannedOp {
+            src_region: BufferRef { layer: l, kind: s.kind },
+            dst_region: BufferRef { layer: self.dst_layer_offset + l, kind: s.kind },
+            src_offset,
+            dst_offset,
+            len,
+            count,
+            src_stride,
+            dst_stride,
+        }
     }
 }
 

@@ -3,10 +3,14 @@
 //! request touched, and the byte totals of SEMANTICS §4.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use kvxfer_core::oracle::{token_map, BufferGeom, SENTINEL};
 use kvxfer_core::plan::{plan_chunk, plan_sender};
-use kvxfer_core::{Attention, BufferRef, KvSpec, Layout, Parallel, PlanError, RankId, Side, SideSpec, Topology};
+use kvxfer_core::{
+    Attention, BufferRef, IndexedOp, KvSpec, Layout, PairPlan, Parallel, PlanError, PlannedOp, RankId, RegionId, Side,
+    SideSpec, Topology, WriteOp,
+};
 use proptest::prelude::*;
 
 fn spec(attention: Attention, layers: u32, page_size: u32, layout: Layout, tp: u32, pp: u32) -> SideSpec {
@@ -50,6 +54,41 @@ fn check_stages(topo: &Topology, stages: &[u32]) {
             assert_eq!(op.dst_region.layer, if dpp == 1 { global } else { op.src_region.layer }, "{op:?}");
         }
     }
+}
+
+fn write(op: &PlannedOp) -> WriteOp {
+    WriteOp {
+        src: RegionId(0),
+        src_offset: op.src_offset,
+        dst: RegionId(1),
+        dst_offset: op.dst_offset,
+        len: op.len,
+        count: op.count,
+        src_stride: op.src_stride,
+        dst_stride: op.dst_stride,
+    }
+}
+
+/// The indexed ops of a pair (one per layer and slice, the page template at every run) expand
+/// into exactly the pair's plain ops, in order.
+fn indexed_equals_plain(pair: &PairPlan) {
+    let mut plain = pair.ops();
+    for l in 0..pair.layers {
+        for s in &pair.slices {
+            let t = pair.page_template(l, s);
+            let op = IndexedOp::new(write(&t), Arc::clone(&pair.runs));
+            assert_eq!(op.write_ops(), pair.runs.len());
+            let mut bytes = 0;
+            for w in op.writes("planner test", None) {
+                let p = plain.next().expect("no more plain ops than indexed writes");
+                assert_eq!((t.src_region, t.dst_region), (p.src_region, p.dst_region));
+                assert_eq!(w.expect("in range"), write(&p), "{pair:?} layer {l} {s:?}");
+                bytes += p.bytes();
+            }
+            assert_eq!(op.bytes(), bytes);
+        }
+    }
+    assert!(plain.next().is_none(), "as many plain ops as indexed writes");
 }
 
 struct Sim {
@@ -110,6 +149,7 @@ impl Sim {
                 }
             }
             assert_eq!(ops, pair.op_count());
+            indexed_equals_plain(pair);
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use kvxfer_core::plan::{check_pages, plan_sender, PairPlan};
+use kvxfer_core::IndexedOp;
 use kvxfer_core::{
     BackendError, BackendEvent, BufferRef, CompletionTracker, ConfigError, EndpointMetadata, ExpectSpec, Failure,
     Fence, HostBuffer, KvTransferBackend, MemDesc, MemError, Notification, NotificationBody, NotifyStyle, PeerId,
@@ -31,6 +32,10 @@ use serde::{Deserialize, Serialize};
 /// never materialised whole.
 pub const WRITE_BATCH: usize = 4096;
 
+/// The smallest byte budget of a batch ([`Window::batch_bytes`]): a small window does not make a
+/// post per page.
+pub const MIN_BATCH_BYTES: u64 = 1 << 20;
+
 /// How much of one (prefill, decode) pair's traffic may be in flight at once: posted batches whose
 /// transfers are not final yet. The session waits for the oldest batch before posting past either
 /// bound, so memory held by the backend stays bounded while the transport is kept busy.
@@ -40,6 +45,15 @@ pub struct Window {
     pub bytes: u64,
     /// Ops in flight per pair.
     pub ops: u64,
+}
+
+impl Window {
+    /// Bytes after which a batch is posted: a quarter of the window, so that batches keep the
+    /// transport busy while the oldest completes, and at least [`MIN_BATCH_BYTES`] (a page run
+    /// longer than that is a batch of its own).
+    pub fn batch_bytes(&self) -> u64 {
+        (self.bytes / 4).max(MIN_BATCH_BYTES)
+    }
 }
 
 impl Default for Window {
@@ -714,41 +728,44 @@ impl SenderSession {
             },
         };
         let per_post = (WRITE_BATCH as u64).min(self.backend.capabilities().limits.max_ops_per_post).max(1) as usize;
-        let mut stats = SendStats::default();
-        let mut batch = Vec::with_capacity(per_post.min(pair.op_count() as usize));
-        let mut batch_bytes = 0u64;
-        let mut ops = LayerOps { pair, layers: layers.clone(), slice: 0, run: 0 }.peekable();
-        while let Some(op) = ops.next() {
-            let s =
-                self.pool.get(op.src_region).ok_or_else(|| self.missing(Side::Prefill, self.rank, op.src_region))?;
-            let d = rx.pool.get(op.dst_region).ok_or_else(|| self.missing(Side::Decode, pair.dst, op.dst_region))?;
-            batch.push(WriteOp {
-                src: s.region,
-                src_offset: s.offset + op.src_offset,
-                dst: d.region,
-                dst_offset: d.offset + op.dst_offset,
-                len: op.len,
-                count: op.count,
-                src_stride: op.src_stride,
-                dst_stride: op.dst_stride,
-            });
-            batch_bytes += op.bytes();
-            stats.bytes += op.bytes();
-            stats.ops += 1;
-            let last = ops.peek().is_none();
-            if batch.len() < per_post && !last {
-                continue;
+        // One indexed op per (layer, slice): the page template at every run of the pair (a few
+        // hundred at most), cut into posts of `per_post` writes or the window's batch bytes.
+        let mut ops = Vec::new();
+        for l in layers.filter(|_| pair.writes()) {
+            for slice in &pair.slices {
+                let t = pair.page_template(l, slice);
+                let s =
+                    self.pool.get(t.src_region).ok_or_else(|| self.missing(Side::Prefill, self.rank, t.src_region))?;
+                let d = rx.pool.get(t.dst_region).ok_or_else(|| self.missing(Side::Decode, pair.dst, t.dst_region))?;
+                let template = WriteOp {
+                    src: s.region,
+                    src_offset: s.offset + t.src_offset,
+                    dst: d.region,
+                    dst_offset: d.offset + t.dst_offset,
+                    len: t.len,
+                    count: t.count,
+                    src_stride: t.src_stride,
+                    dst_stride: t.dst_stride,
+                };
+                ops.push(IndexedOp::new(template, Arc::clone(&pair.runs)));
             }
-            let attach = last && self.style == NotifyStyle::Attached && note.is_some();
+        }
+        let mut stats = SendStats::default();
+        let batches = IndexedOp::batches(ops, per_post, self.window.batch_bytes());
+        let n = batches.len();
+        for (i, batch) in batches.into_iter().enumerate() {
+            let batch_bytes: u64 = batch.iter().map(IndexedOp::bytes).sum();
+            let batch_writes = batch.iter().map(IndexedOp::write_ops).sum::<usize>() as u64;
+            stats.bytes += batch_bytes;
+            stats.ops += batch_writes;
+            let attach = i + 1 == n && self.style == NotifyStyle::Attached && note.is_some();
             if attach {
                 inflight.drain(deadline).await.map_err(err)?;
             } else {
-                inflight.make_room(batch_bytes, batch.len() as u64, self.window, deadline).await.map_err(err)?;
+                inflight.make_room(batch_bytes, batch_writes, self.window, deadline).await.map_err(err)?;
             }
-            let t = self.backend.post(rx.peer, &batch, if attach { note } else { None }).map_err(err)?;
-            inflight.push(t, batch_bytes, batch.len() as u64);
-            batch.clear();
-            batch_bytes = 0;
+            let t = self.backend.post_indexed(rx.peer, &batch, if attach { note } else { None }).map_err(err)?;
+            inflight.push(t, batch_bytes, batch_writes);
         }
         inflight.drain(deadline).await.map_err(err)?;
         let Some(note) = note else { return Ok(stats) };
@@ -838,40 +855,6 @@ impl SenderSession {
             if let Err(e) = r {
                 tracing::warn!(%request, rank = %self.rank, error = %e, "could not deliver failure notification");
             }
-        }
-    }
-}
-
-/// A pair's ops for a range of its layers, layer-major, then kind, then page run (as
-/// [`PairPlan::ops`] yields them for all layers). A named type rather than nested closures keeps the
-/// send futures `Send` for the engine's spawned tasks.
-struct LayerOps<'a> {
-    pair: &'a PairPlan,
-    layers: std::ops::Range<u32>,
-    slice: usize,
-    run: usize,
-}
-
-impl Iterator for LayerOps<'_> {
-    type Item = kvxfer_core::PlannedOp;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if self.layers.start >= self.layers.end || self.pair.slices.is_empty() || self.pair.runs.is_empty() {
-                return None;
-            }
-            if self.run >= self.pair.runs.len() {
-                self.run = 0;
-                self.slice += 1;
-            }
-            if self.slice >= self.pair.slices.len() {
-                self.slice = 0;
-                self.layers.start += 1;
-                continue;
-            }
-            let op = self.pair.op(self.layers.start, &self.pair.slices[self.slice], &self.pair.runs[self.run]);
-            self.run += 1;
-            return Some(op);
         }
     }
 }

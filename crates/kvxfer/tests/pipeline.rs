@@ -16,6 +16,7 @@ use kvxfer_core::{
 #[derive(Debug, Clone)]
 struct Post {
     ops: usize,
+    bytes: u64,
     notify: bool,
     /// Transfers of this peer not final when this one was posted.
     in_flight: usize,
@@ -71,6 +72,7 @@ impl KvTransferBackend for Scripted {
         let mut posts = self.0.posts.lock().unwrap();
         posts.push(Post {
             ops: ops.len(),
+            bytes: ops.iter().map(WriteOp::bytes).sum(),
             notify: notify.is_some(),
             in_flight: live.len(),
             in_flight_ops: live.iter().map(|(_, n)| n).sum(),
@@ -103,9 +105,14 @@ impl KvTransferBackend for Scripted {
 }
 
 fn topo() -> Topology {
+    topo_with(1)
+}
+
+/// One KV head of `head_dim` (pages of `2 * head_dim` bytes per kind).
+fn topo_with(head_dim: u32) -> Topology {
     let side = SideSpec {
         kv: KvSpec {
-            attention: Attention::Gqa { kv_heads: 1, head_dim_k: 1, head_dim_v: 1 },
+            attention: Attention::Gqa { kv_heads: 1, head_dim_k: head_dim, head_dim_v: head_dim },
             layers: 4,
             dtype_bytes: 2,
             page_size: 1,
@@ -139,7 +146,10 @@ fn chunk(pages: u32) -> Chunk {
 }
 
 async fn session(script: &Arc<Script>, window: Window, pages: u32) -> SenderSession {
-    let t = topo();
+    session_with(script, window, pages, topo()).await
+}
+
+async fn session_with(script: &Arc<Script>, window: Window, pages: u32, t: Topology) -> SenderSession {
     let backend: Arc<dyn KvTransferBackend> = Arc::new(Scripted(Arc::clone(script)));
     let s = SenderSession::new(backend, t, RankId::new(0, 0), pool(&t, Side::Prefill, pages), NotifyStyle::Attached)
         .unwrap()
@@ -178,6 +188,24 @@ async fn a_window_of_one_batch_posts_one_at_a_time() {
     let posts = script.posts.lock().unwrap().clone();
     assert!(posts.len() >= 4);
     assert!(posts.iter().all(|p| p.in_flight == 0), "{posts:?}");
+}
+
+/// Batches close at a quarter of the window's bytes too: 32 KiB pages per kind (one head of 16,384
+/// two-byte values, one token per page), a 4 MiB window: batches of 1 MiB (the floor), at least two
+/// in flight at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_close_at_a_quarter_of_the_window_in_bytes() {
+    let script = Arc::new(Script::default());
+    let window = Window { bytes: 4 << 20, ops: u64::MAX };
+    assert_eq!(window.batch_bytes(), kvxfer::session::MIN_BATCH_BYTES);
+    let pages = 64; // 4 layers x K/V x 64 pages x 32 KiB = 16 MiB
+    let s = session_with(&script, window, pages, topo_with(16 << 10)).await;
+    let stats = s.send_chunk(RequestId(4), &chunk(pages), Instant::now() + Duration::from_secs(30)).await.unwrap();
+    assert_eq!(stats.bytes, 16 << 20);
+    let posts = script.posts.lock().unwrap().clone();
+    assert_eq!(posts.len(), 16, "1 MiB per post: {posts:?}");
+    assert!(posts.iter().all(|p| p.bytes == 1 << 20 && p.ops == 32), "{posts:?}");
+    assert!(posts.iter().map(|p| p.in_flight).max().unwrap() >= 2, "batches never overlapped: {posts:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
