@@ -127,7 +127,8 @@ async fn spin<T>(poll: Duration, mut try_io: impl FnMut() -> io::Result<T>) -> O
 /// takes its turns): with two streams on the 2-core development machine every polling setting was
 /// slower, and with every rank of a cluster in one process on 2 cores (`kvxfer bench --through
 /// engine`) it doubled a one-page request's latency. So it is bounded: a stream polls only for
-/// `poll` (`poll_us`, default 200 us, 0 never polls) after its last byte.
+/// `poll` (`poll_us`, default 200 us, 0 never polls) after its last byte, and a receiver waiting
+/// for the next frame polls only while more of a batch is due (`recv::serve_frames`).
 pub(crate) async fn read_vectored_polling(
     r: &OwnedReadHalf,
     iov: &mut [IoSliceMut<'_>],

@@ -68,7 +68,8 @@ struct InLink {
 /// peer and 1 MiB frames, on the 2-core development machine (2026-12-03, 1 GiB shuffled, two
 /// rounds) one polling stream moved 3.1-3.3 / 5.4-6.0 / 6.3-6.4 / 6.5-6.6 GB/s at 4 KiB / 64 KiB
 /// / 1 MiB / 16 MiB blocks, against 2.5 / 4.6-5.0 / 4.7-5.1 / 4.3-4.5 for two sleeping streams.
-/// A stream polls only for this long after its last byte, so an idle endpoint burns no CPU.
+/// A stream polls only for this long after its last byte, so an idle endpoint burns no CPU; between
+/// frames a receiver polls only while more frames of a batch are due (see `serve_frames`).
 pub(crate) const DEFAULT_POLL: Duration = Duration::from_micros(200);
 
 /// Default of [`Shared::handshake_timeout`] (the `handshake_timeout_s` option): how long an incoming
@@ -670,11 +671,17 @@ async fn serve_frames(
     staged: &mut crate::staging::Receiving,
 ) -> Result<(), Ending> {
     let (t, poll) = (shared.timeout, shared.poll);
+    // Whether the last frame said more is on its way (a WRITE that is not its batch's last on this
+    // stream, or one whose NOTE follows): only then does the wait for the next header poll. After
+    // a batch's last frame, a NOTE or a DROP the stream sleeps on its socket at once, so an idle
+    // stream spins on no core that a request's next step needs.
+    let mut more = false;
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
         // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
         // socket. Once a header's first byte arrived, the rest must arrive within the deadline.
-        let got = match staged.read_header(shared, hello, r, w, &mut hb, poll).await? {
+        let wait = if more { poll } else { Duration::ZERO };
+        let got = match staged.read_header(shared, hello, r, w, &mut hb, wait).await? {
             Ok(0) => return Err(Ending::Lost("connection closed without BYE".into())),
             Ok(n) => n,
             Err(e) => return Err(Ending::Lost(format!("reading a frame header: {e}"))),
@@ -684,6 +691,7 @@ async fn serve_frames(
                 .await?;
         }
         let h = Header::decode(&hb)?;
+        more = h.ty == FrameType::Write && (h.flags & wire::FLAG_LAST == 0 || h.flags & wire::FLAG_NOTE_FOLLOWS != 0);
         // A frame read in one poll with the link's stop signal already set (the peer was cut off,
         // or another stream of its link failed) is neither placed nor delivered.
         if *stop.borrow() {
