@@ -190,23 +190,24 @@ impl IndexedOp {
     /// The write of one run, `None` when an offset overflows `u64`.
     pub fn write_of(&self, run: &crate::plan::PageRun) -> Option<WriteOp> {
         let t = &self.template;
-        let src_page = t.count.checked_mul(t.src_stride)?;
-        let dst_page = t.count.checked_mul(t.dst_stride)?;
-        let mut op = WriteOp {
-            src_offset: src_page.checked_mul(u64::from(run.src))?.checked_add(t.src_offset)?,
-            dst_offset: dst_page.checked_mul(u64::from(run.dst))?.checked_add(t.dst_offset)?,
-            count: t.count.checked_mul(u64::from(run.len))?,
+        let g = crate::plan::Strided {
+            src_offset: t.src_offset,
+            dst_offset: t.dst_offset,
+            len: t.len,
+            count: t.count,
+            src_stride: t.src_stride,
+            dst_stride: t.dst_stride,
+        }
+        .at_run(run)?;
+        Some(WriteOp {
+            src_offset: g.src_offset,
+            dst_offset: g.dst_offset,
+            len: g.len,
+            count: g.count,
+            src_stride: g.src_stride,
+            dst_stride: g.dst_stride,
             ..*t
-        };
-        if op.count > 1 && op.len == op.src_stride && op.len == op.dst_stride {
-            op.len = op.len.checked_mul(op.count)?;
-            op.count = 1;
-        }
-        if op.count == 1 {
-            op.src_stride = op.len;
-            op.dst_stride = op.len;
-        }
-        Some(op)
+        })
     }
 
     /// The [`WriteOp`]s it stands for, one per run, in order; an offset that overflows is

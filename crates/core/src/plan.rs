@@ -27,6 +27,45 @@ pub struct PageRun {
     pub len: u32,
 }
 
+/// The strided shape of a write (offsets, range length and count, strides), apart from which
+/// buffers it joins: what [`PairPlan::op`] and [`crate::IndexedOp::write_of`] share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Strided {
+    pub(crate) src_offset: u64,
+    pub(crate) dst_offset: u64,
+    pub(crate) len: u64,
+    pub(crate) count: u64,
+    pub(crate) src_stride: u64,
+    pub(crate) dst_stride: u64,
+}
+
+impl Strided {
+    /// A page template (the write of source page 0 to destination page 0, one page's ranges
+    /// unmerged) moved to run `r`: a page spans `count * stride` bytes on each side and a run of
+    /// `len` pages continues the same ranges; ranges that touch are merged into one, and a single
+    /// range's strides are its length. The one place this rule lives; `None` when an offset
+    /// overflows `u64`.
+    pub(crate) fn at_run(self, r: &PageRun) -> Option<Strided> {
+        let src_page = self.count.checked_mul(self.src_stride)?;
+        let dst_page = self.count.checked_mul(self.dst_stride)?;
+        let mut op = Strided {
+            src_offset: src_page.checked_mul(u64::from(r.src))?.checked_add(self.src_offset)?,
+            dst_offset: dst_page.checked_mul(u64::from(r.dst))?.checked_add(self.dst_offset)?,
+            count: self.count.checked_mul(u64::from(r.len))?,
+            ..self
+        };
+        if op.count > 1 && op.len == op.src_stride && op.len == op.dst_stride {
+            op.len = op.len.checked_mul(op.count)?;
+            op.count = 1;
+        }
+        if op.count == 1 {
+            op.src_stride = op.len;
+            op.dst_stride = op.len;
+        }
+        Some(op)
+    }
+}
+
 /// Coalesces a chunk's page lists into runs. Rejects lists of different length and destination
 /// pages that repeat (two source pages would land on one).
 pub fn page_runs(src: &[u32], dst: &[u32]) -> Result<Vec<PageRun>, PlanError> {
@@ -201,30 +240,32 @@ impl PairPlan {
 
     /// The op for source layer `l`, slice `s`, run `r`.
     pub fn op(&self, l: u32, s: &KindSlice, r: &PageRun) -> PlannedOp {
-        // The page template moved to the run's first pages: a page spans `count * stride` bytes on
-        // each side, and a run of `len` pages continues the same ranges.
         let t = self.page_template(l, s);
-        let mut op = PlannedOp {
-            src_offset: t.src_offset + u64::from(r.src) * t.count * t.src_stride,
-            dst_offset: t.dst_offset + u64::from(r.dst) * t.count * t.dst_stride,
-            count: t.count * u64::from(r.len),
+        let g = Strided {
+            src_offset: t.src_offset,
+            dst_offset: t.dst_offset,
+            len: t.len,
+            count: t.count,
+            src_stride: t.src_stride,
+            dst_stride: t.dst_stride,
+        }
+        .at_run(r)
+        .expect("a planned offset fits u64 (it would take a page of more than 4 GiB)");
+        PlannedOp {
+            src_offset: g.src_offset,
+            dst_offset: g.dst_offset,
+            len: g.len,
+            count: g.count,
+            src_stride: g.src_stride,
+            dst_stride: g.dst_stride,
             ..t
-        };
-        if op.count > 1 && op.len == op.src_stride && op.len == op.dst_stride {
-            op.len *= op.count;
-            op.count = 1;
         }
-        if op.count == 1 {
-            op.src_stride = op.len;
-            op.dst_stride = op.len;
-        }
-        op
     }
 
     /// The template of the indexed op for source layer `l` and slice `s`: the write of source page
     /// 0 to destination page 0, with the ranges of one page unmerged, so that a page spans
     /// `count * stride` bytes on each side (what [`crate::IndexedOp`] requires). [`Self::op`] is it
-    /// moved to a run (the one place the slice and page arithmetic lives).
+    /// moved to a run (the one place the slice and page arithmetic lives; the move is `Strided::at_run`, shared with [`crate::IndexedOp`]).
     pub fn page_template(&self, l: u32, s: &KindSlice) -> PlannedOp {
         let sz = u64::from(self.page_size);
         let hb = s.head_bytes;
