@@ -1694,11 +1694,16 @@ impl Inner {
         }
     }
 
-    /// Counts and logs the decode requests that became final since the last call.
+    /// Counts and logs the decode requests that became final since the last call. The lines are
+    /// written and the metrics and stats recorded under the book's lock (stats after it: the
+    /// stats lock is taken last everywhere), so that once any call returns (the
+    /// progress task's or [`Receiver::release`]'s), every request it found final has its final line
+    /// written, whichever of the two took it.
     fn count_outcomes(&self, book: &Mutex<DecodeBook>) {
         let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let outcomes = lock(book).take_outcomes(connect_error, connected, Instant::now());
+        let mut b = lock(book);
+        let outcomes = b.take_outcomes(connect_error, connected, Instant::now());
         let (mut done, mut failed) = (0, 0);
         for o in outcomes {
             let elapsed = o.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
@@ -1729,6 +1734,7 @@ impl Inner {
         let mut s = lock(&self.stats);
         s.succeeded += done;
         s.failed += failed;
+        drop((s, b));
     }
 
     // ---------------------------------------------------------------- decode side
