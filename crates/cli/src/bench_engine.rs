@@ -18,7 +18,10 @@
 //!   latency from the first handoff to the last decode rank's success (engine) or from the first
 //!   post to the last transfer's completion (raw), and the time each `Sender::send` call took
 //!   (post); every destination byte the plan names is compared with its source after a run into
-//!   a cleared pool, for each path;
+//!   a cleared pool, for each path (memcpy too); and, as the baseline of the same run, `memcpy`: every range
+//!   the plan names copied from the prefill pools into the decode pools by one thread of this
+//!   process, no transport (`memcpy_fragmented_vs_contiguous` is what the shuffled pool's memory
+//!   pattern alone costs; a backend's `fragmented_vs_contiguous` is read against it);
 //! - `register_ms_per_gib`: one `register` call of `--register-size` of touched host memory on a
 //!   fresh endpoint, per GiB.
 //!
@@ -131,13 +134,21 @@ pub struct EngineCase {
     pub fragmented_vs_contiguous: Option<f64>,
     /// The same ratio through the engine.
     pub engine_fragmented_vs_contiguous: Option<f64>,
+    /// memcpy of the same ranges (every range the plan names, prefill pools into decode pools,
+    /// one thread, no transport): the baseline of this run.
+    pub memcpy: PathTiming,
+    /// Raw median GB/s / memcpy median GB/s.
+    pub raw_vs_memcpy: f64,
+    /// memcpy median GB/s of the fragmented request / of the contiguous one (`None` without
+    /// `--fragmented`): what the shuffled pool's memory pattern costs without a transport.
+    pub memcpy_fragmented_vs_contiguous: Option<f64>,
     /// From the run's small requests (repeated on every case for scripts).
     pub small_request_overhead_us: f64,
     /// From the run's registration (repeated on every case).
     pub register_ms_per_gib: f64,
     /// From the run's first request (repeated on every case).
     pub first_vs_steady: f64,
-    /// Every byte the plan names landed, through each path.
+    /// Every byte the plan names landed, through each path (engine, raw, memcpy).
     pub verified: bool,
 }
 
@@ -484,10 +495,53 @@ fn flip_first_landed_byte(c: &Cluster, plan: &ChunkPlan) -> Result<(), String> {
     Ok(())
 }
 
+/// memcpy of every range `plan` names, from the prefill pools into the decode pools, in this
+/// thread: the request's bytes in its memory pattern without a transport. The guards (one per
+/// pool buffer) are taken before the clock starts.
+fn memcpy_request(c: &Cluster, plan: &ChunkPlan) -> Result<Duration, String> {
+    let desc = |agents: &[Agent], tp: u32, b: kvxfer_core::BufferRef| {
+        agents[tp as usize]
+            .host_memory()
+            .iter()
+            .find(|m| m.buffer == b)
+            .map(|m| m.desc().clone())
+            .ok_or_else(|| format!("no pool buffer for {b:?} on rank {tp}"))
+    };
+    let mut srcs = HashMap::new();
+    let mut dsts = HashMap::new();
+    for pair in plan.pairs.iter().filter(|p| p.writes()) {
+        for op in pair.ops() {
+            if let std::collections::hash_map::Entry::Vacant(e) = srcs.entry((pair.src.tp, op.src_region)) {
+                let d = desc(&c.prefill, pair.src.tp, op.src_region)?;
+                e.insert(d.read_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) = dsts.entry((pair.dst.tp, op.dst_region)) {
+                let d = desc(&c.decode, pair.dst.tp, op.dst_region)?;
+                e.insert(d.write_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+            }
+        }
+    }
+    let t0 = Instant::now();
+    for pair in plan.pairs.iter().filter(|p| p.writes()) {
+        for op in pair.ops() {
+            let sb = srcs[&(pair.src.tp, op.src_region)].as_slice();
+            let db = dsts.get_mut(&(pair.dst.tp, op.dst_region)).expect("a guard per buffer").as_mut_slice();
+            let len = op.len as usize;
+            for i in 0..op.count {
+                let (so, d) =
+                    ((op.src_offset + i * op.src_stride) as usize, (op.dst_offset + i * op.dst_stride) as usize);
+                db[d..d + len].copy_from_slice(&sb[so..so + len]);
+            }
+        }
+    }
+    Ok(t0.elapsed())
+}
+
 struct Measured {
     engine: Vec<Duration>,
     post: Vec<Duration>,
     raw: Vec<Duration>,
+    memcpy: Vec<Duration>,
     verified: bool,
     /// Indexed ops handed to the backend per pair (the most of any pair).
     ops_per_pair: u64,
@@ -505,7 +559,14 @@ async fn measure_case(
     let ops = pair_ops(&plan, per_post(raw));
     let src: Arc<[u32]> = src.into();
     let ops_per_pair = ops.iter().map(|(_, _, b)| b.iter().map(Vec::len).sum::<usize>() as u64).max().unwrap_or(0);
-    let mut m = Measured { engine: Vec::new(), post: Vec::new(), raw: Vec::new(), verified: true, ops_per_pair };
+    let mut m = Measured {
+        engine: Vec::new(),
+        post: Vec::new(),
+        raw: Vec::new(),
+        memcpy: Vec::new(),
+        verified: true,
+        ops_per_pair,
+    };
     // Verification runs into cleared pools first (they double as warm-ups), then the timed runs.
     clear_destinations(c)?;
     engine_request(c, &src, dst).await?;
@@ -516,11 +577,15 @@ async fn measure_case(
     clear_destinations(c)?;
     raw_request(raw, &ops).await?;
     m.verified &= verify(c, &plan)?;
+    clear_destinations(c)?;
+    memcpy_request(c, &plan)?;
+    m.verified &= verify(c, &plan)?;
     for _ in 0..a.runs {
         let (l, p) = engine_request(c, &src, dst).await?;
         m.engine.push(l);
         m.post.push(p);
         m.raw.push(raw_request(raw, &ops).await?);
+        m.memcpy.push(memcpy_request(c, &plan)?);
     }
     Ok((m, plan))
 }
@@ -626,23 +691,28 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
             raw_latency: small_raw,
             engine_added_us: small_lat.p50_us - small_raw.p50_us,
         };
-        // (name, bytes, plan, engine, raw, verified, ops per pair) per case.
+        // (name, bytes, plan, engine, raw, verified, ops per pair, memcpy) per case.
         let timed: Vec<_> = cases
             .iter()
             .map(|(name, (m, plan))| {
                 let bytes: u64 = plan.pairs.iter().map(|p| p.bytes()).sum();
                 let engine = PathTiming::of(bytes, &m.engine, Some(&m.post));
-                (*name, bytes, plan, engine, PathTiming::of(bytes, &m.raw, None), m.verified, m.ops_per_pair)
+                let memcpy = PathTiming::of(bytes, &m.memcpy, None);
+                (*name, bytes, plan, engine, PathTiming::of(bytes, &m.raw, None), m.verified, m.ops_per_pair, memcpy)
             })
             .collect();
-        let (frag_raw, frag_engine) = match timed.as_slice() {
-            [c, f] => (Some(f.4.median_gbps / c.4.median_gbps), Some(f.3.median_gbps / c.3.median_gbps)),
-            _ => (None, None),
+        let (frag_raw, frag_engine, frag_memcpy) = match timed.as_slice() {
+            [c, f] => (
+                Some(f.4.median_gbps / c.4.median_gbps),
+                Some(f.3.median_gbps / c.3.median_gbps),
+                Some(f.7.median_gbps / c.7.median_gbps),
+            ),
+            _ => (None, None, None),
         };
         let layout = w.layout_name();
         let cases = timed
             .into_iter()
-            .map(|(name, bytes, plan, engine, raw, verified, ops_per_pair)| EngineCase {
+            .map(|(name, bytes, plan, engine, raw, verified, ops_per_pair, memcpy)| EngineCase {
                 name: format!(
                     "{name}: {} {layout} P{}->D{} {} tokens",
                     preset.name(),
@@ -658,8 +728,11 @@ fn bench(a: &BenchArgs) -> Result<EngineReport, String> {
                 bytes_per_write: bytes / plan.op_count().max(1),
                 runs: a.runs,
                 engine_vs_raw: engine.median_gbps / raw.median_gbps,
+                raw_vs_memcpy: raw.median_gbps / memcpy.median_gbps,
                 engine,
                 raw,
+                memcpy,
+                memcpy_fragmented_vs_contiguous: frag_memcpy,
                 fragmented_vs_contiguous: frag_raw,
                 engine_fragmented_vs_contiguous: frag_engine,
                 small_request_overhead_us: small.overhead_us,
@@ -695,7 +768,7 @@ fn print_table(r: &EngineReport) {
     );
     for c in &r.cases {
         let label = c.name.split(':').next().unwrap_or("");
-        for (path, t) in [("engine", &c.engine), ("raw", &c.raw)] {
+        for (path, t) in [("engine", &c.engine), ("raw", &c.raw), ("memcpy", &c.memcpy)] {
             let (ap, pp) = t
                 .post
                 .map_or(("-".to_owned(), "-".to_owned()), |p| (format!("{:.1}", p.avg_us), format!("{:.1}", p.p99_us)));
@@ -717,19 +790,22 @@ fn print_table(r: &EngineReport) {
     }
     for c in &r.cases {
         println!(
-            "  {}: {} in {} pairs, {} ops per pair ({} page-run writes); engine / raw = {:.2}; verified: {}",
+            "  {}: {} in {} pairs, {} ops per pair ({} page-run writes); engine / raw = {:.2}; raw / memcpy = {:.2}; verified: {}",
             c.name.split(':').next().unwrap_or(""),
             crate::bench::human(c.bytes),
             c.pairs,
             c.ops_per_pair,
             c.writes_per_pair,
             c.engine_vs_raw,
+            c.raw_vs_memcpy,
             if c.verified { "every byte" } else { "FAILED" }
         );
     }
     if let Some(c) = r.cases.first() {
-        if let (Some(raw), Some(engine)) = (c.fragmented_vs_contiguous, c.engine_fragmented_vs_contiguous) {
-            println!("  fragmented / contiguous: raw {raw:.2}, engine {engine:.2}");
+        if let (Some(raw), Some(engine), Some(memcpy)) =
+            (c.fragmented_vs_contiguous, c.engine_fragmented_vs_contiguous, c.memcpy_fragmented_vs_contiguous)
+        {
+            println!("  fragmented / contiguous: raw {raw:.2}, engine {engine:.2}, memcpy {memcpy:.2}");
         }
     }
     println!(

@@ -38,9 +38,9 @@ fn bench_reports_every_baseline_and_verifies() {
     }
 }
 
-/// `--through engine`: requests through the engine API beside the same bytes moved raw, the
-/// fields issue 31's goals are read from present and numbers, and every byte verified on both
-/// paths, contiguous and fragmented.
+/// `--through engine`: requests through the engine API beside the same bytes moved raw and by
+/// memcpy, the fields issue 31's goals are read from present and numbers, and every byte verified
+/// on every path, contiguous and fragmented.
 #[test]
 fn bench_through_engine_reports_the_engine_view() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvxfer"))
@@ -69,13 +69,15 @@ fn bench_through_engine_reports_the_engine_view() {
             "bytes_per_write",
             "fragmented_vs_contiguous",
             "engine_vs_raw",
+            "raw_vs_memcpy",
+            "memcpy_fragmented_vs_contiguous",
             "small_request_overhead_us",
             "register_ms_per_gib",
             "first_vs_steady",
         ] {
             assert!(c[k].as_f64().is_some_and(f64::is_finite), "{k} is not a number: {c}");
         }
-        for path in ["engine", "raw"] {
+        for path in ["engine", "raw", "memcpy"] {
             let g = c[path]["median_gbps"].as_f64().unwrap_or(0.0);
             assert!(g > 0.0 && g.is_finite(), "{path}: {c}");
             let l = &c[path]["latency"];
