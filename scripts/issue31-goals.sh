@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 31's goals, every figure from one run (docs/testing.md, "Issue 31's goals"). Not run by CI:
-# about 20 minutes on the 2-core development machine, and it needs the machine to itself (the
+# about 15 minutes on the 2-core development machine, and it needs the machine to itself (the
 # registration figure touches 16 GiB, the 32K-token requests hold 8 GiB of pools; timings taken
 # beside other work say little).
 #
