@@ -234,11 +234,7 @@ impl LocalBackend {
         order: kvxfer_core::GpuOrder,
     ) -> Result<Transfer, BackendError> {
         // The send's GPU order, captured now: no source byte is read before it completed.
-        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
-            backend: NAME,
-            context: "the send's GPU order".into(),
-            detail: e.to_string(),
-        })?;
+        let gate = kvxfer_cuda::order::send_gate(NAME, order)?;
         let (p, other) = self.peer(peer)?;
         let note_len = match notify {
             Some(n) => n.encode().map_err(|source| BackendError::Codec { backend: NAME, source })?.len(),

@@ -406,11 +406,7 @@ impl TcpBackend {
         order: kvxfer_core::GpuOrder,
     ) -> Result<Transfer, BackendError> {
         // The send's GPU order, captured now: no source byte is read before it completed.
-        let gate = kvxfer_cuda::order::gate(order).map_err(|e| BackendError::Io {
-            backend: NAME,
-            context: "the send's GPU order".into(),
-            detail: e.to_string(),
-        })?;
+        let gate = kvxfer_cuda::order::send_gate(NAME, order)?;
         let link = self.peers.get(peer)?;
         link.state.check()?;
         let note = notify

@@ -23,6 +23,16 @@ fn helper(device: u32) -> Result<Arc<Stream>, CudaError> {
     Ok(s)
 }
 
+/// [`gate`] for a host backend's send (tcp, local): a CUDA failure becomes
+/// [`kvxfer_core::BackendError::Io`] of `backend`, naming the send's GPU order.
+pub fn send_gate(backend: &'static str, order: GpuOrder) -> Result<Option<Arc<Event>>, kvxfer_core::BackendError> {
+    gate(order).map_err(|e| kvxfer_core::BackendError::Io {
+        backend,
+        context: "the send's GPU order".into(),
+        detail: e.to_string(),
+    })
+}
+
 /// The event a send waits for: `None` for [`GpuOrder::Ready`]; else an event of ours that completes
 /// when the work `order` names completed, recorded now (so the engine may reuse its event or stream
 /// at once).
