@@ -9,9 +9,10 @@
 //!
 //! The rules of a request's life are not here: they are the core's two sans-IO request books,
 //! [`kvxfer_core::prefill::PrefillBook`] (SEMANTICS §7) and [`kvxfer_core::decode::DecodeBook`]
-//! with its completion tracker (§5-§6). An agent holds its role's book behind one lock (a prefill
-//! agent also its sender session; neither holds the other role's), feeds it the engine's calls and
-//! the backend's events, and carries out what it returns.
+//! with its completion tracker (§5-§6). An agent holds its role's book and its peers behind its one
+//! lock (a prefill agent also its sender session; neither holds the other role's), counts in
+//! atomics, feeds the book the engine's calls and the backend's events, and carries out what it
+//! returns after releasing the lock.
 //!
 //! # Mapping onto the engines
 //!
@@ -86,7 +87,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -490,15 +491,12 @@ struct Inner {
     /// What only this rank's role holds: the prefill side's session and request book, or the
     /// decode side's request book.
     half: Half,
-    /// The peer ranks this rank exchanges with, by rank.
-    peers: Mutex<BTreeMap<RankId, Peer>>,
     connected: AtomicBool,
     /// Why the initial connect failed (set once; every request fails with it).
     connect_error: std::sync::OnceLock<String>,
     epoch: u64,
-    stats: Mutex<AgentStats>,
-    /// Peers whose cut-off could not be confirmed, with why (see the module docs).
-    quarantine: Mutex<BTreeMap<RankId, String>>,
+    /// The agent's own counters (the book's and the tracker's are read from them).
+    stats: Counters,
     /// Latency, bytes and failure causes, recorded as requests end (see [`crate::metrics`]).
     recorder: Recorder,
     /// Pages of this rank's pool (a handoff's pages are checked against it).
@@ -517,18 +515,97 @@ struct Inner {
 /// What only one role's agent holds, typed: a prefill agent drives a [`SenderSession`] and a
 /// [`PrefillBook`], a decode agent a [`DecodeBook`]; neither holds the other's. The request handles
 /// ([`Sender`], [`Receiver`]) keep their own half, so no call reaches for the other role's.
+///
+/// The half's [`State`] mutex is the agent's one lock: the book and the peers sit behind it
+/// together, the counters are atomics, and nothing else in the driver holds request or peer state.
+/// It is never held across an await, and nothing that locks it is called while it is held (the
+/// book's actions are carried out after it is released, see [`Inner::book`]).
 enum Half {
     Prefill(Arc<PrefillHalf>),
-    /// The decode side's requests, with the completion tracker (every rule of their life).
-    Decode(Arc<Mutex<DecodeBook>>),
+    /// The decode side's requests, with the completion tracker (every rule of their life), and
+    /// the peers.
+    Decode(Arc<Mutex<State<DecodeBook>>>),
 }
 
 /// A prefill agent's own half.
 struct PrefillHalf {
     /// Posts this rank's writes and notifications to its decode ranks.
     session: SenderSession,
-    /// The requests (every rule of their life: [`PrefillBook`]).
-    book: Mutex<PrefillBook<SendIo>>,
+    /// The requests (every rule of their life: [`PrefillBook`]) and the peers.
+    state: Mutex<State<PrefillBook<SendIo>>>,
+}
+
+/// What sits behind an agent's one lock: its role's request book and what it knows of its peers.
+struct State<B> {
+    book: B,
+    peers: Peers,
+}
+
+impl<B> State<B> {
+    fn new(book: B, peers: Peers) -> Mutex<Self> {
+        Mutex::new(State { book, peers })
+    }
+}
+
+/// What an agent knows of the peer ranks it exchanges with.
+#[derive(Debug, Default)]
+struct Peers {
+    /// By rank: every rank of the other role this rank exchanges with, connected or not.
+    by_rank: BTreeMap<RankId, Peer>,
+    /// Peers whose cut-off could not be confirmed, with why (see the module docs).
+    quarantine: BTreeMap<RankId, String>,
+}
+
+impl Peers {
+    /// The ranks connected now (not lost).
+    fn connected(&self) -> BTreeSet<RankId> {
+        self.by_rank.iter().filter(|(_, p)| p.id.is_some() && p.lost.is_none()).map(|(r, _)| *r).collect()
+    }
+}
+
+/// Declares [`Counters`]: one atomic per named field of [`AgentStats`], and the snapshot of them
+/// as an `AgentStats` (the tracker's left at zero; the struct literal names every other field, so a
+/// counter added to `AgentStats` and not here does not compile).
+macro_rules! counters {
+    ($($field:ident),* $(,)?) => {
+        /// An agent's own counters, each an atomic: any task counts without a lock.
+        #[derive(Debug, Default)]
+        struct Counters {
+            $($field: AtomicU64,)*
+        }
+
+        impl Counters {
+            fn snapshot(&self) -> AgentStats {
+                AgentStats { $($field: self.$field.load(Ordering::Relaxed),)* tracker: Default::default() }
+            }
+        }
+    };
+}
+
+counters!(
+    succeeded,
+    failed,
+    aborted,
+    early_handoffs_kept,
+    early_handoffs_expired,
+    aborts_received,
+    fences,
+    fence_reasks,
+    warm_ups,
+    warm_up_failures,
+    peers_lost,
+    cut_offs,
+    cut_off_max_us,
+    quarantined,
+    stale_refused,
+    protocol_errors,
+    digest_bytes,
+    digest_mismatches,
+);
+
+/// Adds `n` to a counter.
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
 }
 
 /// One rank's transfer agent. Create with [`Agent::start`] inside a tokio runtime (multi-threaded);
@@ -693,45 +770,50 @@ impl Agent {
             })?;
         let (watch, _) = MemberWatch::start(Arc::clone(&store)).await.map_err(|e| store_failed(&e))?;
         let epoch = membership.epoch();
-        let peers: BTreeMap<RankId, Peer> = match role {
+        let by_rank: BTreeMap<RankId, Peer> = match role {
             Side::Prefill => topo.receivers(rank),
             Side::Decode => topo.senders(rank),
         }
         .into_iter()
         .map(|r| (r, Peer { id: None, epoch: 0, lost: None }))
         .collect();
+        let peers = Peers { by_rank, quarantine: BTreeMap::new() };
         let half = match session {
             Some(session) => Half::Prefill(Arc::new(PrefillHalf {
                 session,
-                book: Mutex::new(PrefillBook::new(BookConfig {
-                    rank,
-                    receivers: topo.receivers(rank),
-                    stage_layers: topo.stage_layers(role, rank.pp),
-                    request_timeout: cfg.request_timeout,
-                    early_max: cfg.early_max,
-                    early_ttl: cfg.early_ttl,
-                })),
+                state: State::new(
+                    PrefillBook::new(BookConfig {
+                        rank,
+                        receivers: topo.receivers(rank),
+                        stage_layers: topo.stage_layers(role, rank.pp),
+                        request_timeout: cfg.request_timeout,
+                        early_max: cfg.early_max,
+                        early_ttl: cfg.early_ttl,
+                    }),
+                    peers,
+                ),
             })),
-            None => Half::Decode(Arc::new(Mutex::new(DecodeBook::new(DecodeConfig {
-                rank,
-                senders: topo.expected_senders(rank),
-                epoch,
-                request_timeout: cfg.request_timeout,
-                digest: cfg.digest,
-                tracker: cfg.tracker,
-            })))),
+            None => Half::Decode(Arc::new(State::new(
+                DecodeBook::new(DecodeConfig {
+                    rank,
+                    senders: topo.expected_senders(rank),
+                    epoch,
+                    request_timeout: cfg.request_timeout,
+                    digest: cfg.digest,
+                    tracker: cfg.tracker,
+                }),
+                peers,
+            ))),
         };
         let inner = Arc::new(Inner {
             topo,
             backend,
             half,
-            peers: Mutex::new(peers),
             connected: AtomicBool::new(false),
             connect_error: std::sync::OnceLock::new(),
             pool_pages,
             epoch,
-            stats: Mutex::new(AgentStats::default()),
-            quarantine: Mutex::new(BTreeMap::new()),
+            stats: Counters::default(),
             recorder: Recorder::new(),
             page_bytes,
             registered_bytes,
@@ -810,11 +892,15 @@ impl Agent {
     /// A decode-side request for `room` (SGLang's `KVReceiver`). It is `Bootstrapping` until the
     /// prefill ranks are connected, then `WaitingForInput` until [`Receiver::send_metadata`].
     pub fn receiver(&self, room: RequestId) -> Result<Receiver, EngineError> {
-        let Half::Decode(book) = &self.inner.half else {
+        let Half::Decode(state) = &self.inner.half else {
             return Err(self.inner.wrong_role(Side::Decode, "receiver"));
         };
-        lock(book).create(room).map_err(|_| EngineError::RoomInUse { role: Side::Decode, rank: self.rank(), room })?;
-        Ok(Receiver { inner: Arc::clone(&self.inner), book: Arc::clone(book), room })
+        lock(state).book.create(room).map_err(|_| EngineError::RoomInUse {
+            role: Side::Decode,
+            rank: self.rank(),
+            room,
+        })?;
+        Ok(Receiver { inner: Arc::clone(&self.inner), state: Arc::clone(state), room })
     }
 
     /// A prefill-side request for `room` (SGLang's `KVSender`). It is `Bootstrapping` until every
@@ -840,14 +926,14 @@ impl Agent {
     /// are quarantined: their requests stay `Aborting` and must never be reused (restart the
     /// process to reclaim the memory). Empty in a healthy cluster.
     pub fn quarantined(&self) -> Vec<(RankId, String)> {
-        lock(&self.inner.quarantine).iter().map(|(r, w)| (*r, w.clone())).collect()
+        self.inner.peers(|p| p.quarantine.iter().map(|(r, w)| (*r, w.clone())).collect())
     }
 
     /// Requests active on this rank (created and not released).
     pub fn active_requests(&self) -> usize {
         match &self.inner.half {
-            Half::Prefill(p) => lock(&p.book).len(),
-            Half::Decode(d) => lock(d).len(),
+            Half::Prefill(p) => lock(&p.state).book.len(),
+            Half::Decode(d) => lock(d).book.len(),
         }
     }
 
@@ -868,12 +954,12 @@ impl Agent {
                 self.inner.book(p, |b| b.abort_open("the prefill rank shut down", FailCause::Shutdown));
                 // Let the aborts and fences go out (bounded).
                 let until = Instant::now() + Duration::from_millis(500);
-                while Instant::now() < until && lock(&p.book).settling() {
+                while Instant::now() < until && lock(&p.state).book.settling() {
                     tokio::time::sleep(TICK).await;
                 }
             }
             Half::Decode(d) => {
-                let rooms: Vec<RequestId> = lock(d).rooms();
+                let rooms: Vec<RequestId> = lock(d).book.rooms();
                 for room in rooms {
                     self.inner.receiver_abort(d, room, "the decode rank shut down".into());
                 }
@@ -941,25 +1027,23 @@ impl Drop for Agent {
 impl crate::metrics::Source for Inner {
     fn snapshot(&self) -> Snapshot {
         let stats = self.stats_now();
-        let (peers, peers_connected) = {
-            let p = lock(&self.peers);
-            (p.len() as u64, p.values().filter(|p| p.id.is_some() && p.lost.is_none()).count() as u64)
-        };
-        let (active_requests, in_flight, early_queued) = match &self.half {
+        let peers = |p: &Peers| (p.by_rank.len() as u64, p.connected().len() as u64, p.quarantine.len() as u64);
+        let ((peers, peers_connected, quarantined_peers), active_requests, in_flight, early_queued) = match &self.half {
             Half::Prefill(p) => {
-                let b = lock(&p.book);
-                (b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
+                let st = lock(&p.state);
+                let b = &st.book;
+                (peers(&st.peers), b.len() as u64, b.in_flight() as u64, b.early_len() as u64)
             }
             Half::Decode(d) => {
-                let d = lock(d);
-                (d.len() as u64, d.in_flight() as u64, 0)
+                let st = lock(d);
+                (peers(&st.peers), st.book.len() as u64, st.book.in_flight() as u64, 0)
             }
         };
         Snapshot {
             stats,
             peers,
             peers_connected,
-            quarantined_peers: lock(&self.quarantine).len() as u64,
+            quarantined_peers,
             active_requests,
             in_flight,
             early_queued,
@@ -978,8 +1062,8 @@ impl fmt::Debug for Inner {
 #[derive(Clone)]
 pub struct Receiver {
     inner: Arc<Inner>,
-    /// The agent's decode book.
-    book: Arc<Mutex<DecodeBook>>,
+    /// The agent's decode half (its book and peers).
+    state: Arc<Mutex<State<DecodeBook>>>,
     room: RequestId,
 }
 
@@ -1003,7 +1087,7 @@ impl Receiver {
 
     /// The generation of this use of the room, once handed off.
     pub fn generation(&self) -> Option<u64> {
-        lock(&self.book).generation(self.room)
+        lock(&self.state).book.generation(self.room)
     }
 
     /// The trace id of this use of the room ([`TraceId`]), once handed off: the id this rank and
@@ -1034,12 +1118,13 @@ impl Receiver {
         }
         check_pages(Side::Decode, inner.cfg.rank, pages, inner.pool_pages).map_err(|e| invalid(e.to_string()))?;
         let bytes = pages.len() as u64 * inner.page_bytes;
-        let generation = lock(&self.book)
+        let generation = lock(&self.state)
+            .book
             .hand_off(self.room, pages, aux_slot.is_some(), bytes, Instant::now())
             .map_err(|e| match e {
-                CallError::Unknown => invalid("the request was released; create a new receiver".into()),
-                e => invalid(e.to_string()),
-            })?;
+            CallError::Unknown => invalid("the request was released; create a new receiver".into()),
+            e => invalid(e.to_string()),
+        })?;
         let note = Notification::new(
             self.room,
             own_key(Side::Decode, inner.cfg.rank),
@@ -1059,7 +1144,7 @@ impl Receiver {
 
     /// The request's status now; never blocks.
     pub fn status(&self) -> RequestStatus {
-        self.inner.receiver_status(&self.book, self.room)
+        self.inner.receiver_status(&self.state, self.room)
     }
 
     /// Waits until the request is final (`Success` or `Failed`), at most until `deadline`.
@@ -1071,14 +1156,14 @@ impl Receiver {
     /// fence; the request is `Aborting` until each confirmed (or is known dead), then `Failed` with
     /// [`RequestStatus::pages_reusable`]. Aborting a final request changes nothing.
     pub fn abort(&self, reason: &str) {
-        if self.inner.receiver_abort(&self.book, self.room, reason.to_owned()) {
-            lock(&self.inner.stats).aborted += 1;
+        if self.inner.receiver_abort(&self.state, self.room, reason.to_owned()) {
+            add(&self.inner.stats.aborted, 1);
         }
     }
 
     /// The aux payload, once received.
     pub fn aux(&self) -> Option<Vec<u8>> {
-        lock(&self.book).aux(self.room)
+        lock(&self.state).book.aux(self.room)
     }
 
     /// Frees every trace of the request (tracker entry, generation). Refused while writes of it may
@@ -1088,10 +1173,10 @@ impl Receiver {
         let inner = &self.inner;
         // Counted before it goes (the progress task counts final requests on its next tick, which
         // a request released at once would miss).
-        inner.count_outcomes(&self.book);
+        inner.count_outcomes(&self.state);
         let connect_error = inner.connect_error.get().map(String::as_str);
         let connected = inner.connected.load(Ordering::Acquire);
-        let r = lock(&self.book).release(self.room, connect_error, connected, Instant::now());
+        let r = lock(&self.state).book.release(self.room, connect_error, connected, Instant::now());
         let s = r.map_err(|e| EngineError::InvalidCall {
             role: Side::Decode,
             rank: inner.cfg.rank,
@@ -1120,14 +1205,14 @@ impl Sender {
     /// The trace ids of the transfers this request makes, one per decode rank that handed off so
     /// far ([`TraceId`]; each decode rank chooses its own generation).
     pub fn trace_ids(&self) -> Vec<(RankId, TraceId)> {
-        let handoffs = lock(&self.half.book).handoffs(self.room);
+        let handoffs = lock(&self.half.state).book.handoffs(self.room);
         handoffs.into_iter().map(|(d, g)| (d, TraceId::of(self.room, g))).collect()
     }
 
     /// Sets the request's total page count (SGLang's `init(num_kv_indices)`): the chunk whose pages
     /// reach it is the last. Every decode rank's page list must have this many pages.
     pub fn init(&self, total_pages: u32) -> Result<(), EngineError> {
-        let r = lock(&self.half.book).init(self.room, total_pages);
+        let r = lock(&self.half.state).book.init(self.room, total_pages);
         r.map_err(|e| self.inner.call_error(self.room, e))
     }
 
@@ -1202,14 +1287,14 @@ impl Sender {
     /// settled, then `Failed`.
     pub fn abort(&self, reason: &str) {
         if self.inner.book(&self.half, |b| b.abort(self.room, reason.to_owned(), FailCause::Aborted)) {
-            lock(&self.inner.stats).aborted += 1;
+            add(&self.inner.stats.aborted, 1);
         }
     }
 
     /// Frees the request. Refused while transfers of it are in flight (abort and wait first).
     pub fn release(self) -> Result<RequestStatus, EngineError> {
         let connected = self.inner.connected.load(Ordering::Acquire);
-        let r = lock(&self.half.book).release(self.room, connected);
+        let r = lock(&self.half.state).book.release(self.room, connected);
         let (s, io) = r.map_err(|e| self.inner.call_error(self.room, e))?;
         drop(io);
         Ok(RequestStatus::of(s.phase, s.reason, s.pages_reusable))
@@ -1230,16 +1315,25 @@ impl Inner {
         self.topo.stage_layers(self.cfg.role, self.cfg.rank.pp)
     }
 
+    /// Runs `f` on the peers, under the agent's lock.
+    fn peers<R>(&self, f: impl FnOnce(&mut Peers) -> R) -> R {
+        match &self.half {
+            Half::Prefill(p) => f(&mut lock(&p.state).peers),
+            Half::Decode(d) => f(&mut lock(d).peers),
+        }
+    }
+
     fn missing_peers(&self) -> String {
-        let peers = lock(&self.peers);
-        let v: Vec<String> = peers
-            .iter()
-            .filter(|(_, p)| p.id.is_none() || p.lost.is_some())
-            .map(|(r, p)| match &p.lost {
-                Some(why) => format!("{} rank {r} (lost: {why})", self.other()),
-                None => format!("{} rank {r}", self.other()),
-            })
-            .collect();
+        let v: Vec<String> = self.peers(|p| {
+            p.by_rank
+                .iter()
+                .filter(|(_, p)| p.id.is_none() || p.lost.is_some())
+                .map(|(r, p)| match &p.lost {
+                    Some(why) => format!("{} rank {r} (lost: {why})", self.other()),
+                    None => format!("{} rank {r}", self.other()),
+                })
+                .collect()
+        });
         v.join(", ")
     }
 
@@ -1251,7 +1345,7 @@ impl Inner {
     }
 
     fn peer_id(&self, r: RankId) -> Option<PeerId> {
-        lock(&self.peers).get(&r).filter(|p| p.lost.is_none()).and_then(|p| p.id)
+        self.peers(|p| p.by_rank.get(&r).filter(|p| p.lost.is_none()).and_then(|p| p.id))
     }
 
     // ---------------------------------------------------------------- connect and membership
@@ -1264,7 +1358,7 @@ impl Inner {
     ) {
         let other = self.other();
         // Only the ranks this one exchanges with: one that feeds nobody may finish and leave first.
-        let need: Vec<RankId> = lock(&self.peers).keys().copied().collect();
+        let need: Vec<RankId> = self.peers(|p| p.by_rank.keys().copied().collect());
         let r = tokio::select! {
             r = crate::metadata::handshake_among(&*store, &me, other, &need, self.cfg.connect_timeout) => r,
             _ = self.stop.cancelled() => return,
@@ -1298,7 +1392,7 @@ impl Inner {
     }
 
     fn update_connected(&self) {
-        let all = lock(&self.peers).values().all(|p| p.id.is_some() && p.lost.is_none());
+        let all = self.peers(|p| p.by_rank.values().all(|p| p.id.is_some() && p.lost.is_none()));
         self.connected.store(all, Ordering::Release);
         self.wake.notify_waiters();
     }
@@ -1306,7 +1400,7 @@ impl Inner {
     /// Connects to one peer rank (if this rank exchanges with it), replacing an older epoch's
     /// connection.
     async fn connect_peer(self: &Arc<Self>, reg: &RankRegistration, epoch: u64) -> Result<(), String> {
-        if reg.role != self.other() || !lock(&self.peers).contains_key(&reg.rank) {
+        if reg.role != self.other() || !self.peers(|p| p.by_rank.contains_key(&reg.rank)) {
             return Ok(());
         }
         // The layout check refused ranks that share no protocol version; the features follow from
@@ -1328,7 +1422,7 @@ impl Inner {
             target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank, protocol = negotiated.version,
             "negotiated kvxfer protocol with {} rank {}", reg.role, reg.rank
         );
-        let replaced = match lock(&self.peers).get(&reg.rank) {
+        let replaced = match self.peers(|p| p.by_rank.get(&reg.rank).cloned()) {
             Some(p) if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() => return Ok(()),
             Some(p) => p.id.is_some() && p.lost.is_none() && p.epoch < epoch,
             None => false,
@@ -1353,12 +1447,12 @@ impl Inner {
                     self.backend.connect(&reg.endpoint).await.map_err(|e| {
                         format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
                     })?;
-                lock(d).sender_back(SenderKey::of(reg.rank));
+                lock(d).book.sender_back(SenderKey::of(reg.rank));
                 Some(id)
             }
         };
         // The old instance (if any) was given up on and is being cut off by `peer_lost`.
-        lock(&self.peers).insert(reg.rank, Peer { id, epoch, lost: None });
+        self.peers(|p| p.by_rank.insert(reg.rank, Peer { id, epoch, lost: None }));
         Ok(())
     }
 
@@ -1370,14 +1464,14 @@ impl Inner {
         let t0 = Instant::now();
         match s.warm_up(reg.rank, w.region, w.len, WARM_UP_ROUNDS, deadline).await {
             Ok(st) => {
-                lock(&self.stats).warm_ups += 1;
+                add(&self.stats.warm_ups, 1);
                 tracing::debug!(
                     target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank, bytes = st.bytes, ops = st.ops,
                     "warmed the connection to decode rank {} in {:?}", reg.rank, t0.elapsed()
                 );
             }
             Err(e) => {
-                lock(&self.stats).warm_up_failures += 1;
+                add(&self.stats.warm_up_failures, 1);
                 tracing::warn!(
                     target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank,
                     "warming the connection to decode rank {} ({}) failed after {:?}: {e}; the connection stays \
@@ -1396,7 +1490,7 @@ impl Inner {
         loop {
             let why = health.borrow_and_update().clone();
             if let Some(why) = why {
-                let ranks: Vec<RankId> = lock(&self.peers).keys().copied().collect();
+                let ranks: Vec<RankId> = self.peers(|p| p.by_rank.keys().copied().collect());
                 for r in ranks {
                     self.peer_lost(r, format!("this rank's own membership is lost ({why})"));
                 }
@@ -1456,21 +1550,18 @@ impl Inner {
     /// peer instance is cut off ([`Self::cut_off`]); on the decode side the pages it could still
     /// write become reusable only once the backend confirmed the cut-off.
     fn peer_lost(self: &Arc<Self>, r: RankId, why: String) {
-        let id = {
-            let mut peers = lock(&self.peers);
-            let Some(p) = peers.get_mut(&r) else { return };
-            if p.lost.is_some() {
-                return;
-            }
+        let id = self.peers(|peers| {
+            let p = peers.by_rank.get_mut(&r).filter(|p| p.lost.is_none())?;
             p.lost = Some(why.clone());
-            p.id.take()
-        };
+            Some(p.id.take())
+        });
+        let Some(id) = id else { return };
         let given_up = Instant::now();
-        lock(&self.stats).peers_lost += 1;
+        add(&self.stats.peers_lost, 1);
         self.connected.store(false, Ordering::Release);
         let active = match &self.half {
-            Half::Decode(d) => lock(d).len(),
-            Half::Prefill(p) => lock(&p.book).open_count(),
+            Half::Decode(d) => lock(d).book.len(),
+            Half::Prefill(p) => lock(&p.state).book.open_count(),
         };
         // A peer that leaves when nothing needs it (a normal shutdown) is no warning.
         if active > 0 {
@@ -1479,7 +1570,7 @@ impl Inner {
             tracing::info!(rank = %self.cfg.rank, peer = %r, "lost {} rank {r}: {why}", self.other());
         }
         let loss = match &self.half {
-            Half::Decode(d) => Some(lock(d).sender_lost(SenderKey::of(r), &why).id),
+            Half::Decode(d) => Some(lock(d).book.sender_lost(SenderKey::of(r), &why).id),
             Half::Prefill(p) => {
                 // Stop posting at once: every open send to it fails (its transfers are failed by the
                 // cut-off below, which makes their source pages reusable).
@@ -1524,14 +1615,11 @@ impl Inner {
         match outcome {
             Ok(how) => {
                 if let (Some(loss), Half::Decode(d)) = (loss, &self.half) {
-                    lock(d).sender_cut_off(key, loss);
+                    lock(d).book.sender_cut_off(key, loss);
                 }
-                {
-                    let mut st = lock(&self.stats);
-                    st.cut_offs += 1;
-                    st.cut_off_max_us = st.cut_off_max_us.max(took.as_micros() as u64);
-                }
-                lock(&self.quarantine).remove(&r);
+                add(&self.stats.cut_offs, 1);
+                self.stats.cut_off_max_us.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
+                self.peers(|p| p.quarantine.remove(&r));
                 let (ms, other) = (took.as_secs_f64() * 1e3, self.other());
                 if loud {
                     tracing::warn!(rank = %self.cfg.rank, peer = %r, "cut off {other} rank {r} {ms:.1} ms after giving up on it ({how})");
@@ -1546,10 +1634,10 @@ impl Inner {
                     self.other()
                 );
                 if let (Some(loss), Half::Decode(d)) = (loss, &self.half) {
-                    lock(d).sender_quarantined(key, loss, &what);
+                    lock(d).book.sender_quarantined(key, loss, &what);
                 }
-                lock(&self.stats).quarantined += 1;
-                lock(&self.quarantine).insert(r, what.clone());
+                add(&self.stats.quarantined, 1);
+                self.peers(|p| p.quarantine.insert(r, what.clone()));
                 tracing::error!(rank = %self.cfg.rank, peer = %r, "{what}");
             }
         }
@@ -1583,9 +1671,9 @@ impl Inner {
     fn route(self: &Arc<Self>, e: BackendEvent) {
         match e {
             BackendEvent::Notification(n) => match &self.half {
-                Half::Decode(book) => match &n.body {
+                Half::Decode(state) => match &n.body {
                     NotificationBody::Handoff { .. } | NotificationBody::Abort(_) => {
-                        lock(&self.stats).protocol_errors += 1;
+                        add(&self.stats.protocol_errors, 1);
                     }
                     body => {
                         tracing::debug!(
@@ -1594,9 +1682,9 @@ impl Inner {
                             "received {n}"
                         );
                         if matches!(body, NotificationBody::Fenced) {
-                            lock(&self.stats).fences += 1;
+                            add(&self.stats.fences, 1);
                         }
-                        lock(book).handle(&n, Instant::now());
+                        lock(state).book.handle(&n, Instant::now());
                     }
                 },
                 Half::Prefill(p) => {
@@ -1604,9 +1692,9 @@ impl Inner {
                     // A decode rank's generations carry its membership epoch (`send_metadata`): one
                     // older than the epoch the membership announced for that rank comes from a
                     // process that was replaced (it resumed after a stop): refused.
-                    let known = lock(&self.peers).get(&d).map_or(0, |p| p.epoch);
+                    let known = self.peers(|p| p.by_rank.get(&d).map_or(0, |p| p.epoch));
                     if n.generation >> 32 < known {
-                        lock(&self.stats).stale_refused += 1;
+                        add(&self.stats.stale_refused, 1);
                         tracing::warn!(
                             rank = %self.cfg.rank, from = %d, request = %n.request,
                             "refused {n} of decode rank {d}: it carries epoch {}, the rank is at epoch {known}",
@@ -1620,7 +1708,7 @@ impl Inner {
                             self.on_handoff(p, d, n.request, h);
                         }
                         NotificationBody::Abort(reason) => self.on_abort(p, d, n.request, n.generation, &reason),
-                        _ => lock(&self.stats).protocol_errors += 1,
+                        _ => add(&self.stats.protocol_errors, 1),
                     }
                 }
             },
@@ -1636,18 +1724,17 @@ impl Inner {
     fn housekeeping(self: &Arc<Self>) {
         let now = Instant::now();
         match &self.half {
-            Half::Decode(book) => {
+            Half::Decode(state) => {
                 // Deadlines; failed requests: ask every sender that may still write to stop and
                 // fence (again while its fence is missing).
-                let connected: BTreeSet<RankId> = lock(&self.peers)
-                    .iter()
-                    .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
-                    .map(|(r, _)| *r)
-                    .collect();
-                let asks = lock(book).poll(now, |k| connected.contains(&rank_of_key(k)));
+                let asks = {
+                    let mut st = lock(state);
+                    let connected = st.peers.connected();
+                    st.book.poll(now, |k| connected.contains(&rank_of_key(k)))
+                };
                 for a in asks {
                     if a.repeated > 0 {
-                        lock(&self.stats).fence_reasks += 1;
+                        add(&self.stats.fence_reasks, 1);
                         tracing::warn!(
                             target: "kvxfer::request", trace_id = %TraceId::of(a.room, a.generation), room = %a.room,
                             rank = %self.cfg.rank, role = "decode", prefill = %rank_of_key(a.key), asks = a.repeated + 1,
@@ -1665,9 +1752,9 @@ impl Inner {
                     self.handle.spawn(async move { this.to_prefill(rank_of_key(a.key), &note).await });
                 }
                 if self.cfg.digest {
-                    self.start_checks(book);
+                    self.start_checks(state);
                 }
-                self.count_outcomes(book);
+                self.count_outcomes(state);
             }
             Half::Prefill(p) => {
                 // The initial connect failed: every request fails with it at once.
@@ -1678,32 +1765,29 @@ impl Inner {
                 }
                 // A request that needs a lost decode rank fails at once, also one created after the
                 // loss, until the rank is back.
-                let lost: Vec<(RankId, String)> =
-                    lock(&self.peers).iter().filter_map(|(r, p)| p.lost.clone().map(|w| (*r, w))).collect();
-                if let Some((r, why)) = lost.first() {
+                let lost: Option<(RankId, String)> =
+                    self.peers(|p| p.by_rank.iter().find_map(|(r, p)| p.lost.clone().map(|w| (*r, w))));
+                if let Some((r, why)) = lost {
                     self.book(p, |b| b.abort_open(&format!("decode rank {r} is lost: {why}"), FailCause::PeerLost));
                 }
                 // Requests past their deadline fail; early handoffs and aborts expire.
-                let connected: BTreeSet<RankId> = lock(&self.peers)
-                    .iter()
-                    .filter(|(_, p)| p.id.is_some() && p.lost.is_none())
-                    .map(|(r, _)| *r)
-                    .collect();
-                self.book(p, |b| b.poll_deadlines(now, |d| connected.contains(&d)));
+                self.book_with_peers(p, |b, peers| {
+                    let connected = peers.connected();
+                    b.poll_deadlines(now, |d| connected.contains(&d))
+                });
             }
         }
     }
 
     /// Counts and logs the decode requests that became final since the last call. The lines are
-    /// written and the metrics and stats recorded under the book's lock (stats after it: the
-    /// stats lock is taken last everywhere), so that once any call returns (the
-    /// progress task's or [`Receiver::release`]'s), every request it found final has its final line
-    /// written, whichever of the two took it.
-    fn count_outcomes(&self, book: &Mutex<DecodeBook>) {
+    /// written and the metrics and counters recorded under the agent's lock, so that once any
+    /// call returns (the progress task's or [`Receiver::release`]'s), every request it found
+    /// final has its final line written, whichever of the two took it.
+    fn count_outcomes(&self, state: &Mutex<State<DecodeBook>>) {
         let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let mut b = lock(book);
-        let outcomes = b.take_outcomes(connect_error, connected, Instant::now());
+        let mut st = lock(state);
+        let outcomes = st.book.take_outcomes(connect_error, connected, Instant::now());
         let (mut done, mut failed) = (0, 0);
         for o in outcomes {
             let elapsed = o.handed_off.map(|(t, _)| t.elapsed().as_secs_f64());
@@ -1731,19 +1815,18 @@ impl Inner {
                 }
             }
         }
-        let mut s = lock(&self.stats);
-        s.succeeded += done;
-        s.failed += failed;
-        drop((s, b));
+        add(&self.stats.succeeded, done);
+        add(&self.stats.failed, failed);
+        drop(st);
     }
 
     // ---------------------------------------------------------------- decode side
 
     /// Starts the digest check of every request whose tracker has all chunks and digests.
-    fn start_checks(self: &Arc<Self>, book: &Arc<Mutex<DecodeBook>>) {
-        let jobs = lock(book).take_checks(Instant::now());
+    fn start_checks(self: &Arc<Self>, state: &Arc<Mutex<State<DecodeBook>>>) {
+        let jobs = lock(state).book.take_checks(Instant::now());
         for Check { room, generation, pages, sent } in jobs {
-            let (this, book) = (Arc::clone(self), Arc::clone(book));
+            let (this, state) = (Arc::clone(self), Arc::clone(state));
             let (topo, me) = (self.topo, self.cfg.rank);
             let pages = Arc::new(pages);
             // One blocking task per sender: they hash disjoint bytes, in parallel where cores are free.
@@ -1766,11 +1849,8 @@ impl Inner {
                         result = r;
                     }
                 }
-                {
-                    let mut st = lock(&this.stats);
-                    st.digest_bytes += bytes;
-                    st.digest_mismatches += u64::from(result.is_err());
-                }
+                add(&this.stats.digest_bytes, bytes);
+                add(&this.stats.digest_mismatches, u64::from(result.is_err()));
                 if let Err(why) = &result {
                     tracing::warn!(rank = %this.cfg.rank, %room, "{why}");
                 }
@@ -1778,7 +1858,7 @@ impl Inner {
                     target: "kvxfer::request", trace_id = %TraceId::of(room, generation),
                     room = %room, rank = %this.cfg.rank, role = "decode", bytes, ok = result.is_ok(), "digest checked"
                 );
-                lock(&book).check_done(room, generation, result);
+                lock(&state).book.check_done(room, generation, result);
                 this.wake.notify_waiters();
             });
         }
@@ -1823,21 +1903,21 @@ impl Inner {
         self.wake.notify_waiters();
     }
 
-    fn receiver_status(&self, book: &Mutex<DecodeBook>, room: RequestId) -> RequestStatus {
+    fn receiver_status(&self, state: &Mutex<State<DecodeBook>>, room: RequestId) -> RequestStatus {
         let connect_error = self.connect_error.get().map(String::as_str);
         let connected = self.connected.load(Ordering::Acquire);
-        let s = lock(book).status(room, connect_error, connected, Instant::now());
+        let s = lock(state).book.status(room, connect_error, connected, Instant::now());
         RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
     /// Returns whether this call aborted a request that had no outcome.
-    fn receiver_abort(&self, book: &Mutex<DecodeBook>, room: RequestId, reason: String) -> bool {
-        let generation = lock(book).generation(room);
+    fn receiver_abort(&self, state: &Mutex<State<DecodeBook>>, room: RequestId, reason: String) -> bool {
+        let generation = lock(state).book.generation(room);
         tracing::debug!(
             target: "kvxfer::request", trace_id = %generation.map_or(TraceId(0), |g| TraceId::of(room, g)),
             room = %room, rank = %self.cfg.rank, role = "decode", "abort: {reason}"
         );
-        let aborted = lock(book).abort(room, &reason, Instant::now());
+        let aborted = lock(state).book.abort(room, &reason, Instant::now());
         self.wake.notify_waiters();
         aborted
     }
@@ -1848,9 +1928,19 @@ impl Inner {
     /// (cancels under the lock, as they only signal; notifications and counting after it) and
     /// wakes the waiters.
     fn book<R>(self: &Arc<Self>, half: &Arc<PrefillHalf>, f: impl FnOnce(&mut PrefillBook<SendIo>) -> R) -> R {
+        self.book_with_peers(half, |b, _| f(b))
+    }
+
+    /// [`Self::book`], with the peers (read under the same lock).
+    fn book_with_peers<R>(
+        self: &Arc<Self>,
+        half: &Arc<PrefillHalf>,
+        f: impl FnOnce(&mut PrefillBook<SendIo>, &Peers) -> R,
+    ) -> R {
         let (r, actions) = {
-            let mut b = lock(&half.book);
-            let r = f(&mut b);
+            let mut st = lock(&half.state);
+            let State { book: b, peers } = &mut *st;
+            let r = f(b, peers);
             let mut actions = Vec::new();
             while let Some(a) = b.poll_action() {
                 match a {
@@ -1915,7 +2005,7 @@ impl Inner {
                     this.link_to(s, d).await;
                 }
                 match s.notify_rank(d, &n).await {
-                    Ok(()) if matches!(n.body, NotificationBody::Fenced) => lock(&this.stats).fences += 1,
+                    Ok(()) if matches!(n.body, NotificationBody::Fenced) => add(&this.stats.fences, 1),
                     Ok(()) => {}
                     // Not delivered: the decode rank fails the request at its deadline, naming
                     // this rank.
@@ -1937,11 +2027,11 @@ impl Inner {
 
     /// The counters now: the agent's, the book's and the tracker's.
     fn stats_now(&self) -> AgentStats {
-        let mut s = *lock(&self.stats);
+        let mut s = self.stats.snapshot();
         match &self.half {
-            Half::Decode(d) => s.tracker = lock(d).tracker_stats(),
+            Half::Decode(d) => s.tracker = lock(d).book.tracker_stats(),
             Half::Prefill(p) => {
-                let b = lock(&p.book).stats();
+                let b = lock(&p.state).book.stats();
                 s.early_handoffs_kept += b.early_kept;
                 s.early_handoffs_expired += b.early_expired;
                 s.protocol_errors += b.not_fed;
@@ -1965,7 +2055,7 @@ impl Inner {
     }
 
     fn on_abort(self: &Arc<Self>, half: &Arc<PrefillHalf>, d: RankId, room: RequestId, generation: u64, reason: &str) {
-        lock(&self.stats).aborts_received += 1;
+        add(&self.stats.aborts_received, 1);
         tracing::debug!(
             target: "kvxfer::request", trace_id = %TraceId::of(room, generation), room = %room,
             rank = %self.cfg.rank, role = "prefill", from = %d, "abort received: {reason}"
@@ -2074,7 +2164,7 @@ impl Inner {
             r
         });
         if !whole && !finish {
-            if let Some(io) = lock(&half.book).io_mut(room) {
+            if let Some(io) = lock(&half.state).book.io_mut(room) {
                 io.parts.push(handle);
             }
         }
@@ -2110,12 +2200,12 @@ impl Inner {
         })
         .await
         .map_err(|e| format!("the digest task failed: {e}"))??;
-        lock(&self.stats).digest_bytes += hashed.1;
+        add(&self.stats.digest_bytes, hashed.1);
         Ok(hashed.0)
     }
 
     fn sender_status(&self, half: &PrefillHalf, room: RequestId) -> RequestStatus {
-        let s = lock(&half.book).status(room, self.connected.load(Ordering::Acquire));
+        let s = lock(&half.state).book.status(room, self.connected.load(Ordering::Acquire));
         RequestStatus::of(s.phase, s.reason, s.pages_reusable)
     }
 
