@@ -507,25 +507,39 @@ fn memcpy_request(c: &Cluster, plan: &ChunkPlan) -> Result<Duration, String> {
             .map(|m| m.desc().clone())
             .ok_or_else(|| format!("no pool buffer for {b:?} on rank {tp}"))
     };
-    let mut srcs = HashMap::new();
-    let mut dsts = HashMap::new();
+    // One guard per buffer, found by index; the timed loop looks a buffer up only when the op's
+    // buffer differs from the previous op's (consecutive ops share a layer's buffers), so the copy
+    // is timed without a map lookup per op.
+    let (mut srcs, mut dsts) = (Vec::new(), Vec::new());
+    let (mut src_at, mut dst_at) = (HashMap::new(), HashMap::new());
     for pair in plan.pairs.iter().filter(|p| p.writes()) {
         for op in pair.ops() {
-            if let std::collections::hash_map::Entry::Vacant(e) = srcs.entry((pair.src.tp, op.src_region)) {
+            if let std::collections::hash_map::Entry::Vacant(e) = src_at.entry((pair.src.tp, op.src_region)) {
                 let d = desc(&c.prefill, pair.src.tp, op.src_region)?;
-                e.insert(d.read_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+                srcs.push(d.read_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+                e.insert(srcs.len() - 1);
             }
-            if let std::collections::hash_map::Entry::Vacant(e) = dsts.entry((pair.dst.tp, op.dst_region)) {
+            if let std::collections::hash_map::Entry::Vacant(e) = dst_at.entry((pair.dst.tp, op.dst_region)) {
                 let d = desc(&c.decode, pair.dst.tp, op.dst_region)?;
-                e.insert(d.write_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+                dsts.push(d.write_guard(0, d.len() as u64).map_err(|e| e.to_string())?);
+                e.insert(dsts.len() - 1);
             }
         }
     }
     let t0 = Instant::now();
     for pair in plan.pairs.iter().filter(|p| p.writes()) {
+        let (mut src_key, mut dst_key) = (None, None);
+        let (mut si, mut di) = (0, 0);
         for op in pair.ops() {
-            let sb = srcs[&(pair.src.tp, op.src_region)].as_slice();
-            let db = dsts.get_mut(&(pair.dst.tp, op.dst_region)).expect("a guard per buffer").as_mut_slice();
+            if src_key != Some(op.src_region) {
+                si = src_at[&(pair.src.tp, op.src_region)];
+                src_key = Some(op.src_region);
+            }
+            if dst_key != Some(op.dst_region) {
+                di = dst_at[&(pair.dst.tp, op.dst_region)];
+                dst_key = Some(op.dst_region);
+            }
+            let (sb, db) = (srcs[si].as_slice(), dsts[di].as_mut_slice());
             let len = op.len as usize;
             for i in 0..op.count {
                 let (so, d) =
