@@ -12,100 +12,43 @@
 //! `KVXFER_HEAP_REQUESTS=200000 KVXFER_HEAP_RESTARTS=100 cargo test --release -p kvxfer --test
 //! heap_flat -- --nocapture` prints every sample of a longer run.
 
+mod support;
+
 use std::alloc::System;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer::bootstrap::BootstrapServer;
-use kvxfer::engine::{Agent, AgentConfig, KvMemory, Phase};
-use kvxfer::metadata::MetadataAddr;
+use kvxfer::engine::{Agent, AgentConfig};
 use kvxfer_core::tracker::TrackerConfig;
 use stats_alloc::{StatsAlloc, INSTRUMENTED_SYSTEM};
 
-use kvxfer_core::{Attention, KvSpec, Layout, Parallel, RankId, RequestId, Side, SideSpec, Topology};
+use kvxfer_core::{Side, Topology};
+use support::{cluster, config, connected, prefill, wave};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-const PAGES: u32 = 64;
-const SLOTS: u32 = 4;
-const PAGES_PER_REQUEST: u32 = 4;
 const STEP: u64 = 2_000;
 
-fn topo() -> Topology {
-    let kv = KvSpec {
-        attention: Attention::Gqa { kv_heads: 2, head_dim_k: 16, head_dim_v: 16 },
-        layers: 2,
-        dtype_bytes: 2,
-        page_size: 4,
-        layout: Layout::Nhd,
-    };
-    Topology::new(&SideSpec { kv, parallel: Parallel::new(2, 1) }, &SideSpec { kv, parallel: Parallel::new(1, 1) })
-        .unwrap()
-}
-
-fn config(role: Side, tp: u32, t: &Topology, addr: &str, backend: &str) -> AgentConfig {
-    let mut c = AgentConfig::new(role, RankId::new(tp, 0), *t, MetadataAddr::parse(addr).unwrap());
-    c.backend = backend.into();
-    if backend == "tcp" {
-        c.backend_options.insert("listen".into(), "127.0.0.1:0".into());
-    }
-    c.lease_ttl = Duration::from_secs(5);
-    c.request_timeout = Duration::from_secs(20);
-    // Small bounds, reached during the warm-up (the defaults, 65,536 each, take a long run).
+/// The agents' configuration with the tracker's bounds small, reached during the warm-up (the
+/// defaults, 65,536 each, take a long run).
+fn bounded(role: Side, tp: u32, t: &Topology, addr: &str, backend: &str) -> AgentConfig {
+    let mut c = config(role, tp, t, addr, backend);
     c.tracker = TrackerConfig { early_max: 256, early_ttl: Duration::from_secs(60), released_memory: 1_024 };
     c.early_max = 256;
     c
 }
 
-/// xorshift: the abort moments, reproducible.
-fn next(s: &mut u64) -> u64 {
-    *s ^= *s << 13;
-    *s ^= *s >> 7;
-    *s ^= *s << 17;
-    *s
+/// 30 % aborted, within 0..3000 us of the handoff.
+fn moment(r: u64) -> Option<u64> {
+    (r % 10 < 3).then_some((r >> 8) % 3000)
 }
 
-/// One request in slot `slot`; the decode rank maybe aborts after `abort_us`. Every rank must
-/// reach a final status; every handle is released.
-async fn request(pre: &[Arc<Agent>], dec: &Arc<Agent>, room: u64, slot: u32, abort_us: Option<u64>) {
-    let pages: Vec<u32> = (0..PAGES_PER_REQUEST).map(|i| slot * PAGES_PER_REQUEST + i).collect();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let senders: Vec<_> = pre
-        .iter()
-        .map(|p| {
-            let tx = p.sender(RequestId(room)).unwrap();
-            tx.init(PAGES_PER_REQUEST).unwrap();
-            tx
-        })
-        .collect();
-    let rx = dec.receiver(RequestId(room)).unwrap();
-    rx.send_metadata(&pages, None).unwrap();
-    let sends: Vec<_> = senders
-        .into_iter()
-        .map(|tx| {
-            let pages = pages.clone();
-            tokio::spawn(async move {
-                let s = tx.wait_ready(deadline).await.unwrap();
-                if s.phase == Phase::WaitingForInput {
-                    let _ = tx.send(&pages);
-                }
-                let s = tx.wait(deadline).await.unwrap();
-                assert!(s.phase.is_final(), "room {room}: prefill {:?} {:?}", s.phase, s.reason);
-                tx.release().unwrap();
-            })
-        })
-        .collect();
-    if let Some(us) = abort_us {
-        tokio::time::sleep(Duration::from_micros(us)).await;
-        rx.abort("the test aborts");
-    }
-    let s = rx.wait(deadline).await.unwrap();
-    assert!(s.phase.is_final(), "room {room}: decode {:?} {:?}", s.phase, s.reason);
-    rx.release().unwrap();
-    for h in sends {
-        h.await.unwrap();
-    }
+/// A wave of requests, each of which must become final on every rank.
+async fn serve(pre: &[Arc<Agent>], dec: &Arc<Agent>, room: &mut u64, seed: &mut u64) {
+    let stuck = wave(pre, dec, room, seed, moment).await;
+    assert!(stuck.is_empty(), "requests that never became final:\n{}", stuck.join("\n"));
 }
 
 /// Bytes allocated and not freed, process-wide.
@@ -123,40 +66,13 @@ async fn flat(backend: &str, default_requests: u64) {
     // Bounded state fills during the first half (measured: about 12,000 requests on local and
     // 20,000 on tcp reach their plateau within a few per cent).
     let warm_up = requests / 2;
-    let t = topo();
     let service = Service::start();
-    let addr = service.addr.clone();
-    let mut pre = Vec::new();
-    for tp in 0..2 {
-        let a = Agent::start(config(Side::Prefill, tp, &t, &addr, backend), KvMemory::Host { pages: PAGES, fill: 1 });
-        pre.push(Arc::new(a.await.unwrap()));
-    }
-    let dec = Arc::new(
-        Agent::start(config(Side::Decode, 0, &t, &addr, backend), KvMemory::Host { pages: PAGES, fill: 0 })
-            .await
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for a in pre.iter().chain([&dec]) {
-        a.wait_connected(deadline).await.unwrap();
-    }
+    let (pre, dec) = cluster(&service.addr, backend, bounded).await;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut room = 1u64;
     let mut samples: Vec<(u64, i64)> = Vec::new();
     while room <= requests {
-        let mut wave = Vec::new();
-        for slot in 0..SLOTS {
-            let r = next(&mut seed);
-            // 30 % aborted, within 0..3000 us of the handoff.
-            let abort = (r % 10 < 3).then_some((r >> 8) % 3000);
-            let (pre, dec) = (pre.clone(), Arc::clone(&dec));
-            let this = room;
-            wave.push(tokio::spawn(async move { request(&pre, &dec, this, slot, abort).await }));
-            room += 1;
-        }
-        for w in wave {
-            w.await.unwrap();
-        }
+        serve(&pre, &dec, &mut room, &mut seed).await;
         if (room - 1) % STEP == 0 {
             // Let the progress tasks settle what the last wave left (fence asks, counted outcomes).
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -202,40 +118,15 @@ async fn live_heap_is_flat_after_warm_up_on_local_and_tcp() {
 /// what the surviving agents (the decode rank, prefill rank 1) keep per peer instance. Checked
 /// after `WARM_CYCLES`: at most `PER_CYCLE` bytes a restart on average.
 async fn restarts(backend: &str, cycles: u32) {
-    let t = topo();
     let service = Service::start();
-    let addr = service.addr.clone();
-    let mut pre = Vec::new();
-    for tp in 0..2 {
-        let a = Agent::start(config(Side::Prefill, tp, &t, &addr, backend), KvMemory::Host { pages: PAGES, fill: 1 });
-        pre.push(Arc::new(a.await.unwrap()));
-    }
-    let dec = Arc::new(
-        Agent::start(config(Side::Decode, 0, &t, &addr, backend), KvMemory::Host { pages: PAGES, fill: 0 })
-            .await
-            .unwrap(),
-    );
+    let (mut pre, dec) = cluster(&service.addr, backend, bounded).await;
     let mut room = 1u64;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut samples = Vec::new();
     for cycle in 0..=cycles {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for a in pre.iter().chain([&dec]) {
-            a.wait_connected(deadline).await.unwrap();
-        }
+        connected(&pre, &dec).await;
         for _ in 0..50 {
-            let mut wave = Vec::new();
-            for slot in 0..SLOTS {
-                let r = next(&mut seed);
-                let abort = (r % 10 < 3).then_some((r >> 8) % 3000);
-                let (pre, dec) = (pre.clone(), Arc::clone(&dec));
-                let this = room;
-                wave.push(tokio::spawn(async move { request(&pre, &dec, this, slot, abort).await }));
-                room += 1;
-            }
-            for w in wave {
-                w.await.unwrap();
-            }
+            serve(&pre, &dec, &mut room, &mut seed).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
         samples.push(live());
@@ -245,8 +136,7 @@ async fn restarts(backend: &str, cycles: u32) {
         }
         let old = Arc::try_unwrap(pre.remove(0)).unwrap();
         old.shutdown(Instant::now() + Duration::from_secs(10)).await.unwrap();
-        let a = Agent::start(config(Side::Prefill, 0, &t, &addr, backend), KvMemory::Host { pages: PAGES, fill: 1 });
-        pre.insert(0, Arc::new(a.await.unwrap()));
+        pre.insert(0, prefill(&service.addr, backend, bounded, 0).await);
     }
     assert_eq!(dec.stats().peers_lost, u64::from(cycles), "{backend}: the decode rank saw every restart");
     for a in pre.into_iter().chain([dec]) {
