@@ -152,6 +152,51 @@ async fn restarts(backend: &str, cycles: u32) {
     );
 }
 
+/// [`bounded`], with 1 s leases: a prefill agent dropped without leaving is lost within about a
+/// second (its lease expires, or the transport sees it go), and its successor joins as soon.
+fn short_lease(role: Side, tp: u32, t: &Topology, addr: &str, backend: &str) -> AgentConfig {
+    let mut c = bounded(role, tp, t, addr, backend);
+    c.lease_ttl = Duration::from_secs(1);
+    c
+}
+
+/// As [`restarts`], but prefill rank 0 is dropped without leaving (a killed process, as the
+/// soak's SIGKILL): the surviving agents learn of the loss from the transport or the lease.
+/// Slower (a lease to expire per restart), so not in `cargo test`:
+/// `cargo test --release -p kvxfer --test heap_flat killed -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn live_heap_after_killed_prefill_ranks() {
+    let cycles = std::env::var("KVXFER_HEAP_RESTARTS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    for backend in ["local", "tcp"] {
+        let service = Service::start();
+        let (mut pre, dec) = cluster(&service.addr, backend, short_lease).await;
+        let (mut room, mut seed, mut samples) = (1u64, 0x9e37_79b9_7f4a_7c15u64, Vec::new());
+        for cycle in 0..=cycles {
+            connected(&pre, &dec).await;
+            for _ in 0..50 {
+                serve(&pre, &dec, &mut room, &mut seed).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            samples.push(live());
+            eprintln!("{backend}: kill {cycle:>3}: live heap {:>10} bytes", live());
+            if cycle == cycles {
+                break;
+            }
+            drop(Arc::try_unwrap(pre.remove(0)).unwrap());
+            pre.insert(0, prefill(&service.addr, backend, short_lease, 0).await);
+        }
+        assert_eq!(dec.stats().peers_lost, u64::from(cycles), "{backend}: the decode rank saw every kill");
+        for a in pre.into_iter().chain([dec]) {
+            Arc::try_unwrap(a).unwrap().shutdown(Instant::now() + Duration::from_secs(10)).await.unwrap();
+        }
+        let (at, last) = (samples[WARM_CYCLES as usize], *samples.last().unwrap());
+        let per = (last - at) / i64::from(cycles - WARM_CYCLES);
+        eprintln!("{backend}: {per} bytes a kill after {WARM_CYCLES} (from {at} to {last})");
+        assert!(per <= PER_CYCLE, "{backend}: {per} bytes per killed prefill rank; samples: {samples:?}");
+    }
+}
+
 /// Restarts before the per-restart growth is measured.
 const WARM_CYCLES: u32 = 6;
 /// Bytes a restart may leave in the surviving agents (measured: 300-530; a leaked agent's state is
