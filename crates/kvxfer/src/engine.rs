@@ -495,7 +495,7 @@ struct Inner {
     /// Why the initial connect failed (set once; every request fails with it).
     connect_error: std::sync::OnceLock<String>,
     epoch: u64,
-    /// The agent's own counters (the book's and the tracker's are read from them).
+    /// The agent's own counters ([`Agent::stats`] adds the book's and the tracker's to them).
     stats: Counters,
     /// Latency, bytes and failure causes, recorded as requests end (see [`crate::metrics`]).
     recorder: Recorder,
@@ -517,9 +517,10 @@ struct Inner {
 /// ([`Sender`], [`Receiver`]) keep their own half, so no call reaches for the other role's.
 ///
 /// The half's [`State`] mutex is the agent's one lock: the book and the peers sit behind it
-/// together, the counters are atomics, and nothing else in the driver holds request or peer state.
-/// It is never held across an await, and nothing that locks it is called while it is held (the
-/// book's actions are carried out after it is released, see [`Inner::book`]).
+/// together and the counters are atomics (a prefill agent's [`SenderSession`] keeps its own map of
+/// connected decode ranks, the data mover's). It is never held across an await, and nothing that
+/// locks it is called while it is held (the book's actions are carried out after it is released,
+/// see [`Inner::book`]).
 enum Half {
     Prefill(Arc<PrefillHalf>),
     /// The decode side's requests, with the completion tracker (every rule of their life), and
