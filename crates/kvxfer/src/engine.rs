@@ -1423,9 +1423,11 @@ impl Inner {
             target: "kvxfer::engine", rank = %self.cfg.rank, peer = %reg.rank, protocol = negotiated.version,
             "negotiated kvxfer protocol with {} rank {}", reg.role, reg.rank
         );
-        let replaced = match self.peers(|p| p.by_rank.get(&reg.rank).cloned()) {
-            Some(p) if p.id.is_some() && p.epoch >= epoch && p.lost.is_none() => return Ok(()),
-            Some(p) => p.id.is_some() && p.lost.is_none() && p.epoch < epoch,
+        // (live: connected and not lost; its epoch)
+        let known = self.peers(|p| p.by_rank.get(&reg.rank).map(|p| (p.id.is_some() && p.lost.is_none(), p.epoch)));
+        let replaced = match known {
+            Some((true, e)) if e >= epoch => return Ok(()),
+            Some((live, e)) => live && e < epoch,
             None => false,
         };
         // A new process took the rank over while the old one was never declared lost (it restarted
