@@ -540,10 +540,8 @@ fn memcpy_request(c: &Cluster, plan: &ChunkPlan) -> Result<Duration, String> {
                 dst_key = Some(op.dst_region);
             }
             let (sb, db) = (srcs[si].as_slice(), dsts[di].as_mut_slice());
-            let len = op.len as usize;
-            for i in 0..op.count {
-                let (so, d) =
-                    ((op.src_offset + i * op.src_stride) as usize, (op.dst_offset + i * op.dst_stride) as usize);
+            for (so, d, len) in crate::bench::write_op(&op).ranges() {
+                let (so, d, len) = (so as usize, d as usize, len as usize);
                 db[d..d + len].copy_from_slice(&sb[so..so + len]);
             }
         }
