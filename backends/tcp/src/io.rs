@@ -188,7 +188,11 @@ pub(crate) async fn read_exact_polling(r: &mut Rx, mut buf: &mut [u8], poll: Dur
 /// reads of up to [`IOV`] slices per call, no staging copy; an empty socket is polled for `poll`
 /// before the task sleeps (see [`read_vectored_polling`]).
 pub(crate) async fn read_payload(r: &mut Rx, dst: &mut [StridedWriteGuard], poll: Duration) -> io::Result<()> {
-    read_pieces(r, dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut).collect(), poll).await
+    // Sized up front: a flat_map's collect would grow the list from nothing, one reallocation per
+    // doubling, on every frame.
+    let mut pieces = Vec::with_capacity(dst.iter().map(|g| g.count() as usize).sum());
+    pieces.extend(dst.iter_mut().flat_map(StridedWriteGuard::pieces_mut));
+    read_pieces(r, pieces, poll).await
 }
 
 /// Fills `pieces` in order from the stream (what [`read_payload`] does with its guards' pieces; a

@@ -676,6 +676,9 @@ async fn serve_frames(
     // a batch's last frame, a NOTE or a DROP the stream sleeps on its socket at once, so an idle
     // stream spins on no core that a request's next step needs.
     let mut more = false;
+    // A WRITE frame's op descriptors, raw and decoded: kept across frames (cleared, not freed), so
+    // a frame costs no allocation for them once the stream has seen its largest.
+    let (mut descs, mut ops) = (Vec::new(), Vec::new());
     loop {
         let mut hb = [0u8; wire::HEADER_LEN];
         // Waiting for the next frame has no deadline: an idle peer is fine; a dead one closes the
@@ -702,9 +705,13 @@ async fn serve_frames(
         }
         match h.ty {
             FrameType::Write => {
-                let mut descs = vec![0u8; h.n as usize * wire::OP_LEN];
+                descs.clear();
+                descs.resize(h.n as usize * wire::OP_LEN, 0u8);
                 within(t, "reading op descriptors", io::read_exact_polling(r, &mut descs, poll)).await?;
-                let ops = descs.chunks_exact(wire::OP_LEN).map(OpDesc::decode).collect::<Result<Vec<_>, _>>()?;
+                ops.clear();
+                for d in descs.chunks_exact(wire::OP_LEN) {
+                    ops.push(OpDesc::decode(d)?);
+                }
                 if *stop.borrow() {
                     return Err(Ending::Killed);
                 }

@@ -1090,14 +1090,17 @@ fn verify_and_reset(ctx: &Ctx, dst: &[u32], r: u32, check: bool) -> Result<u64, 
     let tok = |p: u32| map.get(&p).map(|t| base + t);
     let mut bytes = 0;
     let mut first_err = None;
+    // One set of page buffers per call, resized per pool buffer (not three allocations of a page
+    // per pool buffer and request).
+    let (mut tmp, mut want, mut sentinel) = (Vec::new(), Vec::new(), Vec::new());
     for host in ctx.agent.host_memory() {
         let b = host.buffer;
         let geom = BufferGeom::new(topo, Side::Decode, ctx.rank, b.layer, b.kind, ctx.pages);
         let pb = geom.page_bytes();
         let hb = topo.kv().head_bytes(b.kind);
-        let mut tmp = vec![0u8; pb as usize];
-        let mut want = vec![0u8; pb as usize];
-        let sentinel = vec![SENTINEL; pb as usize];
+        tmp.resize(pb as usize, 0u8);
+        want.resize(pb as usize, 0u8);
+        sentinel.resize(pb as usize, SENTINEL);
         for &p in dst {
             let off = u64::from(p) * pb;
             if check {
@@ -1154,11 +1157,12 @@ fn fill_source(ctx: &Ctx, src: &[u32], r: u32) {
     let map = kvxfer_core::oracle::token_map(src, ctx.w.page_size);
     let base = token_base(r);
     let tok = |p: u32| map.get(&p).map(|t| base + t);
+    let mut tmp = Vec::new();
     for host in ctx.agent.host_memory() {
         let b = host.buffer;
         let geom = BufferGeom::new(topo, Side::Prefill, ctx.rank, b.layer, b.kind, ctx.pages);
         let (pb, hb) = (geom.page_bytes(), topo.kv().head_bytes(b.kind));
-        let mut tmp = vec![0u8; pb as usize];
+        tmp.resize(pb as usize, 0u8);
         for &p in src {
             page_pattern(&geom, hb, u64::from(p) * pb, &mut tmp, &tok);
             host.write(u64::from(p) * pb, &tmp).expect("page inside the pool, not being sent");

@@ -699,6 +699,11 @@ impl StridedWriteGuard {
     pub fn bytes(&self) -> u64 {
         self.len * self.count
     }
+
+    /// Pieces guarded (what [`Self::pieces_mut`] yields, unless they are empty).
+    pub fn count(&self) -> u64 {
+        self.count
+    }
 }
 
 impl Drop for StridedWriteGuard {

@@ -58,6 +58,11 @@ fn live() -> i64 {
     s.bytes_allocated as i64 - s.bytes_deallocated as i64
 }
 
+/// Allocations made so far, process-wide (reallocations not counted).
+fn allocations() -> usize {
+    GLOBAL.stats().allocations
+}
+
 /// Runs `requests` (or `KVXFER_HEAP_REQUESTS`) requests on `backend` and checks the live heap
 /// after the first third.
 async fn flat(backend: &str, default_requests: u64) {
@@ -71,6 +76,7 @@ async fn flat(backend: &str, default_requests: u64) {
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut room = 1u64;
     let mut samples: Vec<(u64, i64)> = Vec::new();
+    let mut counted_from = None;
     while room <= requests {
         serve(&pre, &dec, &mut room, &mut seed).await;
         if (room - 1) % STEP == 0 {
@@ -78,7 +84,16 @@ async fn flat(backend: &str, default_requests: u64) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             samples.push((room - 1, live()));
             eprintln!("{backend}: {:>8} requests: live heap {:>10} bytes", room - 1, live());
+            if room > warm_up && counted_from.is_none() {
+                counted_from = Some((room - 1, allocations()));
+            }
         }
+    }
+    // Reported, not checked: the allocator's churn per request (the whole cluster's: two prefill
+    // agents and one decode agent), which a long run's RSS reflects beside the live heap.
+    if let Some((from, n)) = counted_from {
+        let per = (allocations() - n) as f64 / (room - 1 - from).max(1) as f64;
+        eprintln!("{backend}: {per:.1} allocations a request after the warm-up ({} requests)", room - 1 - from);
     }
     let d = dec.stats();
     eprintln!("decode: {} succeeded, {} failed; tracker: {:?}", d.succeeded, d.failed, d.tracker);
