@@ -64,7 +64,7 @@ fn allocations() -> usize {
 }
 
 /// Runs `requests` (or `KVXFER_HEAP_REQUESTS`) requests on `backend` and checks the live heap
-/// after the first third.
+/// after the first half.
 async fn flat(backend: &str, default_requests: u64) {
     let requests: u64 =
         std::env::var("KVXFER_HEAP_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(default_requests);
