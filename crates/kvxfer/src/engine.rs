@@ -9,10 +9,10 @@
 //!
 //! The rules of a request's life are not here: they are the core's two sans-IO request books,
 //! [`kvxfer_core::prefill::PrefillBook`] (SEMANTICS §7) and [`kvxfer_core::decode::DecodeBook`]
-//! with its completion tracker (§5-§6). An agent holds its role's book and its peers behind its one
-//! lock (a prefill agent also its sender session; neither holds the other role's), counts in
-//! atomics, feeds the book the engine's calls and the backend's events, and carries out what it
-//! returns after releasing the lock.
+//! with its completion tracker (§5-§6). An agent holds its role's book and its peers (a prefill
+//! agent's links to its decode ranks among them) behind its one lock, counts in atomics, feeds
+//! the book the engine's calls and the backend's events, and carries out what it returns after
+//! releasing the lock.
 //!
 //! # Mapping onto the engines
 //!
@@ -111,7 +111,7 @@ use kvxfer_core::PairPlan;
 use crate::bootstrap::{RankRegistration, WarmupRegion};
 use crate::metadata::{MemberEvent, MemberWatch, Membership, MetadataAddr, MetadataStore};
 use crate::metrics::{AgentMetrics, Cause, Recorder, Snapshot};
-use crate::session::{Cancel, KvPool, PoolBuffer, PoolMemory, SenderSession, Window};
+use crate::session::{Cancel, DecodeLink, KvPool, PoolBuffer, PoolMemory, SendPath, SessionError, Window};
 
 use kvxfer_core::model::rank_of_key;
 pub use kvxfer_core::model::{from_identity, identity, own_key};
@@ -214,7 +214,7 @@ pub struct AgentConfig {
     pub protocol: Option<u16>,
     /// Prefill: warm each new connection to a decode rank before it counts as connected (on by
     /// default): one page's writes, twice, into a region the decode rank registered for it
-    /// ([`crate::session::SenderSession::warm_up`]; never its pool), so that the first request
+    /// ([`crate::session::SendPath::warm_up`]; never its pool), so that the first request
     /// does not pay what the transport sets up on first use (UCX: several times a steady
     /// request's latency). Costs one page of host memory on each decode rank and a few
     /// milliseconds per connection. Decode ranks always offer the region (when their backend takes
@@ -428,7 +428,7 @@ pub struct AgentStats {
     /// docs' abort section); above zero means an ask or a fence was lost or a prefill rank did not
     /// answer: its warnings (`kvxfer::request`) name the request and the rank.
     pub fence_reasks: u64,
-    /// Prefill: connections warmed ([`crate::session::SenderSession::warm_up`]: one page's writes,
+    /// Prefill: connections warmed ([`crate::session::SendPath::warm_up`]: one page's writes,
     /// twice, into the decode rank's warm-up region, right after connecting).
     pub warm_ups: u64,
     /// Prefill: warm-ups that failed (warned under `kvxfer::engine`; the connection stays, and
@@ -480,6 +480,9 @@ struct SendIo {
 #[derive(Debug, Clone)]
 struct Peer {
     id: Option<PeerId>,
+    /// A prefill agent's link to this decode rank (its peer and pool), what its sends and
+    /// notifications go over; `None` on the decode side and while not connected.
+    link: Option<DecodeLink>,
     epoch: u64,
     lost: Option<String>,
 }
@@ -512,13 +515,14 @@ struct Inner {
     handle: tokio::runtime::Handle,
 }
 
-/// What only one role's agent holds, typed: a prefill agent drives a [`SenderSession`] and a
+/// What only one role's agent holds, typed: a prefill agent drives a [`SendPath`] and a
 /// [`PrefillBook`], a decode agent a [`DecodeBook`]; neither holds the other's. The request handles
 /// ([`Sender`], [`Receiver`]) keep their own half, so no call reaches for the other role's.
 ///
 /// The half's [`State`] mutex is the agent's one lock: the book and the peers sit behind it
-/// together and the counters are atomics (a prefill agent's [`SenderSession`] keeps its own map of
-/// connected decode ranks, the data mover's). It is never held across an await, and nothing that
+/// together (a prefill agent's links to its decode ranks with them: its [`SendPath`] keeps no
+/// connection table and no lock of its own) and the counters are atomics. It is never held
+/// across an await, and nothing that
 /// locks it is called while it is held (the book's actions are carried out after it is released,
 /// see [`Inner::book`]).
 enum Half {
@@ -530,8 +534,9 @@ enum Half {
 
 /// A prefill agent's own half.
 struct PrefillHalf {
-    /// Posts this rank's writes and notifications to its decode ranks.
-    session: SenderSession,
+    /// Posts this rank's writes and notifications to its decode ranks, over the links kept in
+    /// the peers (behind `state`).
+    path: SendPath,
     /// The requests (every rule of their life: [`PrefillBook`]) and the peers.
     state: Mutex<State<PrefillBook<SendIo>>>,
 }
@@ -708,7 +713,7 @@ impl Agent {
         };
         let page_bytes: u64 = pool.buffers.iter().map(|b| topo.buffer_bytes(role, b.buffer.kind, 1)).sum();
         // A decode rank's warm-up region: host memory, one page of its pool, for its senders'
-        // first writes (`SenderSession::warm_up`); not for a backend that takes no host memory.
+        // first writes (`SendPath::warm_up`); not for a backend that takes no host memory.
         let warmup = if role == Side::Decode && backend.capabilities().memory.contains(&kvxfer_core::MemKind::Host) {
             let len = crate::session::warmup_bytes(&topo, rank);
             let mut host = HostBuffer::zeroed(len as usize);
@@ -724,7 +729,7 @@ impl Agent {
         let pool_pages = pool.pages;
         let session = match role {
             Side::Prefill => Some(
-                SenderSession::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
+                SendPath::new(Arc::clone(&backend), topo, rank, pool.clone(), cfg.notify)
                     .map_err(|e| setup(e.to_string()))?
                     .with_window(cfg.window),
             ),
@@ -776,12 +781,12 @@ impl Agent {
             Side::Decode => topo.senders(rank),
         }
         .into_iter()
-        .map(|r| (r, Peer { id: None, epoch: 0, lost: None }))
+        .map(|r| (r, Peer { id: None, link: None, epoch: 0, lost: None }))
         .collect();
         let peers = Peers { by_rank, quarantine: BTreeMap::new() };
         let half = match session {
-            Some(session) => Half::Prefill(Arc::new(PrefillHalf {
-                session,
+            Some(path) => Half::Prefill(Arc::new(PrefillHalf {
+                path,
                 state: State::new(
                     PrefillBook::new(BookConfig {
                         rank,
@@ -1251,7 +1256,7 @@ impl Sender {
             let mut first = None;
             for (d, generation) in targets {
                 let n = Notification::new(room, me, NotificationBody::Aux(data.clone())).with_generation(generation);
-                if let Err(e) = half.session.notify_rank(d, &n).await {
+                if let Err(e) = this.notify_rank(&half.path, d, &n).await {
                     first.get_or_insert(e.to_string());
                 }
             }
@@ -1349,6 +1354,18 @@ impl Inner {
         self.peers(|p| p.by_rank.get(&r).filter(|p| p.lost.is_none()).and_then(|p| p.id))
     }
 
+    /// A prefill agent's link to decode rank `d`, while connected and not lost.
+    fn link(&self, d: RankId) -> Result<DecodeLink, SessionError> {
+        self.peers(|p| p.by_rank.get(&d).filter(|p| p.lost.is_none()).and_then(|p| p.link.clone()))
+            .ok_or(SessionError::NotConnected { rank: self.cfg.rank, dst: d })
+    }
+
+    /// Sends `n` to decode rank `d` over its link ([`SendPath::notify`]).
+    async fn notify_rank(&self, s: &SendPath, d: RankId, n: &Notification) -> Result<(), SessionError> {
+        let link = self.link(d)?;
+        s.notify(&link, n).await
+    }
+
     // ---------------------------------------------------------------- connect and membership
 
     async fn connect_and_watch(
@@ -1436,14 +1453,14 @@ impl Inner {
         if replaced {
             self.peer_lost(reg.rank, format!("{} rank {} was replaced under epoch {epoch}", reg.role, reg.rank));
         }
-        let id = match &self.half {
+        let (id, link) = match &self.half {
             Half::Prefill(p) => {
-                let s = &p.session;
-                s.connect(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
+                let s = &p.path;
+                let link = s.open(reg.rank, &reg.endpoint, reg.pool.clone()).await.map_err(|e| e.to_string())?;
                 if let (Some(w), true) = (reg.warmup, self.cfg.warm_up) {
-                    self.warm_up(s, reg, w).await;
+                    self.warm_up(s, &link, reg, w).await;
                 }
-                s.peer_of(reg.rank)
+                (Some(link.peer()), Some(link))
             }
             Half::Decode(d) => {
                 let id =
@@ -1451,21 +1468,21 @@ impl Inner {
                         format!("decode rank {} -> prefill rank {}: connect: {e}", self.cfg.rank, reg.rank)
                     })?;
                 lock(d).book.sender_back(SenderKey::of(reg.rank));
-                Some(id)
+                (Some(id), None)
             }
         };
         // The old instance (if any) was given up on and is being cut off by `peer_lost`.
-        self.peers(|p| p.by_rank.insert(reg.rank, Peer { id, epoch, lost: None }));
+        self.peers(|p| p.by_rank.insert(reg.rank, Peer { id, link, epoch, lost: None }));
         Ok(())
     }
 
     /// Warms the new connection to decode rank `reg` before it counts as connected (see
-    /// [`SenderSession::warm_up`]). A failure is warned about and counted, not fatal: the
+    /// [`SendPath::warm_up`]). A failure is warned about and counted, not fatal: the
     /// connection stays, and a real request on it reports whatever is wrong.
-    async fn warm_up(&self, s: &SenderSession, reg: &RankRegistration, w: WarmupRegion) {
+    async fn warm_up(&self, s: &SendPath, link: &DecodeLink, reg: &RankRegistration, w: WarmupRegion) {
         let deadline = Instant::now() + WARM_UP_WAIT.min(self.cfg.request_timeout);
         let t0 = Instant::now();
-        match s.warm_up(reg.rank, w.region, w.len, WARM_UP_ROUNDS, deadline).await {
+        match s.warm_up(link, w.region, w.len, WARM_UP_ROUNDS, deadline).await {
             Ok(st) => {
                 add(&self.stats.warm_ups, 1);
                 tracing::debug!(
@@ -1556,6 +1573,7 @@ impl Inner {
         let id = self.peers(|peers| {
             let p = peers.by_rank.get_mut(&r).filter(|p| p.lost.is_none())?;
             p.lost = Some(why.clone());
+            p.link = None;
             Some(p.id.take())
         });
         let Some(id) = id else { return };
@@ -2002,12 +2020,12 @@ impl Inner {
         }
         let (this, half) = (Arc::clone(self), Arc::clone(half));
         self.handle.spawn(async move {
-            let s = &half.session;
+            let s = &half.path;
             for (d, n, after_link) in notes {
                 if after_link {
-                    this.link_to(s, d).await;
+                    this.link_to(d).await;
                 }
-                match s.notify_rank(d, &n).await {
+                match this.notify_rank(s, d, &n).await {
                     Ok(()) if matches!(n.body, NotificationBody::Fenced) => add(&this.stats.fences, 1),
                     Ok(()) => {}
                     // Not delivered: the decode rank fails the request at its deadline, naming
@@ -2075,12 +2093,11 @@ impl Inner {
     /// Waits (bounded by the request timeout) until this prefill rank's own connection to decode
     /// rank `d` is up: `d` connects to this rank on its own, so its abort may arrive first, and a
     /// fence sent before would be dropped (the decode rank would stay `Aborting`).
-    async fn link_to(&self, s: &SenderSession, d: RankId) {
+    async fn link_to(&self, d: RankId) {
         let until = Instant::now() + self.cfg.request_timeout;
-        while s.peer_of(d).is_none()
-            && Instant::now() < until
-            && self.stop.reason().is_none()
-            && self.connect_error.get().is_none()
+        // Until the link is up, or the peer is given up on (then the note fails at once).
+        let waiting = || self.peers(|p| p.by_rank.get(&d).is_some_and(|p| p.link.is_none() && p.lost.is_none()));
+        while waiting() && Instant::now() < until && self.stop.reason().is_none() && self.connect_error.get().is_none()
         {
             tokio::time::sleep(TICK).await;
         }
@@ -2120,7 +2137,7 @@ impl Inner {
         let (this, half2) = (Arc::clone(self), Arc::clone(half));
         let src = src_pages.to_vec();
         let part = async move {
-            let s = &half2.session;
+            let s = &half2.path;
             // Layer-wise: the notification follows every earlier part of the chunk.
             for h in earlier {
                 match h.await {
@@ -2134,7 +2151,8 @@ impl Inner {
                 let layers = layers.clone();
                 let note = if finish { Some(note) } else { None };
                 let (src, cancel) = (&src, &cancel);
-                async move { s.send_to(room, t.rank, src, &t.dst_pages, layers, note.as_ref(), deadline, cancel).await }
+                let link = this.link(t.rank);
+                async move { s.send_to(room, &link?, src, &t.dst_pages, layers, note.as_ref(), deadline, cancel).await }
             });
             // Decode ranks that verify digests: hash what this part writes there, beside the sends
             // (the source bytes stay as they are until the request's status is final).

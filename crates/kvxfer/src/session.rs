@@ -8,10 +8,12 @@
 //! session's [`NotifyStyle`] says. The decode rank polls [`ReceiverSession::status`] or awaits
 //! [`ReceiverSession::wait`].
 //!
-//! The engine API ([`crate::engine::Agent`]) posts through a [`SenderSession`] (its prefill
-//! agents hold one); its decode side is the core's [`kvxfer_core::decode::DecodeBook`], not a
-//! [`ReceiverSession`], which serves callers without membership or request lifecycle: the
-//! conformance suite and `kvxfer bench --model`.
+//! The engine API ([`crate::engine::Agent`]) posts through a [`SendPath`], the data path a
+//! [`SenderSession`] wraps: its prefill agents keep their [`DecodeLink`]s with the rest of what
+//! they know of their peers, behind their one lock. Its decode side is the core's
+//! [`kvxfer_core::decode::DecodeBook`], not a [`ReceiverSession`]. [`SenderSession`] (a send path
+//! and a map of its links) and [`ReceiverSession`] serve callers without membership or request
+//! lifecycle: the conformance suite and `kvxfer bench --model`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -430,16 +432,42 @@ pub struct SendStats {
     pub receivers: u64,
 }
 
-struct Receiver {
+/// A connection to one decode rank as the send path uses it: the rank, its backend peer and its
+/// pool's description. Cheap to clone (the pool is shared). [`SendPath::open`] makes one; who
+/// keeps it decides which connection a send uses: the engine's agent keeps its links with the rest
+/// of what it knows of its peers, behind its one lock, and [`SenderSession`] keeps a map of them.
+#[derive(Debug, Clone)]
+pub struct DecodeLink {
+    rank: RankId,
     peer: PeerId,
-    pool: KvPool,
+    pool: Arc<KvPool>,
+}
+
+impl DecodeLink {
+    /// The decode rank.
+    pub fn rank(&self) -> RankId {
+        self.rank
+    }
+
+    /// Its backend peer.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Its pool, as its registration described it.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
 }
 
 /// The request id [`SenderSession::warm_up`]'s errors name (no request of an engine's).
 pub const WARMUP_REQUEST: RequestId = RequestId(u64::MAX);
 
-/// The prefill side of one rank.
-pub struct SenderSession {
+/// The data path of one prefill rank: plans a (request, decode rank) pair's writes, posts them in
+/// a window, and notifies, over [`DecodeLink`]s its caller keeps. It holds no connection table and
+/// no lock: the engine's agent keeps its links under its one lock, and [`SenderSession`] (for
+/// callers without an agent) keeps a map of them.
+pub struct SendPath {
     backend: Arc<dyn KvTransferBackend>,
     topo: Topology,
     rank: RankId,
@@ -447,15 +475,21 @@ pub struct SenderSession {
     pool: KvPool,
     style: NotifyStyle,
     window: Window,
-    peers: Mutex<HashMap<RankId, Arc<Receiver>>>,
+}
+
+/// The prefill side of one rank for callers without an engine agent (the conformance suite,
+/// `kvxfer bench --model`): a [`SendPath`] and the decode ranks it connected to, by rank.
+pub struct SenderSession {
+    path: SendPath,
+    links: Mutex<HashMap<RankId, DecodeLink>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl SenderSession {
-    /// A session for prefill `rank`, whose buffers `pool` describes, notifying in `style`.
+impl SendPath {
+    /// A send path for prefill `rank`, whose buffers `pool` describes, notifying in `style`.
     pub fn new(
         backend: Arc<dyn KvTransferBackend>,
         topo: Topology,
@@ -471,19 +505,10 @@ impl SenderSession {
             peer: None,
             source,
         })?;
-        Ok(Self {
-            backend,
-            topo,
-            rank,
-            key: SenderKey::of(rank),
-            pool,
-            style,
-            window: Window::default(),
-            peers: Mutex::new(HashMap::new()),
-        })
+        Ok(Self { backend, topo, rank, key: SenderKey::of(rank), pool, style, window: Window::default() })
     }
 
-    /// The same session with another in-flight window per pair.
+    /// The same path with another in-flight window per pair.
     pub fn with_window(mut self, window: Window) -> Self {
         self.window = Window { bytes: window.bytes.max(1), ops: window.ops.max(1) };
         self
@@ -504,8 +529,14 @@ impl SenderSession {
         &self.backend
     }
 
-    /// Connects to decode rank `dst` from its endpoint metadata and pool description.
-    pub async fn connect(&self, dst: RankId, meta: &EndpointMetadata, dst_pool: KvPool) -> Result<(), SessionError> {
+    /// Connects to decode rank `dst` from its endpoint metadata and pool description; the caller
+    /// keeps the link (nothing here remembers it).
+    pub async fn open(
+        &self,
+        dst: RankId,
+        meta: &EndpointMetadata,
+        dst_pool: KvPool,
+    ) -> Result<DecodeLink, SessionError> {
         self.topo.check_rank(Side::Decode, dst)?;
         dst_pool.validate(&self.topo, Side::Decode, dst)?;
         let err = |source| SessionError::Backend {
@@ -516,11 +547,10 @@ impl SenderSession {
             source,
         };
         let peer = self.backend.connect(meta).await.map_err(err)?;
-        lock(&self.peers).insert(dst, Arc::new(Receiver { peer, pool: dst_pool }));
-        Ok(())
+        Ok(DecodeLink { rank: dst, peer, pool: Arc::new(dst_pool) })
     }
 
-    /// Warms the connection to decode rank `dst` (connected with [`Self::connect`]): writes what a
+    /// Warms the connection `link` to a decode rank (made by [`Self::open`]): writes what a
     /// one-page request writes to it (page 0 of this rank's pool, the same ops and sizes)
     /// `rounds` times into the warm-up region `region` of `len` bytes that the decode rank
     /// registered for it ([`WARMUP_REGION`], [`warmup_bytes`]), with no notification. A backend's
@@ -531,13 +561,13 @@ impl SenderSession {
     /// were fenced.
     pub async fn warm_up(
         &self,
-        dst: RankId,
+        link: &DecodeLink,
         region: RegionId,
         len: u64,
         rounds: u32,
         deadline: Instant,
     ) -> Result<SendStats, SessionError> {
-        let rx = self.receiver(dst)?;
+        let dst = link.rank;
         let pool = warmup_pool(&self.topo, dst, region);
         let need: u64 = pool.buffers.iter().map(|b| b.len).sum();
         if len < need {
@@ -557,7 +587,7 @@ impl SenderSession {
         let Some(pair) = pairs.iter().find(|p| p.dst == dst) else {
             return Err(plan_err(PlanError::NotAReceiver { src: self.rank, dst }));
         };
-        let scratch = Receiver { peer: rx.peer, pool };
+        let scratch = DecodeLink { rank: dst, peer: link.peer, pool: Arc::new(pool) };
         let never = Cancel::new();
         for _ in 0..rounds {
             let s = self.send_pair(WARMUP_REQUEST, pair, 0..pair.layers, &scratch, None, deadline, &never).await?;
@@ -566,76 +596,6 @@ impl SenderSession {
         }
         stats.receivers = 1;
         Ok(stats)
-    }
-
-    /// The backend peer of a connected decode rank.
-    pub fn peer_of(&self, dst: RankId) -> Option<PeerId> {
-        lock(&self.peers).get(&dst).map(|r| r.peer)
-    }
-
-    fn receiver(&self, dst: RankId) -> Result<Arc<Receiver>, SessionError> {
-        lock(&self.peers).get(&dst).cloned().ok_or(SessionError::NotConnected { rank: self.rank, dst })
-    }
-
-    /// Plans and sends one chunk to every decode rank this rank feeds, then notifies each. On any
-    /// failure (a plan error, a page out of range, a missing connection, a transfer error) every
-    /// connected receiver is told (a failure notification, after this rank's own transfers settled)
-    /// before the error is returned.
-    pub async fn send_chunk(
-        &self,
-        request: RequestId,
-        chunk: &Chunk,
-        deadline: Instant,
-    ) -> Result<SendStats, SessionError> {
-        match self.send_chunk_inner(request, chunk, deadline).await {
-            Ok(s) => Ok(s),
-            Err(e) => {
-                self.fail(request, &e.to_string()).await;
-                Err(e)
-            }
-        }
-    }
-
-    async fn send_chunk_inner(
-        &self,
-        request: RequestId,
-        chunk: &Chunk,
-        deadline: Instant,
-    ) -> Result<SendStats, SessionError> {
-        let plan_err = |source| SessionError::Plan { request, side: Side::Prefill, rank: self.rank, source };
-        let pairs = plan_sender(&self.topo, self.rank, &chunk.src_pages, &chunk.dst_pages).map_err(plan_err)?;
-        check_pages(Side::Prefill, self.rank, &chunk.src_pages, self.pool.pages).map_err(plan_err)?;
-        let mut targets = Vec::with_capacity(pairs.len());
-        for pair in &pairs {
-            let rx = self.receiver(pair.dst)?;
-            check_pages(Side::Decode, pair.dst, &chunk.dst_pages, rx.pool.pages).map_err(plan_err)?;
-            targets.push((pair, rx));
-        }
-        let note = Notification::chunk(request, self.key, chunk.index, chunk.last);
-        let never = Cancel::new();
-        let sends = targets.iter().map(|(pair, rx)| {
-            let layers = 0..pair.layers;
-            self.send_pair(request, pair, layers, rx, Some(&note), deadline, &never)
-        });
-        let results = join_all(sends).await;
-        let mut stats = SendStats::default();
-        let mut first_err = None;
-        for r in results {
-            match r {
-                Ok(s) => {
-                    stats.bytes += s.bytes;
-                    stats.ops += s.ops;
-                    stats.receivers += 1;
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(stats),
-        }
     }
 
     /// Sends part of one chunk to ONE decode rank: the layers `layers` (stage-local) of the pages
@@ -648,7 +608,7 @@ impl SenderSession {
     pub async fn send_to(
         &self,
         request: RequestId,
-        dst: RankId,
+        link: &DecodeLink,
         src_pages: &[u32],
         dst_pages: &[u32],
         layers: std::ops::Range<u32>,
@@ -658,7 +618,7 @@ impl SenderSession {
     ) -> Result<SendStats, SessionError> {
         let plan_err = |source| SessionError::Plan { request, side: Side::Prefill, rank: self.rank, source };
         check_pages(Side::Prefill, self.rank, src_pages, self.pool.pages).map_err(plan_err)?;
-        let rx = self.receiver(dst)?;
+        let (dst, rx) = (link.rank, link);
         check_pages(Side::Decode, dst, dst_pages, rx.pool.pages).map_err(plan_err)?;
         let pairs = plan_sender(&self.topo, self.rank, src_pages, dst_pages).map_err(plan_err)?;
         let Some(pair) = pairs.iter().find(|p| p.dst == dst) else {
@@ -676,7 +636,7 @@ impl SenderSession {
                 detail: format!("layer range {layers:?} is outside this stage's {} layers", pair.layers),
             });
         }
-        self.send_pair(request, pair, layers, &rx, note, deadline, cancel).await
+        self.send_pair(request, pair, layers, rx, note, deadline, cancel).await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -685,7 +645,7 @@ impl SenderSession {
         request: RequestId,
         pair: &PairPlan,
         layers: std::ops::Range<u32>,
-        rx: &Receiver,
+        rx: &DecodeLink,
         note: Option<&Notification>,
         deadline: Instant,
         cancel: &Cancel,
@@ -712,7 +672,7 @@ impl SenderSession {
         request: RequestId,
         pair: &PairPlan,
         layers: std::ops::Range<u32>,
-        rx: &Receiver,
+        rx: &DecodeLink,
         note: Option<&Notification>,
         deadline: Instant,
         inflight: &mut Inflight,
@@ -789,47 +749,10 @@ impl SenderSession {
         SessionError::Pool { side, rank, detail: format!("no buffer for layer {} {}", b.layer, b.kind) }
     }
 
-    /// Sends aux data (e.g. the first output token) to every receiver, out of band.
-    pub async fn send_aux(&self, request: RequestId, data: Vec<u8>) -> Result<(), SessionError> {
-        self.broadcast(request, NotificationBody::Aux(data)).await
-    }
-
-    /// Sends per-request state to every receiver, out of band.
-    pub async fn send_state(&self, request: RequestId, data: Vec<u8>) -> Result<(), SessionError> {
-        self.broadcast(request, NotificationBody::State(data)).await
-    }
-
-    async fn broadcast(&self, request: RequestId, body: NotificationBody) -> Result<(), SessionError> {
-        self.notify_receivers(&Notification::new(request, self.key, body)).await
-    }
-
-    /// Sends `n` as it is, out of band, to every decode rank this rank feeds (for engines that carry
-    /// their own notifications, and for tests that replay or forge them). Every receiver is tried,
-    /// each bounded by [`NOTIFY_TIMEOUT`]; the first error is returned after all were tried.
-    pub async fn notify_receivers(&self, n: &Notification) -> Result<(), SessionError> {
-        let request = n.request;
-        let mut first = None;
-        for dst in self.receivers() {
-            let r = match self.receiver(dst) {
-                Ok(rx) => self.notify_one(rx.peer, dst, n).await,
-                Err(e) => Err(e),
-            };
-            if let Err(e) = r {
-                tracing::warn!(%request, rank = %self.rank, %dst, error = %e, "could not notify receiver");
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
-    }
-
-    /// Sends one notification to one connected decode rank, bounded by [`NOTIFY_TIMEOUT`].
-    pub async fn notify_rank(&self, dst: RankId, n: &Notification) -> Result<(), SessionError> {
-        let rx = self.receiver(dst)?;
-        self.notify_one(rx.peer, dst, n).await
-    }
-
-    async fn notify_one(&self, peer: PeerId, dst: RankId, n: &Notification) -> Result<(), SessionError> {
-        let request = n.request;
+    /// Sends one notification to the decode rank of `link`, out of band, bounded by
+    /// [`NOTIFY_TIMEOUT`].
+    pub async fn notify(&self, link: &DecodeLink, n: &Notification) -> Result<(), SessionError> {
+        let (peer, dst, request) = (link.peer, link.rank, n.request);
         match tokio::time::timeout(NOTIFY_TIMEOUT, self.backend.notify(peer, n)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(source)) => Err(SessionError::Backend {
@@ -842,18 +765,204 @@ impl SenderSession {
             Err(_) => Err(SessionError::SendTimeout { request, rank: self.rank, dst }),
         }
     }
+}
+
+impl SenderSession {
+    /// A session for prefill `rank`, whose buffers `pool` describes, notifying in `style`.
+    pub fn new(
+        backend: Arc<dyn KvTransferBackend>,
+        topo: Topology,
+        rank: RankId,
+        pool: KvPool,
+        style: NotifyStyle,
+    ) -> Result<Self, SessionError> {
+        Ok(Self { path: SendPath::new(backend, topo, rank, pool, style)?, links: Mutex::new(HashMap::new()) })
+    }
+
+    /// The same session with another in-flight window per pair.
+    pub fn with_window(mut self, window: Window) -> Self {
+        self.path = self.path.with_window(window);
+        self
+    }
+
+    /// Its data path.
+    pub fn path(&self) -> &SendPath {
+        &self.path
+    }
+
+    /// The key this rank notifies with.
+    pub fn key(&self) -> SenderKey {
+        self.path.key
+    }
+
+    /// The decode ranks this rank writes to.
+    pub fn receivers(&self) -> Vec<RankId> {
+        self.path.receivers()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn KvTransferBackend> {
+        &self.path.backend
+    }
+
+    /// Connects to decode rank `dst` from its endpoint metadata and pool description (replacing an
+    /// earlier connection to it in this session's map).
+    pub async fn connect(&self, dst: RankId, meta: &EndpointMetadata, dst_pool: KvPool) -> Result<(), SessionError> {
+        let link = self.path.open(dst, meta, dst_pool).await?;
+        lock(&self.links).insert(dst, link);
+        Ok(())
+    }
+
+    /// [`SendPath::warm_up`] on the connection to decode rank `dst`.
+    pub async fn warm_up(
+        &self,
+        dst: RankId,
+        region: RegionId,
+        len: u64,
+        rounds: u32,
+        deadline: Instant,
+    ) -> Result<SendStats, SessionError> {
+        let link = self.link(dst)?;
+        self.path.warm_up(&link, region, len, rounds, deadline).await
+    }
+
+    /// The backend peer of a connected decode rank.
+    pub fn peer_of(&self, dst: RankId) -> Option<PeerId> {
+        lock(&self.links).get(&dst).map(|l| l.peer)
+    }
+
+    fn link(&self, dst: RankId) -> Result<DecodeLink, SessionError> {
+        lock(&self.links).get(&dst).cloned().ok_or(SessionError::NotConnected { rank: self.path.rank, dst })
+    }
+
+    /// Plans and sends one chunk to every decode rank this rank feeds, then notifies each. On any
+    /// failure (a plan error, a page out of range, a missing connection, a transfer error) every
+    /// connected receiver is told (a failure notification, after this rank's own transfers settled)
+    /// before the error is returned.
+    pub async fn send_chunk(
+        &self,
+        request: RequestId,
+        chunk: &Chunk,
+        deadline: Instant,
+    ) -> Result<SendStats, SessionError> {
+        match self.send_chunk_inner(request, chunk, deadline).await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.fail(request, &e.to_string()).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn send_chunk_inner(
+        &self,
+        request: RequestId,
+        chunk: &Chunk,
+        deadline: Instant,
+    ) -> Result<SendStats, SessionError> {
+        let plan_err = |source| SessionError::Plan { request, side: Side::Prefill, rank: self.path.rank, source };
+        let pairs =
+            plan_sender(&self.path.topo, self.path.rank, &chunk.src_pages, &chunk.dst_pages).map_err(plan_err)?;
+        check_pages(Side::Prefill, self.path.rank, &chunk.src_pages, self.path.pool.pages).map_err(plan_err)?;
+        let mut targets = Vec::with_capacity(pairs.len());
+        for pair in &pairs {
+            let rx = self.link(pair.dst)?;
+            check_pages(Side::Decode, pair.dst, &chunk.dst_pages, rx.pool.pages).map_err(plan_err)?;
+            targets.push((pair, rx));
+        }
+        let note = Notification::chunk(request, self.path.key, chunk.index, chunk.last);
+        let never = Cancel::new();
+        let sends = targets.iter().map(|(pair, rx)| {
+            let layers = 0..pair.layers;
+            self.path.send_pair(request, pair, layers, rx, Some(&note), deadline, &never)
+        });
+        let results = join_all(sends).await;
+        let mut stats = SendStats::default();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(s) => {
+                    stats.bytes += s.bytes;
+                    stats.ops += s.ops;
+                    stats.receivers += 1;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+
+    /// [`SendPath::send_to`] on the connection to decode rank `dst`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn send_to(
+        &self,
+        request: RequestId,
+        dst: RankId,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        layers: std::ops::Range<u32>,
+        note: Option<&Notification>,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> Result<SendStats, SessionError> {
+        let link = self.link(dst)?;
+        self.path.send_to(request, &link, src_pages, dst_pages, layers, note, deadline, cancel).await
+    }
+
+    /// Sends aux data (e.g. the first output token) to every receiver, out of band.
+    pub async fn send_aux(&self, request: RequestId, data: Vec<u8>) -> Result<(), SessionError> {
+        self.broadcast(request, NotificationBody::Aux(data)).await
+    }
+
+    /// Sends per-request state to every receiver, out of band.
+    pub async fn send_state(&self, request: RequestId, data: Vec<u8>) -> Result<(), SessionError> {
+        self.broadcast(request, NotificationBody::State(data)).await
+    }
+
+    async fn broadcast(&self, request: RequestId, body: NotificationBody) -> Result<(), SessionError> {
+        self.notify_receivers(&Notification::new(request, self.path.key, body)).await
+    }
+
+    /// Sends `n` as it is, out of band, to every decode rank this rank feeds (for engines that carry
+    /// their own notifications, and for tests that replay or forge them). Every receiver is tried,
+    /// each bounded by [`NOTIFY_TIMEOUT`]; the first error is returned after all were tried.
+    pub async fn notify_receivers(&self, n: &Notification) -> Result<(), SessionError> {
+        let request = n.request;
+        let mut first = None;
+        for dst in self.receivers() {
+            let r = match self.link(dst) {
+                Ok(link) => self.path.notify(&link, n).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                tracing::warn!(%request, rank = %self.path.rank, %dst, error = %e, "could not notify receiver");
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Sends one notification to one connected decode rank, bounded by [`NOTIFY_TIMEOUT`].
+    pub async fn notify_rank(&self, dst: RankId, n: &Notification) -> Result<(), SessionError> {
+        let link = self.link(dst)?;
+        self.path.notify(&link, n).await
+    }
 
     /// Tells every connected receiver that this rank failed `request` (best effort, each bounded by
     /// [`NOTIFY_TIMEOUT`]), so decode learns at once instead of at its deadline. Call it only after
     /// this rank's transfers of the request settled: the failure also counts as this rank's fence.
     pub async fn fail(&self, request: RequestId, reason: &str) {
-        let n = Notification::failure(request, self.key, reason);
-        let peers: Vec<_> =
-            self.receivers().into_iter().filter_map(|d| self.receiver(d).ok().map(|rx| (d, rx.peer))).collect();
-        let sends = peers.iter().map(|(d, p)| self.notify_one(*p, *d, &n));
+        let n = Notification::failure(request, self.path.key, reason);
+        let links: Vec<_> = self.receivers().into_iter().filter_map(|d| self.link(d).ok()).collect();
+        let sends = links.iter().map(|l| self.path.notify(l, &n));
         for r in join_all(sends).await {
             if let Err(e) = r {
-                tracing::warn!(%request, rank = %self.rank, error = %e, "could not deliver failure notification");
+                tracing::warn!(%request, rank = %self.path.rank, error = %e, "could not deliver failure notification");
             }
         }
     }
@@ -872,7 +981,9 @@ pub struct Cancel {
 
 #[derive(Debug, Default)]
 struct CancelInner {
-    reason: Mutex<Option<String>>,
+    /// Set once, by the first [`Cancel::cancel`] (no lock: a request's cancel is read on every
+    /// send of it).
+    reason: std::sync::OnceLock<String>,
     notify: tokio::sync::Notify,
 }
 
@@ -884,19 +995,16 @@ impl Cancel {
 
     /// Cancels, with a reason (the first reason wins). Returns whether this call cancelled it.
     pub fn cancel(&self, reason: impl Into<String>) -> bool {
-        let mut r = lock(&self.inner.reason);
-        if r.is_some() {
+        if self.inner.reason.set(reason.into()).is_err() {
             return false;
         }
-        *r = Some(reason.into());
-        drop(r);
         self.inner.notify.notify_waiters();
         true
     }
 
     /// The reason, once cancelled.
     pub fn reason(&self) -> Option<String> {
-        lock(&self.inner.reason).clone()
+        self.inner.reason.get().cloned()
     }
 
     /// Resolves (with the reason) once cancelled.
