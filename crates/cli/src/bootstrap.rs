@@ -41,8 +41,8 @@ pub struct BootstrapArgs {
     /// Longest request line, in bytes (applied while reading).
     #[arg(long, default_value_t = MAX_REQUEST_LINE, value_parser = clap::value_parser!(u64).range(1024..=1 << 30).map(|v| v as usize))]
     pub max_line_bytes: usize,
-    /// Seconds a connection may take to send its whole request line (however slowly); then it is
-    /// answered an error and closed.
+    /// Seconds a connection may take to send its whole request line (however slowly), then it is
+    /// answered an error and closed; and to read its whole answer, then it is closed.
     #[arg(long, default_value_t = 30.0, value_parser = crate::model::parse_seconds)]
     pub idle_timeout_s: f64,
     /// Require the shared secret in this file (its bytes, trailing line breaks dropped): every request

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::engine::{Agent, AgentConfig, EngineError, KvMemory, Phase, Receiver, RequestStatus, Sender};
 use kvxfer::metadata::auth::Secret;
-use kvxfer::metadata::members::{rank_key as record_key, record_of};
+use kvxfer::metadata::members::rank_key as record_key;
 use kvxfer::metadata::{self, wait_until, wait_value, MemberEvent, MemberWatch, MetadataAddr, MetadataStore};
 use kvxfer_core::oracle::{BufferGeom, SENTINEL};
 use kvxfer_core::plan::plan_sender;
@@ -771,7 +771,9 @@ async fn run_slots(ctx: &Arc<Ctx>, store: &dyn MetadataStore, side: Side, wait: 
         store.put(&finished(ctx.rank), &json!(true), Some(lease)).await.map_err(|e| e.to_string())?;
         for p in topo.senders(ctx.rank) {
             let what = format!("prefill rank {p} leaving");
-            let left = |e: Option<&metadata::Entry>| e.map_or(true, |e| record_of(&e.value).is_some_and(|r| r.left));
+            let left = |e: Option<&metadata::Entry>| {
+                e.map_or(true, |e| e.parse::<metadata::RankRecord>().is_ok_and(|r| r.left))
+            };
             wait_until(store, &record_key(Side::Prefill, p), wait, &what, left).await.map_err(|e| e.to_string())?;
         }
         Ok(())

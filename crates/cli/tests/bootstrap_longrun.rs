@@ -159,7 +159,7 @@ fn put(rt: &tokio::runtime::Runtime, s: &BootstrapStore, key: &str, value: Value
 
 /// The value under `key`, if any.
 fn get(rt: &tokio::runtime::Runtime, s: &BootstrapStore, key: &str) -> Result<Option<Value>, String> {
-    rt.block_on(s.get(key)).map(|(e, _)| e.map(|e| e.value)).map_err(|e| e.to_string())
+    rt.block_on(s.get(key)).map(|(e, _)| e.map(|e| e.json())).map_err(|e| e.to_string())
 }
 
 /// A rank joins as ranks do (its record under a lease, checked against the ranks there), and the

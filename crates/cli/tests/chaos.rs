@@ -651,7 +651,7 @@ fn decode_record(boot: &str, secret: Option<&str>) -> Result<(Value, u64), Strin
         let store = metadata::connect_with(&a, Duration::from_secs(5), s).await.map_err(|e| e.to_string())?;
         let (e, _) = store.get("ranks/decode/0.0").await.map_err(|e| e.to_string())?;
         let e = e.ok_or("no decode record")?;
-        Ok((e.value, e.create_revision))
+        Ok((e.json(), e.create_revision))
     })
 }
 

@@ -527,25 +527,29 @@ pub(crate) struct Response {
     stats: Option<ServerStats>,
 }
 
-/// A `store` request's answer: read by a client as a JSON value; written by the service from the
+/// A `store` request's answer: read by a client as JSON text; written by the service from the
 /// store's JSON text as it is (a list or watch answer holds every rank's record, written once when it
 /// was stored), or from a value.
 #[derive(Debug)]
 pub(crate) enum StoreAnswer {
-    /// A value (what a client reads).
+    /// A value (an error the service writes).
     Value(Value),
     /// JSON text, sent as it is.
     Text(Box<serde_json::value::RawValue>),
 }
 
 impl StoreAnswer {
-    /// The answer as a value.
-    pub(crate) fn into_value(self) -> Value {
+    /// The answer as JSON text.
+    pub(crate) fn into_text(self) -> Box<serde_json::value::RawValue> {
         match self {
-            Self::Value(v) => v,
-            Self::Text(t) => serde_json::from_str(t.get()).unwrap_or(Value::Null),
+            Self::Value(v) => serde_json::value::to_raw_value(&v).unwrap_or_else(|_| null_text()),
+            Self::Text(t) => t,
         }
     }
+}
+
+fn null_text() -> Box<serde_json::value::RawValue> {
+    serde_json::value::RawValue::from_string("null".into()).expect("null is JSON")
 }
 
 impl Serialize for StoreAnswer {
@@ -557,9 +561,11 @@ impl Serialize for StoreAnswer {
     }
 }
 
+/// A client reads the answer as its text (the answer line is read with `serde_json::from_str`):
+/// each record in it is read once, into its type, by the caller.
 impl<'de> Deserialize<'de> for StoreAnswer {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Value::deserialize(d).map(Self::Value)
+        Box::<serde_json::value::RawValue>::deserialize(d).map(Self::Text)
     }
 }
 
@@ -1284,6 +1290,14 @@ impl BootstrapClient {
             if n == 0 {
                 return Err(io(format!("the service closed the connection without answering {op}")));
             }
+            if !resp.ends_with('\n') {
+                return Err(io(format!(
+                    "the service closed the connection after {n} bytes of its answer to {op}, before its end: a \
+                     bootstrap service drops a client that has not read its answer within its idle_timeout (`kvxfer \
+                     bootstrap --idle-timeout-s`, 30 s by default); this process was too busy to read it, or the \
+                     network too slow"
+                )));
+            }
             if self.secret.is_none() && auth::parse_challenge(&resp).is_some() {
                 // The service wants a proof; its refusal follows the challenge.
                 resp.clear();
@@ -1311,9 +1325,13 @@ impl BootstrapClient {
     }
 
     /// One call of the metadata-store interface (the `store` request): the in-memory store's answer.
-    pub(crate) async fn store_call(&self, call: StoreCall, wait: Duration) -> Result<Value, BootstrapError> {
+    pub(crate) async fn store_call(
+        &self,
+        call: StoreCall,
+        wait: Duration,
+    ) -> Result<Box<serde_json::value::RawValue>, BootstrapError> {
         let op = call.describe();
-        Ok(self.call(&op, &Request::Store { call }, wait).await?.result.map_or(Value::Null, StoreAnswer::into_value))
+        Ok(self.call(&op, &Request::Store { call }, wait).await?.result.map_or_else(null_text, StoreAnswer::into_text))
     }
 
     /// The service's counters (the store's keys and leases, connections, waits, refusals).

@@ -57,7 +57,7 @@ async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_serve
     let client = BootstrapStore::new(&addr, "/hostile").with_timeout(Duration::from_secs(20));
     // Warm up: the runtime, the service and the client have made their first allocations.
     client.put("warm", &serde_json::json!(1), None).await.unwrap();
-    assert_eq!(client.get("warm").await.unwrap().0.unwrap().value, serde_json::json!(1));
+    assert_eq!(client.get("warm").await.unwrap().0.unwrap().json(), serde_json::json!(1));
     // Start the peak count here (Linux >= 4.0: "5" resets VmHWM to VmRSS); without it the peak only
     // overestimates the growth.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
@@ -111,7 +111,7 @@ async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_serve
     let lease = client.grant(Duration::from_secs(30)).await.unwrap();
     client.put("ranks/prefill/0.0", &serde_json::to_value(&record).unwrap(), Some(lease)).await.unwrap();
     let (ranks, _) = client.list("ranks/").await.unwrap();
-    let listed: Vec<RankRecord> = ranks.into_iter().map(|e| serde_json::from_value(e.value).unwrap()).collect();
+    let listed: Vec<RankRecord> = ranks.into_iter().map(|e| e.parse().unwrap()).collect();
     assert_eq!(listed, vec![record]);
     let served_in = t.elapsed();
 
@@ -141,5 +141,5 @@ async fn a_client_without_newline_is_cut_off_at_the_limit_while_others_are_serve
     assert!(answer.contains("\"ok\":false") && answer.contains("longer than"), "no error answer: {answer:?}");
     // The service still answers afterwards.
     client.put("after", &serde_json::json!(2), None).await.unwrap();
-    assert_eq!(client.get("after").await.unwrap().0.unwrap().value, serde_json::json!(2));
+    assert_eq!(client.get("after").await.unwrap().0.unwrap().json(), serde_json::json!(2));
 }

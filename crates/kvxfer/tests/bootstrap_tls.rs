@@ -24,7 +24,7 @@ async fn a_client_of_the_cluster_with_the_secret_is_served_over_tls() {
     let addr = server.addr().to_string();
     let store = BootstrapStore::new(&addr, "/tls").with_secret(secret.clone()).with_tls(Some(tls.clone()));
     store.put("k", &Value::from(42), None).await.unwrap();
-    assert_eq!(store.get("k").await.unwrap().0.unwrap().value, Value::from(42));
+    assert_eq!(store.get("k").await.unwrap().0.unwrap().json(), Value::from(42));
     let c = BootstrapClient::new(addr).with_secret(secret).with_tls(Some(tls));
     let s = c.stats().await.unwrap();
     assert_eq!((s.tls_failures, s.auth_failures, s.store_keys), (0, 0, 1), "{s:?}");

@@ -52,11 +52,11 @@ async fn basics(s: Arc<dyn MetadataStore>, other_prefix: Arc<dyn MetadataStore>)
     let r1 = s.put("req/1", &json!([3, 1, 2]), None).await.unwrap();
     let (e, rev) = s.get("req/1").await.unwrap();
     let e = e.unwrap();
-    assert_eq!((e.key.as_str(), &e.value), ("req/1", &json!([3, 1, 2])));
+    assert_eq!((e.key.as_str(), &e.json()), ("req/1", &json!([3, 1, 2])));
     assert!(rev >= r1 && e.mod_revision == r1);
     // Create is exclusive.
     assert!(
-        matches!(s.create("req/1", &json!(0), None).await.unwrap(), Created::Exists(x) if x.value == json!([3, 1, 2]))
+        matches!(s.create("req/1", &json!(0), None).await.unwrap(), Created::Exists(x) if x.json() == json!([3, 1, 2]))
     );
     assert!(matches!(s.create("req/2", &json!(7), None).await.unwrap(), Created::Yes { .. }));
     let (l, _) = s.list("req/").await.unwrap();
@@ -280,7 +280,7 @@ async fn bootstrap_service_with_a_shared_secret() {
         Arc::new(BootstrapStore::new(&addr, "/a").with_secret(Secret::new(b"guess".to_vec()).unwrap()));
     let e = wrong.put("k", &json!("evil"), None).await.unwrap_err().to_string();
     assert!(e.contains("authentication failed"), "{e}");
-    assert_eq!(st("/a").get("k").await.unwrap().0.unwrap().value, json!("v"));
+    assert_eq!(st("/a").get("k").await.unwrap().0.unwrap().json(), json!("v"));
     assert_eq!(server.stats().auth_failures, 2);
     // The secret never shows in a store's Debug output.
     assert!(!format!("{:?}", st("/a")).contains("shared secret"));

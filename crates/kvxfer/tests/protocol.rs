@@ -76,7 +76,7 @@ async fn a_protocol_2_record_reads_as_protocol_2_and_pairs_with_this_build() {
     s.put(&key, &value, None).await.unwrap();
     let _d = Membership::join(Arc::clone(&s), decode_registration(ProtocolRange::THIS_BUILD), TTL).await.unwrap();
     let (mine, _) = s.get("ranks/decode/0.0").await.unwrap();
-    let mine = mine.unwrap().value;
+    let mine = mine.unwrap().json();
     assert_eq!(
         mine["registration"]["protocol"],
         serde_json::json!({"oldest": OLDEST_PROTOCOL, "newest": PROTOCOL}),
@@ -171,7 +171,7 @@ async fn mid_upgrade_a_prefill_rank_on_protocol_2_feeds_upgraded_decode_ranks() 
     for (key, want) in
         [("ranks/prefill/0.0", ProtocolRange::THIS_BUILD), ("ranks/prefill/1.0", ProtocolRange::exactly(2))]
     {
-        let v = store.get(key).await.unwrap().0.unwrap().value;
+        let v = store.get(key).await.unwrap().0.unwrap().json();
         assert_eq!(record_of(&v).unwrap().registration.protocol, want, "{key}");
     }
     for (r, a) in prefill.iter().enumerate() {

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::memory::{MemShared, MemStoreError, StoreCall};
@@ -88,11 +90,12 @@ impl BootstrapStore {
         e
     }
 
-    async fn call(&self, call: StoreCall, wait: Duration) -> Result<Value, StoreError> {
+    /// One call; its answer as JSON text (read into the call's answer type by [`Self::answer`]).
+    async fn call(&self, call: StoreCall, wait: Duration) -> Result<Box<RawValue>, StoreError> {
         let op = call.describe();
-        let r: Result<Value, MemStoreError> = match &self.transport {
+        let r: Result<Box<RawValue>, MemStoreError> = match &self.transport {
             Transport::InProcess(m) => {
-                let fut = m.call(call);
+                let fut = m.call_text(call);
                 tokio::time::timeout(self.timeout + wait, fut).await.map_err(|_| StoreError::Timeout {
                     store: self.name.clone(),
                     op: op.clone(),
@@ -117,11 +120,15 @@ impl BootstrapStore {
                         StoreError::Unavailable { store: self.name.clone(), op: op.clone(), detail: other.to_string() }
                     }
                 })?;
-                serde_json::from_value(v).map_err(|e| StoreError::Unavailable {
-                    store: self.name.clone(),
-                    op: "call".into(),
-                    detail: format!("malformed answer (is this a kvxfer bootstrap service of this version?): {e}"),
-                })?
+                // `{"Ok": answer}` or `{"Err": error}`, as serde writes a `Result`; the answer read
+                // in place, not as a JSON tree.
+                serde_json::from_str::<Result<&RawValue, MemStoreError>>(v.get())
+                    .map(|r| r.map(RawValue::to_owned))
+                    .map_err(|e| StoreError::Unavailable {
+                        store: self.name.clone(),
+                        op: "call".into(),
+                        detail: format!("malformed answer (is this a kvxfer bootstrap service of this version?): {e}"),
+                    })?
             }
         };
         r.map_err(|e| match e {
@@ -132,12 +139,13 @@ impl BootstrapStore {
         })
     }
 
-    fn field<T: DeserializeOwned>(&self, v: &Value, f: &str) -> Result<T, StoreError> {
-        // In place: a list answer holds every rank's record.
-        T::deserialize(v.get(f).unwrap_or(&Value::Null)).map_err(|e| StoreError::Unavailable {
+    /// A call's answer read as `T` from its text (a list answer holds every rank's record: each
+    /// entry's value stays text, see [`Entry`]).
+    fn answer<T: DeserializeOwned>(&self, text: &RawValue) -> Result<T, StoreError> {
+        serde_json::from_str(text.get()).map_err(|e| StoreError::Unavailable {
             store: self.name.clone(),
             op: "call".into(),
-            detail: format!("malformed answer: field {f}: {e}"),
+            detail: format!("malformed answer: {e}"),
         })
     }
 }
@@ -150,7 +158,7 @@ impl MetadataStore for BootstrapStore {
 
     async fn grant(&self, ttl: Duration) -> Result<LeaseId, StoreError> {
         let v = self.call(StoreCall::Grant { ttl_ms: ttl.as_millis().max(1) as u64 }, Duration::ZERO).await?;
-        self.field(&v, "lease")
+        Ok(self.answer::<GrantAnswer>(&v)?.lease)
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
@@ -163,34 +171,39 @@ impl MetadataStore for BootstrapStore {
 
     async fn put(&self, key: &str, value: &Value, lease: Option<LeaseId>) -> Result<u64, StoreError> {
         let v = self.call(StoreCall::Put { key: self.full(key), value: value.clone(), lease }, Duration::ZERO).await?;
-        self.field(&v, "revision")
+        Ok(self.answer::<PutAnswer>(&v)?.revision)
     }
 
     async fn create(&self, key: &str, value: &Value, lease: Option<LeaseId>) -> Result<Created, StoreError> {
         let v =
             self.call(StoreCall::Create { key: self.full(key), value: value.clone(), lease }, Duration::ZERO).await?;
-        if self.field::<bool>(&v, "created")? {
-            Ok(Created::Yes { revision: self.field(&v, "revision")? })
-        } else {
-            Ok(Created::Exists(self.fix(self.field(&v, "existing")?)))
+        let a: CreateAnswer = self.answer(&v)?;
+        match (a.created, a.existing) {
+            (true, _) => Ok(Created::Yes { revision: a.revision }),
+            (false, Some(e)) => Ok(Created::Exists(self.fix(e))),
+            (false, None) => Err(StoreError::Unavailable {
+                store: self.name.clone(),
+                op: "create".into(),
+                detail: "malformed answer: not created and no existing entry".into(),
+            }),
         }
     }
 
     async fn get(&self, key: &str) -> Result<(Option<Entry>, u64), StoreError> {
         let v = self.call(StoreCall::Get { key: self.full(key) }, Duration::ZERO).await?;
-        let e: Option<Entry> = self.field(&v, "entry")?;
-        Ok((e.map(|e| self.fix(e)), self.field(&v, "revision")?))
+        let a: GetAnswer = self.answer(&v)?;
+        Ok((a.entry.map(|e| self.fix(e)), a.revision))
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, u64), StoreError> {
         let v = self.call(StoreCall::List { prefix: self.full(prefix) }, Duration::ZERO).await?;
-        let es: Vec<Entry> = self.field(&v, "entries")?;
-        Ok((es.into_iter().map(|e| self.fix(e)).collect(), self.field(&v, "revision")?))
+        let a: ListAnswer = self.answer(&v)?;
+        Ok((a.entries.into_iter().map(|e| self.fix(e)).collect(), a.revision))
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let v = self.call(StoreCall::Delete { key: self.full(key) }, Duration::ZERO).await?;
-        self.field(&v, "deleted")
+        Ok(self.answer::<DeleteAnswer>(&v)?.deleted)
     }
 
     async fn watch(&self, prefix: &str, after: u64) -> Result<Box<dyn Watch>, StoreError> {
@@ -217,7 +230,7 @@ impl Watch for BootstrapWatch {
             }
             e => e,
         })?;
-        let evs: Vec<StoreEvent> = self.store.field(&v, "events")?;
+        let evs = self.store.answer::<WatchAnswer>(&v)?.events;
         if let Some(last) = evs.last() {
             self.after = last.revision;
         }
@@ -230,4 +243,47 @@ impl Watch for BootstrapWatch {
             })
             .collect())
     }
+}
+
+// The answers of the store's calls (`MemState::apply`), as the service writes them.
+
+#[derive(Deserialize)]
+struct GrantAnswer {
+    lease: LeaseId,
+}
+
+#[derive(Deserialize)]
+struct PutAnswer {
+    revision: u64,
+}
+
+#[derive(Deserialize)]
+struct CreateAnswer {
+    created: bool,
+    #[serde(default)]
+    revision: u64,
+    #[serde(default)]
+    existing: Option<Entry>,
+}
+
+#[derive(Deserialize)]
+struct GetAnswer {
+    entry: Option<Entry>,
+    revision: u64,
+}
+
+#[derive(Deserialize)]
+struct ListAnswer {
+    entries: Vec<Entry>,
+    revision: u64,
+}
+
+#[derive(Deserialize)]
+struct DeleteAnswer {
+    deleted: bool,
+}
+
+#[derive(Deserialize)]
+struct WatchAnswer {
+    events: Vec<StoreEvent>,
 }

@@ -55,7 +55,7 @@ impl Member {
 
     fn from_entry(store: &str, e: &Entry) -> Result<Self, StoreError> {
         // Read from the value in place: a record is kilobytes, and every rank reads every record.
-        let rec = RankRecord::deserialize(&e.value).map_err(|err| StoreError::Malformed {
+        let rec = e.parse::<RankRecord>().map_err(|err| StoreError::Malformed {
             store: store.to_owned(),
             key: e.key.clone(),
             detail: err.to_string(),

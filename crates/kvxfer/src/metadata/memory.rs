@@ -47,6 +47,10 @@ const EXPIRY_TICK: Duration = Duration::from_millis(50);
 /// every watcher: with `N` watchers and `N` joins that is `N` squared round trips otherwise.
 pub const WATCH_COALESCE: Duration = Duration::from_millis(10);
 
+/// Most bytes of events in one watch answer (one event at least, whatever its size); see
+/// `MemState::watch_text`.
+pub const WATCH_ANSWER_BYTES: usize = 1 << 20;
+
 /// A store call, as the bootstrap service receives it (keys are full, prefix included).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -223,7 +227,8 @@ impl MemState {
         let event = StoreEvent { kind, key, entry, revision: self.rev };
         let json = raw(&event);
         // The event as a value and as its JSON text: both count against HISTORY_BYTES.
-        let size = 2 * event.key.len() + event.entry.as_ref().map_or(0, |e| json_len(&e.value)) + 64 + json.get().len();
+        let size =
+            2 * event.key.len() + event.entry.as_ref().map_or(0, |e| e.value.get().len()) + 64 + json.get().len();
         self.log_json.push_back(json);
         self.log.push_back(event);
         self.log_sizes.push_back(size);
@@ -294,13 +299,7 @@ impl MemState {
                 ls.keys.insert(key.clone());
             }
         }
-        let entry = Entry {
-            key: key.clone(),
-            value,
-            create_revision: old.map(|o| o.create_revision).unwrap_or(rev),
-            mod_revision: rev,
-            lease,
-        };
+        let entry = Entry::new(key.clone(), &value, old.map(|o| o.create_revision).unwrap_or(rev), rev, lease);
         self.kv_json.insert(key.clone(), raw(&entry));
         self.kv.insert(key.clone(), entry.clone());
         self.record(EventKind::Put, key, Some(entry));
@@ -330,13 +329,28 @@ impl MemState {
 
     /// A watch's answer, `{"events":[...],"revision":N}`, as JSON text made of the events' JSON
     /// written when they happened.
+    ///
+    /// At most [`WATCH_ANSWER_BYTES`] of events (at least one): a watcher continues from the last
+    /// event's revision, so the rest comes with its next call. A burst of joins in a large cluster
+    /// reaches each watcher in answers it reads in well under the service's idle timeout, not as
+    /// one answer of every record.
     fn watch_text(&self, events: &[(&StoreEvent, &RawValue)]) -> Box<RawValue> {
         #[derive(Serialize)]
         struct Answer<'a> {
             events: Vec<&'a RawValue>,
             revision: u64,
         }
-        raw(&Answer { events: events.iter().map(|(_, j)| *j).collect(), revision: self.rev })
+        let mut bytes = 0;
+        let events = events
+            .iter()
+            .take_while(|(_, j)| {
+                let first = bytes == 0;
+                bytes += j.get().len() + 1;
+                first || bytes <= WATCH_ANSWER_BYTES
+            })
+            .map(|(_, j)| *j)
+            .collect();
+        raw(&Answer { events, revision: self.rev })
     }
 
     /// [`Self::apply`], answering as JSON text: list and watch answers are made of the JSON each
@@ -522,6 +536,34 @@ mod tests {
     }
 
     #[test]
+    fn a_watch_answer_holds_at_most_its_byte_budget_and_the_next_call_the_rest() {
+        let t0 = Instant::now();
+        let mut s = MemState::new();
+        // Three values of 0.4 MiB: two fit one answer, the third comes with the next call.
+        let big = "x".repeat(400 << 10);
+        for k in ["/a/1", "/a/2", "/a/3"] {
+            s.apply(StoreCall::Put { key: k.into(), value: json!(big), lease: None }, t0).unwrap();
+        }
+        // One event larger than the budget still comes, alone.
+        let huge = "y".repeat(WATCH_ANSWER_BYTES + 1);
+        s.apply(StoreCall::Put { key: "/a/4".into(), value: json!(huge), lease: None }, t0).unwrap();
+        let mut after = 0;
+        let mut keys = Vec::new();
+        for want in [2, 1, 1, 0] {
+            let call = StoreCall::Watch { prefix: "/a/".into(), after, timeout_ms: 0 };
+            let a: Value = serde_json::from_str(s.apply_text(call, t0).unwrap().get()).unwrap();
+            let evs = a["events"].as_array().unwrap();
+            assert_eq!(evs.len(), want, "after {after}");
+            assert!(a.to_string().len() <= WATCH_ANSWER_BYTES + 1024 || want == 1);
+            for e in evs {
+                keys.push(e["key"].as_str().unwrap().to_owned());
+                after = e["revision"].as_u64().unwrap();
+            }
+        }
+        assert_eq!(keys, ["/a/1", "/a/2", "/a/3", "/a/4"]);
+    }
+
+    #[test]
     fn leases_expire_their_keys_and_history_says_what_was_there() {
         let t0 = Instant::now();
         let mut s = MemState::new();
@@ -538,7 +580,7 @@ mod tests {
         let evs = s.events_after("/a/ranks/", r0).unwrap();
         assert_eq!(evs.len(), 1);
         assert_eq!(evs[0].kind, EventKind::Delete);
-        assert_eq!(evs[0].entry.as_ref().unwrap().value, json!("/a/ranks/x"));
+        assert_eq!(evs[0].entry.as_ref().unwrap().json(), json!("/a/ranks/x"));
         // The lease is gone: keep-alive and puts under it are refused; other keys stay.
         let t2 = t0 + Duration::from_secs(2);
         assert_eq!(s.apply(StoreCall::KeepAlive { lease }, t2), Err(MemStoreError::LeaseNotFound { lease }));

@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 pub mod auth;
@@ -66,12 +67,17 @@ impl fmt::Display for LeaseId {
 }
 
 /// One key with its value, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The value is kept as the JSON text the store gave (a rank's record is kilobytes, and every rank
+/// reads every record: building a JSON tree of each, then the record from the tree, was most of a
+/// starting rank's CPU in a large cluster, docs/performance/2026-12-06-control-plane.md). Read it
+/// as a type with [`Entry::parse`], or as a JSON value with [`Entry::json`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Entry {
     /// The key, relative to the store's prefix.
     pub key: String,
-    /// The value.
-    pub value: Value,
+    /// The value, as JSON text.
+    pub value: Box<RawValue>,
     /// The store revision that created the key (stays until the key is deleted).
     pub create_revision: u64,
     /// The store revision of the last change.
@@ -79,6 +85,35 @@ pub struct Entry {
     /// The lease the key lives under, if any.
     #[serde(default)]
     pub lease: Option<LeaseId>,
+}
+
+impl Entry {
+    /// An entry holding `value`.
+    pub fn new(key: String, value: &Value, create_revision: u64, mod_revision: u64, lease: Option<LeaseId>) -> Self {
+        let value = serde_json::value::to_raw_value(value).expect("a JSON value always serializes");
+        Self { key, value, create_revision, mod_revision, lease }
+    }
+
+    /// The value read as `T`, straight from its JSON text.
+    pub fn parse<T: serde::de::DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_str(self.value.get())
+    }
+
+    /// The value as a JSON value (built from the text on every call).
+    pub fn json(&self) -> Value {
+        self.parse().unwrap_or(Value::Null)
+    }
+}
+
+/// Equal when key, revisions, lease and the value's JSON text are.
+impl PartialEq for Entry {
+    fn eq(&self, o: &Self) -> bool {
+        self.key == o.key
+            && self.value.get() == o.value.get()
+            && self.create_revision == o.create_revision
+            && self.mod_revision == o.mod_revision
+            && self.lease == o.lease
+    }
 }
 
 /// What happened to a key.
@@ -396,7 +431,7 @@ pub async fn wait_until(
 pub async fn wait_value(store: &dyn MetadataStore, key: &str, timeout: Duration) -> Result<Value, StoreError> {
     let what = format!("key {key:?} being put");
     let e = wait_until(store, key, timeout, &what, |e| e.is_some()).await?;
-    Ok(e.map(|e| e.value).unwrap_or(Value::Null))
+    Ok(e.map(|e| e.json()).unwrap_or(Value::Null))
 }
 
 #[cfg(test)]
