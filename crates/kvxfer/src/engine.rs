@@ -522,9 +522,8 @@ struct Inner {
 /// The half's [`State`] mutex is the agent's one lock: the book and the peers sit behind it
 /// together (a prefill agent's links to its decode ranks with them: its [`SendPath`] keeps no
 /// connection table and no lock of its own) and the counters are atomics. It is never held
-/// across an await, and nothing that
-/// locks it is called while it is held (the book's actions are carried out after it is released,
-/// see [`Inner::book`]).
+/// across an await, and nothing that locks it is called while it is held (the book's actions are
+/// carried out after it is released, see [`Inner::book`]).
 enum Half {
     Prefill(Arc<PrefillHalf>),
     /// The decode side's requests, with the completion tracker (every rule of their life), and
