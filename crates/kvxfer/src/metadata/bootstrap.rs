@@ -260,7 +260,6 @@ struct PutAnswer {
 #[derive(Deserialize)]
 struct CreateAnswer {
     created: bool,
-    #[serde(default)]
     revision: u64,
     #[serde(default)]
     existing: Option<Entry>,
